@@ -1,0 +1,55 @@
+"""Argument checks shared by the references, the kernels' launchers and the modules.
+
+Every public entry point validates its tensors here *before* any kernel runs, so that a bad
+call fails with a message that names what was expected and what came.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_tensor(t, name: str, dim: Optional[int] = None, dtypes=FLOAT_DTYPES) -> None:
+    """Raise TypeError/ValueError unless ``t`` is a tensor of one of ``dtypes`` with ``dim`` dims."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        names = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+        raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+
+
+def check_mlp_args(
+    x: torch.Tensor,
+    w_up: torch.Tensor,
+    w_down: torch.Tensor,
+    w_gate: Optional[torch.Tensor] = None,
+) -> tuple[int, int]:
+    """Validate ``x [M, d]``, ``w_gate [f, d]`` (gated only), ``w_up [f, d]``, ``w_down [d, f]``.
+
+    All must be floating tensors of one dtype on one device. Returns ``(d, f)``.
+    """
+    check_tensor(x, "x", dim=2)
+    d = x.shape[1]
+    check_tensor(w_up, "w_up", dim=2)
+    f = w_up.shape[0]
+    named = [("w_up", w_up, (f, d)), ("w_down", w_down, (d, f))]
+    if w_gate is not None:
+        named.insert(0, ("w_gate", w_gate, (f, d)))
+    for name, w, shape in named:
+        check_tensor(w, name, dim=2)
+        if tuple(w.shape) != shape:
+            raise ValueError(
+                f"{name} must be {list(shape)} (nn.Linear layout: [out_features, in_features]) "
+                f"for x [M, {d}] and f = {f}, got {list(w.shape)}"
+            )
+        if w.dtype != x.dtype:
+            raise TypeError(f"{name} has dtype {w.dtype} but x has {x.dtype}; they must match")
+        if w.device != x.device:
+            raise ValueError(f"{name} is on {w.device} but x is on {x.device}; they must match")
+    return d, f

@@ -1,0 +1,92 @@
+"""Hugging Face integration: swap the MLPs of a loaded model for twell's sparse ones.
+
+This swaps module *instances* on a model you already loaded; no Hugging Face class is patched,
+so it keeps working across transformers releases as long as the MLPs keep their
+``gate_proj``/``up_proj``/``down_proj`` (or ``up_proj``/``down_proj``) layout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+from torch import nn
+
+from .nn import SparseGatedMLP
+
+__all__ = ["sparsify", "is_gated_mlp"]
+
+
+def is_gated_mlp(module: nn.Module) -> bool:
+    """True for a Llama-family gated MLP: ``gate_proj``, ``up_proj`` and ``down_proj`` Linears."""
+    return all(isinstance(getattr(module, n, None), nn.Linear) for n in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _sparse_from(module: nn.Module) -> SparseGatedMLP:
+    gate, up, down = module.gate_proj, module.up_proj, module.down_proj
+    if not (gate.weight.shape == up.weight.shape and down.weight.shape == gate.weight.shape[::-1]):
+        raise ValueError(
+            f"{type(module).__name__} has gate_proj {list(gate.weight.shape)}, up_proj "
+            f"{list(up.weight.shape)}, down_proj {list(down.weight.shape)}; expected [f, d], [f, d], [d, f]"
+        )
+    f, d = gate.weight.shape
+    has_bias = gate.bias is not None
+    if (up.bias is not None) != has_bias or (down.bias is not None) != has_bias:
+        raise ValueError(f"{type(module).__name__}: the three projections must all have biases or none")
+    new = SparseGatedMLP(d, f, bias=has_bias, device="meta")
+    # Share the Parameter objects: no copy, no extra memory, and optimizers or tied
+    # references that already hold them keep working.
+    new.gate_proj, new.up_proj, new.down_proj = gate, up, down
+    new.fire_counts = new.fire_counts.new_zeros(f, device=gate.weight.device)
+    new.tokens_seen = new.tokens_seen.new_zeros((), device=gate.weight.device)
+    new.train(module.training)
+    return new
+
+
+def sparsify(
+    model: nn.Module,
+    *,
+    filter: Optional[Callable[[str, nn.Module], bool]] = None,
+    set_config_activation: bool = True,
+) -> nn.Module:
+    """Replace, in place, every gated MLP of a Hugging Face model with :class:`SparseGatedMLP`.
+
+    Works on Llama-family models whose MLPs have ``gate_proj``, ``up_proj`` and ``down_proj``
+    Linears (Llama, Qwen2, Qwen3, Mistral, and others). The weights are kept: the new modules
+    hold the very same Parameter objects.
+
+    **This changes the function.** twell's gate is ReLU, so a model trained with SiLU (as
+    released Llama, Qwen and Mistral checkpoints are) computes something else after the swap
+    and must be trained or fine-tuned sparse (ReLU + L1, see ``twell train``) before its
+    outputs mean anything. The swapped model equals the original model run with
+    ``hidden_act="relu"``.
+
+    Args:
+        model: a loaded model (e.g. ``LlamaForCausalLM``).
+        filter: optional ``filter(qualified_name, module) -> bool`` to swap only some MLPs.
+        set_config_activation: also set ``model.config.hidden_act = "relu"`` so that a saved
+            model reloads with the activation it now has.
+
+    Returns:
+        The same model, for chaining.
+
+    Raises:
+        ValueError: if no gated MLP was found (nothing would be sparse).
+    """
+    targets = [
+        (name, mod)
+        for name, mod in model.named_modules()
+        if name and is_gated_mlp(mod) and not isinstance(mod, SparseGatedMLP) and (filter is None or filter(name, mod))
+    ]
+    if not targets and not any(isinstance(m, SparseGatedMLP) for m in model.modules()):
+        raise ValueError(
+            f"found no gated MLP (a module with gate_proj, up_proj and down_proj nn.Linear) in {type(model).__name__}"
+        )
+    for name, mod in targets:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, _sparse_from(mod))
+    config = getattr(model, "config", None)
+    if set_config_activation and config is not None and hasattr(config, "hidden_act"):
+        config.hidden_act = "relu"
+    return model
+
