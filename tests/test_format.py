@@ -1,0 +1,183 @@
+"""TwELL and hybrid formats: lossless round trips for every input, and clear errors."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from sparsity import PATTERNS, sparse_hidden
+from twell.format import (
+    Hybrid,
+    TwELL,
+    hybrid_from_coo,
+    pack_hybrid,
+    pack_twell,
+    twell_slots,
+    unpack_hybrid,
+    unpack_twell,
+)
+
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+
+shapes = st.tuples(st.integers(0, 23), st.integers(1, 97))
+common = settings(max_examples=60, deadline=None)
+
+
+@common
+@given(
+    shape=shapes,
+    pattern=st.sampled_from(PATTERNS),
+    density=st.floats(0.0, 1.0),
+    tile_compression=st.sampled_from([(16, 2), (16, 4), (16, 8), (32, 8), (64, 4), (256, 8)]),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_twell_round_trip(shape, pattern, density, tile_compression, dtype, seed):
+    M, f = shape
+    tile, C = tile_compression
+    h = sparse_hidden(M, f, pattern, density, seed, dtype)
+    t = pack_twell(h, tile=tile, compression=C)
+    t.validate()
+    n_tiles = math.ceil(f / tile)
+    assert t.values.shape == (M, n_tiles, tile // C - 1)
+    # counts are the true counts per (row, tile), also for overflowed tiles
+    padded = torch.nn.functional.pad(h, (0, n_tiles * tile - f))
+    assert torch.equal(t.counts, (padded.view(M, n_tiles, tile) != 0).sum(-1).int())
+    assert torch.equal(t.nnz_per_row(), (h != 0).sum(1))
+    assert torch.equal(unpack_twell(t), h)
+
+
+def test_twell_slots_hold_entries_in_column_order():
+    h = torch.zeros(2, 20)
+    h[0, [3, 1, 17]] = torch.tensor([5.0, 7.0, 9.0])
+    t = pack_twell(h, tile=16, compression=4)  # 3 slots per tile
+    assert t.counts.tolist() == [[2, 1], [0, 0]]
+    assert t.cols[0, 0, :2].tolist() == [1, 3]
+    assert t.values[0, 0, :2].tolist() == [7.0, 5.0]
+    assert t.cols[0, 1, 0].item() == 1 and t.values[0, 1, 0].item() == 9.0
+
+
+def test_twell_overflow_is_marked_and_lossless():
+    h = torch.zeros(3, 32)
+    h[1, :16] = torch.arange(1, 17, dtype=torch.float32)  # 16 non-zeros, 3 slots: overflows
+    h[2, 20] = 1.0
+    t = pack_twell(h, tile=16, compression=4)
+    assert t.overflowed().tolist() == [[False, False], [True, False], [False, False]]
+    assert t.overflow_index.tolist() == [2]  # row 1, tile 0 -> 1 * 2 + 0
+    assert torch.equal(t.overflow_values[0], h[1, :16])
+    assert torch.equal(unpack_twell(t), h)
+
+
+def test_twell_unused_slots_are_never_read():
+    h = sparse_hidden(7, 50, "random", 0.1, seed=1, dtype=torch.float32)
+    t = pack_twell(h, tile=16, compression=2)
+    used = torch.arange(t.slots) < t.counts.unsqueeze(-1)
+    t.values = torch.where(used, t.values, torch.full_like(t.values, float("nan")))
+    t.cols = torch.where(used, t.cols, torch.full_like(t.cols, 12345))
+    assert torch.equal(unpack_twell(t), h)
+
+
+def test_twell_without_overflow_values_refuses_to_unpack():
+    h = torch.ones(1, 16)
+    t = pack_twell(h, tile=16, compression=8)
+    t.overflow_index = t.overflow_values = None
+    with pytest.raises(ValueError, match="fill_overflow"):
+        unpack_twell(t)
+
+
+@pytest.mark.parametrize(
+    "tile, compression, match",
+    [(16, 3, "compression"), (24, 4, "power of two"), (8, 8, "at least"), (65536, 8, "32768")],
+)
+def test_twell_bad_parameters(tile, compression, match):
+    with pytest.raises(ValueError, match=match):
+        pack_twell(torch.ones(2, 8), tile=tile, compression=compression)
+
+
+def test_twell_bad_input():
+    with pytest.raises(ValueError, match=r"2-D \[M, f\]"):
+        pack_twell(torch.ones(2, 3, 4), tile=16, compression=4)
+    with pytest.raises(TypeError, match="float16, bfloat16"):
+        pack_twell(torch.ones(2, 8, dtype=torch.int32), tile=16, compression=4)
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        pack_twell([[1.0, 0.0]], tile=16, compression=4)
+
+
+def test_twell_slots():
+    assert twell_slots(256, 8) == 31 and twell_slots(256, 2) == 127 and twell_slots(16, 4) == 3
+
+
+def test_twell_validate_catches_inconsistency():
+    t = pack_twell(torch.ones(2, 16), tile=16, compression=8)
+    t.validate()
+    bad = TwELL(t.values, t.cols.int(), t.counts, t.f, t.tile, t.compression, t.overflow_index, t.overflow_values)
+    with pytest.raises(ValueError, match="int16"):
+        bad.validate()
+    bad = TwELL(t.values, t.cols, t.counts, 40, t.tile, t.compression, t.overflow_index, t.overflow_values)
+    with pytest.raises(ValueError, match="tiles cannot hold"):
+        bad.validate()
+
+
+# --- hybrid ---------------------------------------------------------------------------------
+
+
+@common
+@given(
+    shape=shapes,
+    pattern=st.sampled_from(PATTERNS),
+    density=st.floats(0.0, 1.0),
+    width=st.integers(1, 40),
+    dtype=st.sampled_from(DTYPES),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_hybrid_round_trip_and_transpose(shape, pattern, density, width, dtype, seed):
+    M, f = shape
+    h = sparse_hidden(M, f, pattern, density, seed, dtype)
+    hy = pack_hybrid(h, width=width)
+    hy.validate()
+    nnz = (h != 0).sum(1)
+    assert torch.equal(hy.counts, nnz.int())
+    # the backup holds exactly the heavy rows: no capacity, nothing dropped
+    assert torch.equal(hy.heavy_rows, torch.nonzero(nnz > width).flatten())
+    assert hy.heavy_values.shape == (int((nnz > width).sum()), f)
+    assert torch.equal(unpack_hybrid(hy), h)
+    ht = hy.transpose()
+    ht.validate()
+    assert ht.shape == (f, M)
+    assert torch.equal(unpack_hybrid(ht), h.T)
+    assert torch.equal(unpack_hybrid(ht.transpose(width=3)), h)
+
+
+def test_hybrid_many_heavy_rows_are_all_kept():
+    # More heavy rows than any fixed backup would hold in proportion: every row is heavy.
+    h = sparse_hidden(300, 64, "full", 1.0, seed=3, dtype=torch.float32)
+    hy = pack_hybrid(h, width=4)
+    assert hy.heavy_rows.numel() == 300
+    assert torch.equal(unpack_hybrid(hy), h)
+
+
+def test_hybrid_coo_is_row_major_sorted():
+    h = sparse_hidden(9, 30, "heavy_rows", 0.2, seed=4, dtype=torch.float32)
+    rows, cols, vals = pack_hybrid(h, width=3).to_coo()
+    key = rows * 30 + cols
+    assert torch.all(key[1:] > key[:-1])
+    assert torch.equal(vals, h[rows, cols])
+
+
+def test_hybrid_from_coo_any_order():
+    h = sparse_hidden(6, 11, "random", 0.4, seed=5, dtype=torch.float32)
+    r, c = torch.nonzero(h, as_tuple=True)
+    perm = torch.randperm(r.numel())
+    hy = hybrid_from_coo(r[perm], c[perm], h[r, c][perm], (6, 11), width=2)
+    assert torch.equal(unpack_hybrid(hy), h)
+    with pytest.raises(ValueError, match="width"):
+        hybrid_from_coo(r, c, h[r, c], (6, 11), width=0)
+
+
+def test_hybrid_validate_catches_inconsistency():
+    hy = pack_hybrid(sparse_hidden(5, 9, "dense_rows", 0.2, seed=6, dtype=torch.float32), width=2)
+    bad = Hybrid(hy.values, hy.cols, hy.counts, hy.heavy_rows[:0], hy.heavy_values[:0], hy.n_cols)
+    with pytest.raises(ValueError, match="heavy_rows"):
+        bad.validate()

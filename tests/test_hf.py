@@ -1,0 +1,89 @@
+"""twell.sparsify on tiny randomly initialised Hugging Face models (no download)."""
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from sparsity import rel_err
+from twell import SparseGatedMLP, sparsify
+
+TINY = dict(
+    vocab_size=97,
+    hidden_size=32,
+    intermediate_size=72,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+FAMILIES = [(LlamaConfig, LlamaForCausalLM), (Qwen2Config, Qwen2ForCausalLM), (MistralConfig, MistralForCausalLM)]
+
+
+def build(config_cls, model_cls, act, seed=0):
+    torch.manual_seed(seed)
+    return model_cls(config_cls(hidden_act=act, **TINY)).double().eval()
+
+
+@pytest.mark.parametrize("config_cls, model_cls", FAMILIES, ids=["llama", "qwen2", "mistral"])
+def test_sparsify_equals_the_relu_model(config_cls, model_cls):
+    relu_model = build(config_cls, model_cls, "relu")
+    model = build(config_cls, model_cls, "silu")  # same seed: same weights
+    ids = torch.randint(0, 97, (2, 11))
+    silu_logits = model(ids).logits
+    weights_before = {n: p.clone() for n, p in model.named_parameters()}
+    sparsify(model)
+    mlps = [m for m in model.modules() if isinstance(m, SparseGatedMLP)]
+    assert len(mlps) == 2
+    assert model.config.hidden_act == "relu"
+    out = model(ids).logits
+    assert rel_err(out, relu_model(ids).logits) < 1e-12
+    assert rel_err(out, silu_logits) > 1e-3  # ReLU for SiLU changes the function
+    # the weights were kept, under the same names
+    after = dict(model.named_parameters())
+    assert set(after) == set(weights_before)
+    assert all(torch.equal(after[n], w) for n, w in weights_before.items())
+    # statistics are there after a forward
+    assert all(m.stats.tokens == 22 for m in mlps)
+
+
+def test_sparsify_shares_parameters_and_trains():
+    model = build(LlamaConfig, LlamaForCausalLM, "silu")
+    gate = model.model.layers[0].mlp.gate_proj.weight
+    sparsify(model)
+    assert model.model.layers[0].mlp.gate_proj.weight is gate
+    model.train()
+    out = model(torch.randint(0, 97, (1, 9)), labels=torch.randint(0, 97, (1, 9)))
+    out.loss.backward()
+    assert gate.grad is not None and torch.isfinite(gate.grad).all()
+
+
+def test_sparsify_filter_and_idempotence():
+    model = build(LlamaConfig, LlamaForCausalLM, "relu")
+    sparsify(model, filter=lambda name, m: name.startswith("model.layers.1."))
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    assert kinds == ["LlamaMLP", "SparseGatedMLP"]
+    sparsify(model)
+    sparsify(model)  # nothing left to swap, no error
+    assert all(isinstance(layer.mlp, SparseGatedMLP) for layer in model.model.layers)
+
+
+def test_sparsify_without_gated_mlp_raises():
+    with pytest.raises(ValueError, match="no gated MLP"):
+        sparsify(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+
+
+def test_save_and_reload_round_trip(tmp_path):
+    model = sparsify(build(LlamaConfig, LlamaForCausalLM, "silu"))
+    model.save_pretrained(tmp_path)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64).eval()
+    assert reloaded.config.hidden_act == "relu"
+    ids = torch.randint(0, 97, (1, 8))
+    assert rel_err(sparsify(reloaded)(ids).logits, model(ids).logits) < 1e-12

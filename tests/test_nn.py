@@ -1,0 +1,126 @@
+"""SparseGatedMLP / SparseMLP: drop-in for LlamaMLP, statistics, L1 term, dead units."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP
+
+from sparsity import rel_err
+from twell import SparseGatedMLP, SparseMLP, l1_loss, sparse_modules
+from twell import reference as ref
+
+
+def llama_mlp(d=24, f=50, bias=False):
+    cfg = LlamaConfig(hidden_size=d, intermediate_size=f, num_attention_heads=4, hidden_act="relu", mlp_bias=bias)
+    return LlamaMLP(cfg).double()
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_loads_llama_mlp_state_dict_and_matches_relu_llama(bias):
+    torch.manual_seed(0)
+    dense = llama_mlp(bias=bias)
+    sparse = SparseGatedMLP(24, 50, bias=bias).double()
+    sparse.load_state_dict(dense.state_dict())  # strict: same names and layouts
+    assert sparse.gate_proj.weight.shape == (50, 24) and sparse.down_proj.weight.shape == (24, 50)
+    x = torch.randn(3, 5, 24, dtype=torch.float64)
+    assert rel_err(sparse(x), dense(x)) < 1e-12
+    assert sparse(x).shape == (3, 5, 24)
+
+
+def test_state_dict_has_only_the_llama_names():
+    assert set(SparseGatedMLP(8, 16).state_dict()) == {"gate_proj.weight", "up_proj.weight", "down_proj.weight"}
+    assert set(SparseMLP(8, 16).state_dict()) == {"up_proj.weight", "down_proj.weight"}
+
+
+def test_stats_match_the_pattern():
+    torch.manual_seed(1)
+    mlp = SparseGatedMLP(16, 40).double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    x[0, 0] = 0.0  # a token with no active unit
+    mlp(x)
+    active = (x.reshape(-1, 16) @ mlp.gate_proj.weight.T) > 0
+    s = mlp.stats
+    assert s.tokens == 14
+    assert s.active_mean.item() == pytest.approx(active.sum(1).double().mean().item())
+    assert s.active_max.item() == active.sum(1).max().item()
+    assert torch.equal(s.unit_counts, active.sum(0))
+    mlp(x[:1])
+    assert torch.equal(mlp.fire_counts, active.sum(0) + active[:7].sum(0))
+    assert mlp.tokens_seen.item() == 21
+
+
+def test_l1_term_and_its_gradient():
+    torch.manual_seed(2)
+    mlp = SparseGatedMLP(12, 30).double().train()
+    x = torch.randn(9, 12, dtype=torch.float64)
+    mlp(x)
+    h = torch.relu(mlp.gate_proj(x)) * mlp.up_proj(x)
+    assert mlp.l1.item() == pytest.approx(ref.l1_penalty(h).item())
+    (w_grad,) = torch.autograd.grad(ref.l1_penalty(h), [mlp.up_proj.weight])
+    (got,) = torch.autograd.grad(l1_loss(mlp), [mlp.up_proj.weight])
+    assert rel_err(got, w_grad) < 1e-12
+    # no L1 graph in eval mode or without grad
+    mlp.eval()
+    mlp(x)
+    assert mlp.l1 is None
+    with torch.no_grad():
+        mlp.train()(x)
+    assert mlp.l1 is None
+
+
+def test_l1_loss_averages_layers():
+    torch.manual_seed(3)
+    model = torch.nn.Sequential(SparseGatedMLP(8, 20), SparseMLP(8, 20)).train()
+    model(torch.randn(4, 8))
+    a, b = sparse_modules(model)
+    assert l1_loss(model).item() == pytest.approx((a.l1.item() + b.l1.item()) / 2)
+
+
+def test_dead_units_and_reinit():
+    torch.manual_seed(4)
+    mlp = SparseGatedMLP(8, 20)
+    with torch.no_grad():
+        mlp.gate_proj.weight[:5] = -mlp.gate_proj.weight[:5].abs()  # units 0..4 never fire for x >= 0
+    before = mlp.gate_proj.weight.detach().clone()
+    mlp(torch.rand(50, 8))
+    dead = mlp.dead_units()
+    assert dead[:5].all()
+    reinit = mlp.reinit_dead_units(generator=torch.Generator().manual_seed(0))
+    assert torch.equal(reinit, dead)
+    after = mlp.gate_proj.weight.detach()
+    assert torch.equal(after[~dead], before[~dead])
+    noise = (after[dead] - 0.9 * before[dead]) / 0.1
+    assert not torch.equal(after[dead], before[dead])
+    assert 0.005 < noise.std().item() < 0.05  # N(0, 0.02^2)
+    mlp.reset_fire_counts()
+    assert mlp.dead_units().all() and mlp.tokens_seen.item() == 0
+
+
+def test_non_gated_matches_reference():
+    torch.manual_seed(5)
+    mlp = SparseMLP(10, 33).double()
+    x = torch.randn(4, 3, 10, dtype=torch.float64)
+    y = mlp(x)
+    expected = ref.mlp(x.reshape(-1, 10), mlp.up_proj.weight, mlp.down_proj.weight).reshape(4, 3, 10)
+    assert rel_err(y, expected) < 1e-12
+    assert torch.equal(mlp.stats.unit_counts, (mlp.up_proj(x.reshape(-1, 10)) > 0).sum(0))
+
+
+def test_stats_can_be_turned_off_and_empty_batches_work():
+    mlp = SparseGatedMLP(8, 16)
+    mlp.track_stats = False
+    mlp(torch.randn(3, 8))
+    assert mlp.stats is None
+    mlp.track_stats = True
+    y = mlp(torch.randn(0, 8))
+    assert y.shape == (0, 8) and mlp.stats.tokens == 0
+
+
+@pytest.mark.parametrize("module", [SparseGatedMLP(8, 16), SparseMLP(8, 16)])
+def test_bad_inputs(module):
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        module(torch.randn(3, 7))
+    with pytest.raises(TypeError, match="floating"):
+        module(torch.ones(3, 8, dtype=torch.long))
+    with pytest.raises(TypeError, match="torch.Tensor"):
+        module([[0.0] * 8])
