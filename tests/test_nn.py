@@ -124,3 +124,9 @@ def test_bad_inputs(module):
         module(torch.ones(3, 8, dtype=torch.long))
     with pytest.raises(TypeError, match="torch.Tensor"):
         module([[0.0] * 8])
+    with pytest.raises(TypeError, match="float64 but the module's weights are torch.float32"):
+        module(torch.randn(3, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="meta but the module's weights are on cpu"):
+        module(torch.randn(3, 8, device="meta"))
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: no error
+        assert module(torch.randn(3, 8, dtype=torch.bfloat16)).shape == (3, 8)

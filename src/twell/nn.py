@@ -65,6 +65,14 @@ class _SparseFFN(nn.Module):
             raise ValueError(f"input must be [..., {self.hidden_size}] (hidden_size), got {tuple(x.shape)}")
         if not x.is_floating_point():
             raise TypeError(f"input must be a floating tensor, got {x.dtype}")
+        w = self.down_proj.weight
+        if x.device != w.device:
+            raise ValueError(f"input is on {x.device} but the module's weights are on {w.device}")
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise TypeError(
+                f"input has dtype {x.dtype} but the module's weights are {w.dtype}; cast one of them "
+                "(or run under torch.autocast)"
+            )
 
     def _record(self, active: torch.Tensor, h: Optional[torch.Tensor]) -> None:
         """active: ``[M, f]`` bool pattern of the call; h: ``[M, f]`` hidden (for the L1 term)."""
