@@ -1,0 +1,104 @@
+"""Model presets: Llama-style causal LMs whose MLPs are twell's ReLU-gated sparse modules.
+
+Every preset is a Hugging Face ``LlamaConfig`` with ``hidden_act="relu"``, RoPE and tied input
+and output embeddings; :func:`build_model` makes the ``LlamaForCausalLM`` and swaps its MLPs
+for :class:`twell.SparseGatedMLP` (``twell.sparsify``), which computes the same function and
+adds the L1 term and the sparsity statistics.
+
+| preset | d | f | layers | heads | context | vocab | params (tied) |
+|---|---|---|---|---|---|---|---|
+| tiny | 128 | 352 | 4 | 4 | 256 | tokenizer's | 0.8 M |
+| small | 512 | 1408 | 8 | 8 | 1024 | tokenizer's | 25 M + embeddings |
+| 0.5b / 1b / 1.5b / 2b | 2048 | 5632 | 8 / 18 / 28 / 38 | 32 | 2048 | 49152 | 0.5 / 1.0 / 1.5 / 2.0 B |
+
+f / d = 2.75 everywhere, as in the paper. The paper's presets fix the vocabulary at 49152
+(a tokenizer of that size, e.g. ``--tokenizer HuggingFaceTB/SmolLM-135M``); the small ones take
+the tokenizer's size rounded up to a multiple of 64.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from ..hf import sparsify
+
+__all__ = ["Preset", "PRESETS", "make_config", "build_model", "count_params"]
+
+
+@dataclass(frozen=True)
+class Preset:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    context: int
+    vocab_size: Optional[int] = None  # None: the tokenizer's, rounded up to a multiple of 64
+
+
+def _paper(layers: int) -> Preset:
+    return Preset(2048, 5632, layers, 32, 2048, 49152)
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(128, 352, 4, 4, 256),
+    "small": Preset(512, 1408, 8, 8, 1024),
+    "0.5b": _paper(8),
+    "1b": _paper(18),
+    "1.5b": _paper(28),
+    "2b": _paper(38),
+}
+
+
+def make_config(preset: str, tokenizer_vocab: int, **overrides) -> LlamaConfig:
+    """The ``LlamaConfig`` of a preset for a tokenizer of ``tokenizer_vocab`` ids.
+
+    ``overrides`` (``hidden_size``, ``intermediate_size``, ``num_layers``, ``num_heads``,
+    ``context``; None means keep) change the preset's shape.
+    """
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    p = PRESETS[preset]
+    fields = {k: (v if v is not None else getattr(p, k)) for k, v in {**overrides}.items()}
+    p = Preset(**{**p.__dict__, **fields})
+    if p.hidden_size % p.num_heads:
+        raise ValueError(f"hidden size {p.hidden_size} is not a multiple of the {p.num_heads} heads")
+    vocab = p.vocab_size if p.vocab_size is not None else -(-tokenizer_vocab // 64) * 64
+    if tokenizer_vocab > vocab:
+        raise ValueError(f"preset {preset!r} has a vocabulary of {vocab}, the tokenizer needs {tokenizer_vocab}")
+    return LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=p.hidden_size,
+        intermediate_size=p.intermediate_size,
+        num_hidden_layers=p.num_layers,
+        num_attention_heads=p.num_heads,
+        num_key_value_heads=p.num_heads,
+        max_position_embeddings=p.context,
+        hidden_act="relu",
+        tie_word_embeddings=True,
+        initializer_range=0.02,
+        rms_norm_eps=1e-5,
+        attention_bias=False,
+        mlp_bias=False,
+        use_cache=False,
+    )
+
+
+def build_model(config: LlamaConfig, seed: int = 0, device=None) -> LlamaForCausalLM:
+    """A freshly initialised sparse LM: ``LlamaForCausalLM(config)`` with twell's MLPs.
+
+    The initialisation depends only on ``seed`` (the global RNG is seeded here), so every
+    process of a distributed run starts from the same weights.
+    """
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    sparsify(model)
+    return model.to(device) if device is not None else model
+
+
+def count_params(model: torch.nn.Module) -> int:
+    """Parameters, counting tied ones once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
