@@ -87,3 +87,24 @@ def test_save_and_reload_round_trip(tmp_path):
     assert reloaded.config.hidden_act == "relu"
     ids = torch.randint(0, 97, (1, 8))
     assert rel_err(sparsify(reloaded)(ids).logits, model(ids).logits) < 1e-12
+
+
+def test_convert_command(tmp_path, capsys):
+    from twell.cli import main
+
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    build(Qwen2Config, Qwen2ForCausalLM, "silu").save_pretrained(src)
+    main(["convert", str(src), str(dst), "--dtype", "float32"])
+    assert "converted 2 MLPs of Qwen2ForCausalLM" in capsys.readouterr().out
+    reloaded = Qwen2ForCausalLM.from_pretrained(dst)
+    assert reloaded.config.hidden_act == "relu"
+    sparsify(reloaded)
+    assert isinstance(reloaded.model.layers[0].mlp, SparseGatedMLP)
+
+
+def test_cli_help(capsys):
+    from twell.cli import main
+
+    main([])
+    out = capsys.readouterr().out
+    assert all(cmd in out for cmd in ("train", "eval", "bench", "convert"))

@@ -15,6 +15,7 @@ COMMANDS = {
     "train": ("twell.train.cli", "train_main", "train a sparse language model (ReLU gate + L1)"),
     "eval": ("twell.train.cli", "eval_main", "validation loss, perplexity and sparsity of a checkpoint"),
     "bench": ("twell.bench.cli", "bench_main", "benchmark twell kernels against dense PyTorch"),
+    "convert": ("twell.hf", "convert_main", "sparsify a Hugging Face model folder and save it"),
 }
 
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from .nn import SparseGatedMLP
 
-__all__ = ["sparsify", "is_gated_mlp"]
+__all__ = ["sparsify", "is_gated_mlp", "convert"]
 
 
 def is_gated_mlp(module: nn.Module) -> bool:
@@ -90,3 +90,43 @@ def sparsify(
         config.hidden_act = "relu"
     return model
 
+
+
+def convert(src: str, dst: str, dtype: Optional[str] = None) -> nn.Module:
+    """Load a Hugging Face causal LM from ``src`` (a local folder or a hub name where there is a
+    network), sparsify it, and save it to ``dst`` with ``hidden_act = "relu"``.
+
+    The saved folder loads with plain ``transformers`` (as the ReLU model) and with twell
+    (``twell.sparsify(AutoModelForCausalLM.from_pretrained(dst))``). As :func:`sparsify` says,
+    the converted model must be trained or fine-tuned sparse before use.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
+    model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
+    sparsify(model)
+    model.save_pretrained(dst)
+    try:  # keep the tokenizer beside the weights when the source has one
+        AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+    except (OSError, ValueError):
+        pass
+    return model
+
+
+def convert_main(argv=None) -> None:
+    """``twell convert SRC DST``: the command-line form of :func:`convert`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="twell convert",
+        description="Swap the gated MLPs of a Hugging Face causal LM for twell's ReLU-gated sparse "
+        "MLPs and save it. ReLU for SiLU changes the function: train or fine-tune sparse afterwards.",
+    )
+    parser.add_argument("src", help="model folder (or hub name, where there is a network)")
+    parser.add_argument("dst", help="output folder")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load and save in this dtype")
+    args = parser.parse_args(argv)
+    model = convert(args.src, args.dst, args.dtype)
+    n = sum(1 for m in model.modules() if isinstance(m, SparseGatedMLP))
+    print(f"converted {n} MLPs of {type(model).__name__}; saved to {args.dst}")
