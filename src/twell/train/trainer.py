@@ -96,7 +96,8 @@ class TrainConfig:
         c.seq_len = c.seq_len or PRESETS[c.preset].context
         c.lr = c.lr if c.lr is not None else DEFAULT_LR.get(c.preset, 3e-4)
         c.warmup = c.warmup if c.warmup is not None else min(100, max(1, c.steps // 10))
-        c.eval_every = c.eval_every if c.eval_every is not None else max(1, c.steps // 6)
+        # about 6 validation passes, on log steps
+        c.eval_every = c.eval_every if c.eval_every is not None else max(1, c.steps // 6 // c.log_every) * c.log_every
         c.device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
         c.precision = c.precision or ("bf16" if c.device.startswith("cuda") else "fp32")
         c.betas = tuple(c.betas)
@@ -138,12 +139,14 @@ def _lr_lambda(warmup: int, total: int, min_ratio: float):
 class Trainer:
     """One training run. ``Trainer(cfg).fit()`` trains; the pieces are public for tests."""
 
-    def __init__(self, cfg: TrainConfig, resume: Optional[str] = None):
+    def __init__(self, cfg: TrainConfig, resume: Optional[str] = None, streams=None):
+        """``streams``: optional ``(train, validation)`` token arrays already built from
+        ``cfg.data`` (several runs over one corpus tokenize it once)."""
         self.cfg = cfg = cfg.resolved()
         self._setup_distributed()
         self.out = Path(cfg.out)
         self.tokenizer = load_tokenizer(cfg.tokenizer)
-        train_tokens, val_tokens = build_streams(cfg.data, self.tokenizer, cfg.val_fraction, cfg.text_field, cfg.max_docs)
+        train_tokens, val_tokens = streams or build_streams(cfg.data, self.tokenizer, cfg.val_fraction, cfg.text_field, cfg.max_docs)
         self.train_data = PackedSequences(train_tokens, cfg.seq_len, cfg.seed)
         self.val_data = PackedSequences(val_tokens, cfg.seq_len, cfg.seed)
 
@@ -360,7 +363,8 @@ class Trainer:
             tokens_last += self.tokens_per_step
             logger.tick()
             last = self.step == cfg.steps
-            if self.step % cfg.log_every == 0 or last:
+            evaluate = self.step % cfg.eval_every == 0 or last
+            if self.step % cfg.log_every == 0 or evaluate:
                 loss = torch.stack([ce_acc, l1_acc]) / n_acc
                 if self.world > 1:
                     dist.all_reduce(loss)
@@ -373,7 +377,7 @@ class Trainer:
                        "tokens_per_s": tokens_last / (now - t_last), **self._layer_row(self.interval.reduce())}
                 ce_acc.zero_(), l1_acc.zero_()
                 n_acc, t_last, tokens_last = 0, now, 0
-                if self.step % cfg.eval_every == 0 or last:
+                if evaluate:
                     ev = self.evaluate()
                     row["val_loss"] = ev["val_loss"]
                     t_last = time.perf_counter()  # validation time is not training throughput

@@ -1,0 +1,63 @@
+"""`twell train` and `twell eval` from the command line, a few steps."""
+
+import json
+
+import pytest
+
+from test_train_loss import small_corpus
+from twell.cli import main
+from twell.train.report import read_history
+
+FAST = ["--hidden-size", "32", "--intermediate-size", "88", "--num-layers", "2", "--num-heads", "2",
+        "--seq-len", "32", "--batch-size", "4", "--val-batches", "2", "--no-progress"]
+
+
+def test_train_then_eval(tmp_path, capsys):
+    data = tmp_path / "data"
+    data.mkdir()
+    out = tmp_path / "run"
+    main(["train", *FAST, "--data", small_corpus(data), "--val-fraction", "0.2", "--steps", "6",
+          "--log-every", "2", "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "== summary" in printed and "active units per token" in printed and "validation loss" in printed
+    for name in ("log.csv", "training.png", "summary.json", "checkpoints/step_000006/model.safetensors",
+                 "checkpoints/step_000006/optimizer.safetensors", "checkpoints/step_000006/config.json"):
+        assert (out / name).is_file(), name
+    rows = read_history(out / "log.csv")
+    assert [r["step"] for r in rows] == [2, 4, 6] and "active_mean_L1" in rows[0] and "val_loss" in rows[-1]
+    summary = json.loads((out / "summary.json").read_text())
+    assert len(summary["active_per_token_by_layer"]) == 2 and summary["tokens"] == 6 * 4 * 32
+
+    main(["eval", str(out), "--json", "--val-batches", "2"])
+    result = json.loads(capsys.readouterr().out)
+    assert result["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    assert 0 <= result["sparsity"] <= 1 and len(result["active_per_token_by_layer"]) == 2
+
+
+def test_default_corpus_a_few_steps(tmp_path, capsys):
+    """The no-argument path: the standard library corpus (shrunk model, 2 steps)."""
+    main(["train", *FAST, "--steps", "2", "--out", str(tmp_path)])
+    assert "data stdlib" in capsys.readouterr().out
+
+
+def test_help_documents_the_l1_convention(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    assert "SUM over the f hidden units" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--steps", "0"], "steps must be >= 1"),
+    (["--l1", "-1"], "L1 coefficient"),
+    (["--data", "/no/such/file.txt"], "no such file"),
+    (["--resume", "/no/such/run"], "no checkpoint"),
+])
+def test_bad_arguments_are_clear_errors(tmp_path, argv, message):
+    with pytest.raises(SystemExit, match=message):
+        main(["train", *FAST, "--out", str(tmp_path), *argv])
+
+
+def test_unknown_preset_is_rejected(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--preset", "huge"])
+    assert "invalid choice" in capsys.readouterr().err

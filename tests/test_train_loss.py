@@ -1,0 +1,165 @@
+"""twell train's loss (CE + lambda * L1), its statistics and dead-unit re-initialisation."""
+
+import math
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from twell import SparseGatedMLP, sparse_modules
+from twell.train.stats import DeadUnits, IntervalStats
+from twell.train.trainer import TrainConfig, Trainer
+
+SHAPE = dict(preset="tiny", hidden_size=32, intermediate_size=88, num_layers=2, num_heads=2, seq_len=32,
+             batch_size=4, val_batches=1, progress=False, plot=False)
+
+
+def small_corpus(path: Path) -> str:
+    """A few real text files (sources of stdlib modules) in ``path``; returns it as a --data spec."""
+    import inspect
+    import json as json_mod
+
+    for mod in (json_mod, inspect, types):
+        src = Path(mod.__file__).read_text()
+        (path / f"{mod.__name__}.txt").write_text(src)
+    for i in range(30):
+        (path / f"doc{i}.txt").write_text(f"def f{i}(x):\n    return x * {i} + {i * i}\n" * 20)
+    return str(path)
+
+
+def config(tmp_path, **kw) -> TrainConfig:
+    data = tmp_path / "data"
+    data.mkdir(exist_ok=True)
+    return TrainConfig(**{**SHAPE, "data": [small_corpus(data)], "out": str(tmp_path / "run"), "val_fraction": 0.2, **kw})
+
+
+def test_loss_gradient_is_ce_plus_lambda_times_mean_layer_l1(tmp_path):
+    """The trainer's gradients equal those of the loss written out by hand, with L1 = mean over
+    layers of (mean over tokens of the SUM over hidden units of |relu(gate x) * up x|)."""
+    lam = 0.05  # large, so that a wrong L1 term would show in the gradients
+    t = Trainer(config(tmp_path, l1=lam, batch_size=2))
+    reference = Trainer(config(tmp_path, l1=lam, batch_size=2))
+    ce, l1 = t.forward_backward()
+    got = {n: p.grad.clone() for n, p in t.model.named_parameters()}
+
+    hs = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: hs.append(
+        torch.relu(mod.gate_proj(inp[0])) * mod.up_proj(inp[0]))) for m in sparse_modules(reference.model)]
+    batch = reference.micro_batch(0)
+    logits = reference.model(input_ids=batch[:, :-1]).logits
+    ce_ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    l1_ref = torch.stack([h.abs().sum(-1).mean() for h in hs]).mean()
+    (ce_ref + lam * l1_ref).backward()
+    for h in hooks:
+        h.remove()
+    assert len(hs) == 2
+    torch.testing.assert_close(ce, ce_ref.detach())
+    torch.testing.assert_close(l1, l1_ref.detach())
+    for n, p in reference.model.named_parameters():
+        torch.testing.assert_close(got[n], p.grad, rtol=1e-5, atol=1e-7, msg=n)
+    # the L1 part really contributes: without it the gate gradients differ
+    t.optimizer.zero_grad()
+    t.cfg.l1 = 0.0
+    t.forward_backward()
+    g0 = t.model.model.layers[0].mlp.gate_proj.weight.grad
+    assert (g0 - got["model.layers.0.mlp.gate_proj.weight"]).norm() > 1e-3 * g0.norm()
+
+
+def test_l1_warmup_is_linear(tmp_path):
+    t = Trainer(config(tmp_path, l1=2e-5, l1_warmup=10))
+    assert [t.l1_coef(s) for s in (1, 5, 10, 20)] == pytest.approx([2e-6, 1e-5, 2e-5, 2e-5])
+    t.cfg.l1_warmup = 0
+    assert t.l1_coef(1) == 2e-5
+
+
+def test_interval_stats_match_direct_computation():
+    torch.manual_seed(0)
+    mlps = [SparseGatedMLP(16, 40), SparseGatedMLP(16, 40)]
+    stats = IntervalStats(2, "cpu")
+    xs = [torch.randn(7, 16), torch.randn(13, 16)]  # micro-batches of different sizes
+    actives = [[], []]
+    for x in xs:
+        for i, m in enumerate(mlps):
+            m.train()
+            m(x).sum()
+            actives[i].append((torch.relu(m.gate_proj(x)) > 0).sum(1))
+        stats.observe(mlps)
+    out = stats.reduce()
+    assert out["tokens"] == 20
+    for i in range(2):
+        per_token = torch.cat(actives[i]).double()
+        assert out["active_mean"][i] == pytest.approx(per_token.mean().item())
+        assert out["active_max"][i] == per_token.max().item()
+    assert stats.tokens == 0  # reset after reduce
+
+
+def _fake(counts):
+    return types.SimpleNamespace(stats=types.SimpleNamespace(unit_counts=torch.tensor(counts)))
+
+
+def test_dead_units_over_a_window():
+    dead = DeadUnits(1, 4, window_steps=2, device="cpu")
+    dead.observe([_fake([1, 0, 0, 3])])
+    dead.end_step([], 1)
+    assert dead.dead_frac is None  # no window completed yet
+    dead.observe([_fake([0, 0, 2, 0])])
+    dead.end_step([], 2)
+    assert dead.dead_frac == [0.25] and dead.dead.tolist() == [[False, True, False, False]]
+    dead.observe([_fake([5, 5, 5, 5])])
+    dead.end_step([], 3)
+    assert dead.dead_frac == [0.25]  # the last completed window is reported until the next one ends
+
+
+def test_reinit_applies_eq6_to_dead_units_only():
+    torch.manual_seed(0)
+    m = SparseGatedMLP(8, 6)
+    m.train()
+    with torch.no_grad():
+        m.gate_proj.weight[:3] = -m.gate_proj.weight[:3].abs()  # units 0..2 never fire on x > 0
+        m.gate_proj.weight[3:] = m.gate_proj.weight[3:].abs()
+    x = torch.rand(20, 8) + 0.1
+    dead = DeadUnits(1, 6, window_steps=1, device="cpu", reinit=True, keep=0.9, std=0.02, seed=5)
+    m(x)
+    dead.observe([m])
+    before = m.gate_proj.weight.detach().clone()
+    dead.end_step([m], step=1)
+    assert dead.dead[0].tolist() == [True] * 3 + [False] * 3
+    gen = torch.Generator().manual_seed(5 * 1_000_003 + 1)
+    noise = torch.randn(before.shape, generator=gen) * 0.02
+    w = m.gate_proj.weight.detach()
+    torch.testing.assert_close(w[:3], 0.9 * before[:3] + 0.1 * noise[:3])
+    assert torch.equal(w[3:], before[3:])
+    assert int(dead.reinit_count) == 3
+    # a unit that fires again within the window is no longer nudged
+    with torch.no_grad():
+        m.gate_proj.weight[0] = 1.0
+    m(x)
+    dead.window_steps = 10  # keep the verdict of the last window
+    dead.observe([m])
+    before = m.gate_proj.weight.detach().clone()
+    dead.end_step([m], step=2)
+    assert torch.equal(m.gate_proj.weight[0], before[0])
+    assert not torch.equal(m.gate_proj.weight[1], before[1])
+
+
+def test_reinit_runs_in_training(tmp_path):
+    """A strong L1 kills units within a few steps; with --reinit their gate rows get Eq. 6."""
+    common = dict(l1=5.0, steps=8, dead_window=2, lr=1e-2, log_every=4, eval_every=8)
+    off = Trainer(config(tmp_path, **common))
+    off.fit()
+    on = Trainer(config(tmp_path, **common, reinit=True, out=str(tmp_path / "on")))
+    on.fit()
+    assert off.dead.dead_frac is not None and sum(off.dead.dead_frac) > 0
+    assert int(off.dead.reinit_count) == 0 and int(on.dead.reinit_count) > 0
+    dead_rows = on.dead.dead[0]
+    w_on, w_off = on.modules[0].gate_proj.weight, off.modules[0].gate_proj.weight
+    assert not torch.equal(w_on[dead_rows], w_off[dead_rows])
+
+
+def test_bad_config_values_are_clear_errors(tmp_path):
+    for kw, msg in [(dict(steps=0), "steps"), (dict(l1=-1.0), "L1"), (dict(preset="huge"), "unknown preset"),
+                    (dict(precision="bf16", device="cpu"), "bf16"), (dict(hidden_size=30, num_heads=4), "multiple")]:
+        with pytest.raises(ValueError, match=msg):
+            Trainer(config(tmp_path, **kw))

@@ -1,0 +1,62 @@
+"""Checkpoints: --resume continues exactly; the export loads back in transformers and twell."""
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from test_train_loss import config
+from twell import sparsify, sparse_modules
+from twell.train.report import read_history
+from twell.train.trainer import Trainer
+
+
+def test_resume_continues_exactly(tmp_path):
+    # Everything that carries state across steps is on: Adam moments, warm-up and cosine
+    # schedule, L1 warm-up, gradient accumulation, dead-unit windows and Eq. 6 re-init.
+    common = dict(steps=6, log_every=1, eval_every=3, save_every=3, grad_accum=2, warmup=2,
+                  l1=0.05, l1_warmup=4, reinit=True, dead_window=2)
+    full = Trainer(config(tmp_path, **common, out=str(tmp_path / "full")))
+    full.fit()
+    resumed = Trainer(config(tmp_path, **common, out=str(tmp_path / "resumed")),
+                      resume=str(tmp_path / "full" / "checkpoints" / "step_000003"))
+    assert resumed.step == 3 and resumed.samples_seen == 3 * 8
+    resumed.fit()
+    a = {r["step"]: r for r in read_history(tmp_path / "full" / "log.csv")}
+    b = {r["step"]: r for r in read_history(tmp_path / "resumed" / "log.csv")}
+    assert sorted(b) == [4, 5, 6]
+    for step in (4, 5, 6):
+        for key in ("ce", "l1", "loss", "lr", "lambda", "active_mean", "active_max", "dead_frac"):
+            assert a[step][key] == b[step][key], (step, key)
+    assert a[6]["val_loss"] == b[6]["val_loss"]
+    for (n, p), q in zip(full.model.named_parameters(), resumed.model.parameters()):
+        assert torch.equal(p, q), n
+
+
+def test_resume_into_the_same_folder_keeps_one_log(tmp_path):
+    common = dict(steps=4, log_every=1, eval_every=4, save_every=2)
+    Trainer(config(tmp_path, **common)).fit()
+    cfg = config(tmp_path, **{**common, "steps": 6})
+    Trainer(cfg, resume=cfg.out).fit()  # the run folder: its newest checkpoint (step 4)
+    assert [r["step"] for r in read_history(tmp_path / "run" / "log.csv")] == [1, 2, 3, 4, 5, 6]
+
+
+def test_checkpoint_loads_in_transformers_and_twell(tmp_path):
+    t = Trainer(config(tmp_path, steps=3, log_every=1, eval_every=3))
+    summary = t.fit()
+    path = summary["checkpoint"]
+    x = torch.randint(0, 257, (2, 16))
+    t.model.eval()
+    with torch.no_grad():
+        want = t.model(input_ids=x).logits
+        plain = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        assert plain.config.hidden_act == "relu" and not sparse_modules(plain)
+        torch.testing.assert_close(plain(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
+        sparse = sparsify(plain)
+        assert len(sparse_modules(sparse)) == 2
+        torch.testing.assert_close(sparse(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
+
+
+def test_resume_past_the_end_is_a_clear_error(tmp_path):
+    Trainer(config(tmp_path, steps=2, log_every=1, eval_every=2)).fit()
+    with pytest.raises(ValueError, match="nothing to do"):
+        Trainer(config(tmp_path, steps=2), resume=str(tmp_path / "run"))
