@@ -94,6 +94,13 @@ def test_dead_units_and_reinit():
     assert 0.005 < noise.std().item() < 0.05  # N(0, 0.02^2)
     mlp.reset_fire_counts()
     assert mlp.dead_units().all() and mlp.tokens_seen.item() == 0
+    # an explicit mask overrides the module's own counters
+    mask = torch.zeros(20, dtype=torch.bool)
+    mask[7] = True
+    w = mlp.gate_proj.weight.detach().clone()
+    assert torch.equal(mlp.reinit_dead_units(mask=mask), mask)
+    changed = (mlp.gate_proj.weight.detach() != w).any(dim=1)
+    assert changed.tolist() == mask.tolist()
 
 
 def test_non_gated_matches_reference():

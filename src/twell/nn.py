@@ -102,13 +102,21 @@ class _SparseFFN(nn.Module):
         return self.fire_counts == 0
 
     @torch.no_grad()
-    def reinit_dead_units(self, keep: float = 0.9, std: float = 0.02, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    def reinit_dead_units(
+        self,
+        keep: float = 0.9,
+        std: float = 0.02,
+        generator: Optional[torch.Generator] = None,
+        mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         """The paper's Eq. 6: for each dead unit j, ``W[j] <- keep * W[j] + (1 - keep) * N(0, std^2)``
         on the first projection (gate for the gated module, up for the non-gated one).
 
-        Returns the ``[f]`` bool mask of re-initialised units (read it without a sync as a tensor).
+        ``mask`` (``[f]`` bool) names the units to treat as dead; by default, those that have not
+        fired since :meth:`reset_fire_counts` (:meth:`dead_units`). Returns the ``[f]`` bool mask
+        of re-initialised units (a tensor: reading it needs no sync).
         """
-        dead = self.dead_units()
+        dead = self.dead_units() if mask is None else mask.to(torch.bool)
         w = self._first_projection().weight
         noise = torch.randn(w.shape, generator=generator, device=w.device, dtype=torch.float32).to(w.dtype) * std
         w.copy_(torch.where(dead.unsqueeze(1), keep * w + (1.0 - keep) * noise, w))
