@@ -31,13 +31,18 @@ from twell.train.trainer import TrainConfig, Trainer
 RUNS = [(0.0, False), (1e-5, False), (2e-5, False), (3e-5, False), (2e-5, True)]
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def timed_steps(trainer: Trainer, n: int) -> float:
     """Seconds per optimizer step over ``n`` steps (after the caller's warm-up)."""
-    torch.cuda.synchronize()
+    _sync()
     t0 = time.perf_counter()
     for _ in range(n):
         trainer.train_step()
-    torch.cuda.synchronize()
+    _sync()
     return (time.perf_counter() - t0) / n
 
 
@@ -47,13 +52,22 @@ def main() -> None:
     p.add_argument("--budget-s", type=float, default=420.0, help="wall time for the five runs together")
     p.add_argument("--batch-size", type=int, default=32)
     p.add_argument("--runs-dir", default="/tmp/twell_sweep")
+    p.add_argument("--preset", default="small", help="small for the experiment; tiny to smoke-test on a CPU")
+    p.add_argument("--steps", type=int, help="fix the steps per run instead of fitting them to --budget-s")
     a = p.parse_args()
     t_start = time.perf_counter()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = TrainConfig(preset="small", batch_size=a.batch_size, progress=False, plot=False, log_every=25, val_batches=16)
+    base = TrainConfig(preset=a.preset, batch_size=a.batch_size, progress=False, plot=False, log_every=25, val_batches=16)
     tok = load_tokenizer("bytes")
-    streams = build_streams(base.data, tok, base.val_fraction)
+    try:
+        streams = build_streams(base.data, tok, base.val_fraction)
+    except FileNotFoundError as err:  # an image without the stdlib sources: use torch's instead
+        import os
+
+        print(f"{err}; falling back to torch's Python sources", flush=True)
+        base = replace(base, data=[os.path.dirname(torch.__file__) + "/**/*.py"])
+        streams = build_streams(base.data, tok, base.val_fraction)
     print(f"corpus: {len(streams[0]):,} train / {len(streams[1]):,} validation tokens", flush=True)
 
     # Time the model: a few warm-up steps, then timed ones, with the L1 term and statistics on.
@@ -61,16 +75,17 @@ def main() -> None:
     timed_steps(probe, 5)
     s_per_step = timed_steps(probe, 20)
     del probe
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     overhead_s = 12.0  # per run: build, 7 validation passes, checkpoint (estimated)
     left = a.budget_s - (time.perf_counter() - t_start)
     steps = int((left / len(RUNS) - overhead_s) / (s_per_step * 1.08)) // 50 * 50
-    steps = max(steps, 100)
+    steps = a.steps or max(steps, 100)
     tokens_per_step = base.batch_size * TrainConfig.resolved(base).seq_len
     print(f"{s_per_step * 1e3:.1f} ms/step ({tokens_per_step / s_per_step:,.0f} tok/s): {steps} steps "
           f"= {steps * tokens_per_step / 1e6:.1f}M tokens per run", flush=True)
 
-    gpu = torch.cuda.get_device_name()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     import transformers
 
@@ -84,7 +99,7 @@ def main() -> None:
         wall = time.perf_counter() - t0
         f = s["intermediate_size"]
         rec = {
-            "run": name, "lambda": lam, "reinit": reinit, "preset": "small", "params": s["params"],
+            "run": name, "lambda": lam, "reinit": reinit, "preset": a.preset, "params": s["params"],
             "intermediate_size": f, "layers": len(s["active_per_token_by_layer"]), "seq_len": cfg.seq_len if cfg.seq_len else 1024,
             "batch_tokens": trainer.tokens_per_step, "steps": s["steps"], "tokens": s["tokens"],
             "val_loss": s["val_loss"], "val_tokens": None, "active_per_token": s["active_per_token"],
@@ -92,9 +107,9 @@ def main() -> None:
             "sparsity": 1 - s["active_per_token"] / f,
             "dead_frac": s["dead_frac"], "dead_frac_by_layer": s["dead_frac_window_by_layer"],
             "dead_window_tokens": s["dead_window_tokens"], "dead_frac_val": sum(s["dead_frac_val_by_layer"]) / len(s["dead_frac_val_by_layer"]),
-            "tokens_per_s": s["tokens_per_s"], "wall_s": wall, "lr": trainer.cfg.lr,
+            "tokens_per_s": s["tokens_per_s"], "wall_s": wall, "reinit_unit_steps": s["reinit_unit_steps"], "lr": trainer.cfg.lr,
             "gpu": gpu, "torch": torch.__version__, "transformers": transformers.__version__, "date": date,
-            "corpus": "python stdlib sources (bytes)",
+            "corpus": " ".join(base.data) + " (python sources, byte tokens)",
         }
         rec["seq_len"] = trainer.cfg.seq_len
         rec["val_tokens"] = trainer.cfg.val_batches * trainer.cfg.batch_size * trainer.cfg.seq_len
@@ -109,7 +124,8 @@ def main() -> None:
               f"({100 * rec['sparsity']:.2f}% sparse) | dead {rec['dead_frac']} | {rec['tokens_per_s']:,.0f} tok/s | "
               f"{wall:.0f} s", flush=True)
         del trainer
-        torch.cuda.empty_cache()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     keys = sorted({k for c in curves for k in c}, key=lambda k: (k != "run", k != "step", k))
     with open(out / "sparsity_sweep_h200_curves.csv", "w", newline="") as fh:
@@ -160,7 +176,7 @@ def plot(records, curves, path: Path) -> None:
     for a_ in (ax[0, 0], ax[1, 1]):
         a_.tick_params(axis="x", labelrotation=20)
     r0 = records[0]
-    fig.suptitle(f"twell small preset ({r0['params'] / 1e6:.0f}M params), {r0['tokens'] / 1e6:.0f}M tokens per run, {r0['gpu']}")
+    fig.suptitle(f"twell {r0['preset']} preset ({r0['params'] / 1e6:.0f}M params), {r0['tokens'] / 1e6:.0f}M tokens per run, {r0['gpu']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

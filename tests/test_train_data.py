@@ -108,3 +108,33 @@ def test_packed_sequences_deterministic_and_cover_each_epoch():
 def test_packed_sequences_too_short():
     with pytest.raises(ValueError, match="fewer than one sequence"):
         PackedSequences(np.arange(5, dtype=np.uint16), seq_len=10)
+
+
+def _local_hf_tokenizer(path):
+    """A small byte-level BPE tokenizer trained here and saved with save_pretrained (no download)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["def f(x):\n    return x + 1\n"] * 20, trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>").save_pretrained(path)
+    return str(path)
+
+
+def test_hf_tokenizer_by_path_round_trip_and_streams(tmp_path):
+    spec = _local_hf_tokenizer(tmp_path / "tok")
+    tok = load_tokenizer(spec)
+    text = "héllo wörld 🙂\ndef g(y):\n    return y"
+    assert tok.decode(tok.encode(text)) == text
+    assert tok.eos_id == 0 and tok.vocab_size > 256
+    (tmp_path / "d").mkdir()
+    for i in range(20):
+        (tmp_path / "d" / f"{i}.txt").write_text(f"def f{i}(x):\n    return x + {i}\n")
+    train, val = build_streams([str(tmp_path / "d")], tok, val_fraction=0.2)
+    assert (train == 0).sum() + (val == 0).sum() == 20
+    tok.save(tmp_path / "saved")  # what a checkpoint holds
+    assert load_tokenizer(str(tmp_path / "saved")).encode(text).tolist() == tok.encode(text).tolist()

@@ -68,3 +68,38 @@ def test_two_processes_match_one(tmp_path):
     assert abs(got["eval"]["val_loss"] - want["eval"]["val_loss"]) < 1e-5
     assert got["eval"]["dead_frac"] == want["eval"]["dead_frac"]
     torch.testing.assert_close(torch.tensor(got["eval"]["active_mean"]), torch.tensor(want["eval"]["active_mean"]))
+
+
+def _fit_worker(rank, world, port, cfg, resume):
+    import os
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from twell.train.trainer import train
+
+    train(cfg, resume=resume)
+
+
+def test_two_process_training_matches_one(tmp_path):
+    """Three optimizer steps under DDP and under FSDP give the losses and statistics of one
+    process; an FSDP checkpoint resumes exactly."""
+    from twell.train.report import read_history
+
+    common = dict(l1=0.05, steps=3, log_every=1, eval_every=3, save_every=1, dead_window=1)
+    one = config(tmp_path, batch_size=4, **common, out=str(tmp_path / "one"))
+    Trainer(one).fit()
+    want = read_history(tmp_path / "one" / "log.csv")
+    runs = {"ddp": (config(tmp_path, batch_size=2, **common, out=str(tmp_path / "ddp")), None),
+            "fsdp": (config(tmp_path, batch_size=2, fsdp=True, **common, out=str(tmp_path / "fsdp")), None),
+            "fsdp_resumed": (config(tmp_path, batch_size=2, fsdp=True, **common, out=str(tmp_path / "fsdp_resumed")),
+                             str(tmp_path / "fsdp" / "checkpoints" / "step_000001"))}
+    for name, (cfg, resume) in runs.items():
+        mp.spawn(_fit_worker, args=(2, _free_port(), cfg, resume), nprocs=2, join=True)
+        got = read_history(tmp_path / name / "log.csv")
+        assert [r["step"] for r in got] == ([2, 3] if resume else [1, 2, 3]), name
+        for g, w in zip(got, want[-len(got):]):
+            for key in ("ce", "l1", "active_mean", "val_loss"):
+                if key in w:
+                    assert abs(g[key] - w[key]) <= 1e-4 * abs(w[key]) + 1e-6, (name, g["step"], key, g[key], w[key])
+            assert g["active_max"] == w["active_max"] and g["dead_frac"] == w["dead_frac"], name

@@ -134,7 +134,7 @@ def _expand(spec: str) -> list[Path]:
     path = Path(spec)
     if path.is_dir():
         return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | {".jsonl", ".parquet"})
-    matches = sorted(Path(p) for p in glob.glob(spec))
+    matches = sorted(Path(p) for p in glob.glob(spec, recursive=True))
     if not matches:
         raise FileNotFoundError(f"--data {spec!r}: no such file, folder or glob match")
     return matches

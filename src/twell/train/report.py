@@ -51,6 +51,9 @@ class RunLogger:
             self.tb = SummaryWriter(str(self.out / "tensorboard"))
         except ImportError:  # tensorboard is optional: pip install 'twell[tensorboard]'
             self.tb = None
+        except Exception as err:  # a broken install must not stop the run
+            tqdm.write(f"TensorBoard logging off: {type(err).__name__}: {err}")
+            self.tb = None
         f = t.config.intermediate_size
         tqdm.write(
             f"twell train: preset {cfg.preset}, {t.n_params / 1e6:.2f}M params, {len(t.modules)} layers x {f} hidden units, "
@@ -141,6 +144,7 @@ def make_summary(t, final: dict) -> dict:
         "dead_frac_window_by_layer": dead_window,
         "dead_frac": (sum(dead_window) / L) if dead_window else None,
         "dead_window_tokens": t.cfg.dead_window * t.tokens_per_step,
+        "reinit_unit_steps": int(t.dead.reinit_count) if t.cfg.reinit else None,
         "tokens_per_s": _mean_throughput(t.history),
         "checkpoint": str(Path(t.cfg.out) / "checkpoints" / f"step_{t.step:06d}"),
         "log": str(Path(t.cfg.out) / CSV_NAME),

@@ -245,7 +245,11 @@ class Trainer:
         ce_sum = torch.zeros((), device=self.device)
         l1_sum = torch.zeros((), device=self.device)
         for micro in range(cfg.grad_accum):
-            batch = self.micro_batch(micro).to(self.device, non_blocking=True)
+            batch = self.micro_batch(micro)
+            if self.device.type == "cuda":
+                # From pageable memory the copy would wait for the GPU to drain: pin it.
+                batch = batch.pin_memory()
+            batch = batch.to(self.device, non_blocking=True)
             x, y = batch[:, :-1], batch[:, 1:]
             last = micro == cfg.grad_accum - 1
             sync = contextlib.nullcontext() if (last or self.world == 1 or cfg.fsdp) else self.wrapped.no_sync()
