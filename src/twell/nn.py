@@ -126,6 +126,171 @@ class _SparseFFN(nn.Module):
         raise NotImplementedError
 
 
+# --- kernel path (inference on CUDA) ----------------------------------------------------------
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _kernel_path(module: "_SparseFFN", x: torch.Tensor) -> Optional["_KernelPath"]:
+    """The layer's :class:`_KernelPath` if this call may run the TwELL kernels, else None.
+
+    Eligible: CUDA input (or the Triton interpreter with ``kernel_mode = "twell"``, for tests),
+    fp16/bf16 of the weights' dtype, no bias, and no gradient needed (grad mode off, or no
+    parameter nor the input requiring grad in eval mode). Anything else keeps the dense path
+    untouched, so CPU training never reaches this."""
+    mode = getattr(module, "kernel_mode", "auto")
+    if mode == "dense":
+        return None
+    if not (x.is_cuda or (mode == "twell" and _interpreting())):
+        return None
+    w = module.down_proj.weight
+    if x.dtype != w.dtype or module.down_proj.bias is not None:
+        return None
+    if x.is_cuda and x.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if torch.is_grad_enabled() and (module.training or x.requires_grad or any(p.requires_grad for p in module.parameters())):
+        return None
+    path = module.__dict__.get("_kernel_path_state")
+    if path is None:
+        path = _KernelPath()
+        module.__dict__["_kernel_path_state"] = path
+    path._sync_knobs(module)
+    return path
+
+
+class _KernelPath:
+    """Per-layer state of the TwELL kernel path: weight layout cache and the sparsity estimate.
+
+    Choosing kernels or dense never syncs: after each call the layer's mean active units per
+    token (and overflowed tiles per token) are copied to pinned host memory without blocking,
+    and a later call reads them once its CUDA event has completed (``event.query()``). Until a
+    first estimate arrives, and whenever it says the layer is too dense, the dense path runs.
+    Kernels are chosen while ``cost <= kernel_max_density * f`` with
+    ``cost = mean active units + overflowed tiles per token * tile / 8`` (an overflowed tile is
+    recomputed exactly, at about an eighth of a dense pass over its units). The threshold comes
+    from the H200 benchmark (benchmarks/NOTES_inference.md); set ``module.kernel_max_density``
+    to override it, or ``module.kernel_mode`` to ``"dense"`` / ``"twell"`` to force a path.
+    """
+
+    # Break-even density measured on the H200 (d 2048, f 5632, bf16): see NOTES_inference.md.
+    DEFAULT_MAX_DENSITY = 0.010
+
+    def __init__(self) -> None:
+        self.estimate: Optional[float] = None  # cost in units per token, from a finished call
+        self._host: Optional[torch.Tensor] = None
+        self._event = None
+        self._weights = None
+        self._weights_key = None
+        self.counters = None  # OverflowCounters, accumulated over the layer's kernel calls
+
+    # -- decision -------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        if self._event is not None and self._event.query():
+            mean, over = (float(v) for v in self._host.tolist())
+            from .ops import DEFAULT_TILE
+
+            self.estimate = mean + over * DEFAULT_TILE / 8
+            self._event = None
+
+    def use_kernels(self, f: int) -> bool:
+        self._poll()
+        if self._mode == "twell":
+            return True
+        return self.estimate is not None and self.estimate <= self._max_density * f
+
+    def _publish(self, mean: torch.Tensor, over_per_token: torch.Tensor) -> None:
+        if self._event is not None or not mean.is_cuda:
+            return  # one probe in flight at a time
+        if self._host is None:
+            self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        self._host.copy_(torch.stack([mean.float(), over_per_token.float()]), non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def observe_dense(self, module: "_SparseFFN", g: torch.Tensor) -> None:
+        """After a dense call: publish its mean active units (from the stats when tracked, else
+        from at most 4096 sampled rows)."""
+        if self._mode == "dense" or not g.is_cuda or g.shape[0] == 0:
+            return
+        if self._event is not None:
+            return
+        if module.track_stats and module.stats is not None:
+            mean = module.stats.active_mean
+        else:
+            with torch.no_grad():
+                mean = (g[:4096] > 0).sum(dim=1).float().mean()
+        self._publish(mean, torch.zeros((), device=g.device))
+
+    def _sync_knobs(self, module) -> None:
+        self._mode = getattr(module, "kernel_mode", "auto")
+        self._max_density = getattr(module, "kernel_max_density", None) or self.DEFAULT_MAX_DENSITY
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def _cached(self, key, build):
+        if self._weights_key != key:
+            self._weights = build()
+            self._weights_key = key
+        return self._weights
+
+    def _run(self, module: "_SparseFFN", x: torch.Tensor, first: torch.Tensor, w_up, w_down_t) -> torch.Tensor:
+        from .kernels import OverflowCounters, ffn_from_twell, pack_relu
+        from .ops import DEFAULT_COMPRESSION, DEFAULT_TILE
+
+        shape = x.shape
+        x2 = x.reshape(-1, module.hidden_size)
+        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+        M, f = x2.shape[0], module.intermediate_size
+        if self.counters is None or self.counters.buffer.device != x.device:
+            self.counters = OverflowCounters.zeros(x.device)
+        with torch.no_grad():
+            before = self.counters.tiles.clone() if M else None
+            pre = torch.mm(x2, first.T)  # cuBLAS gate (measured faster than a fused Triton gate)
+            g = pack_relu(pre, DEFAULT_TILE, DEFAULT_COMPRESSION)
+            track = module.track_stats
+            uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
+            nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
+            y = ffn_from_twell(x2, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz)
+            module.l1 = None
+            if M:
+                over = (self.counters.tiles - before).float() / M
+                if track:
+                    per_token = nnz.long()
+                    unit_counts = uc.long()
+                    module.stats = SparsityStats(
+                        active_mean=per_token.float().mean(), active_max=per_token.max(), unit_counts=unit_counts, tokens=M
+                    )
+                    module.fire_counts += unit_counts
+                    module.tokens_seen += M
+                    mean = module.stats.active_mean
+                else:
+                    mean = g.counts.sum(dim=1, dtype=torch.int64).float().mean()
+                self._publish(mean, over)
+            elif track:
+                z = torch.zeros((), dtype=torch.int64, device=x.device)
+                module.stats = SparsityStats(torch.zeros((), device=x.device), z, torch.zeros(f, dtype=torch.int64, device=x.device), 0)
+        return y.reshape(shape)
+
+    def gated_forward(self, module: "SparseGatedMLP", x: torch.Tensor) -> torch.Tensor:
+        from .ops import prepare_gated_weights
+
+        up, down = module.up_proj.weight, module.down_proj.weight
+        key = (up.data_ptr(), up._version, down.data_ptr(), down._version, up.dtype, up.device)
+        w = self._cached(key, lambda: prepare_gated_weights(up.detach(), down.detach()))
+        return self._run(module, x, module.gate_proj.weight.detach(), w.up, w.down_t)
+
+    def mlp_forward(self, module: "SparseMLP", x: torch.Tensor) -> torch.Tensor:
+        down = module.down_proj.weight
+        key = (down.data_ptr(), down._version, down.dtype, down.device)
+        w_down_t = self._cached(key, lambda: down.detach().T.contiguous())
+        return self._run(module, x, module.up_proj.weight.detach(), None, w_down_t)
+
+
 class SparseGatedMLP(_SparseFFN):
     """ReLU-gated MLP: ``y = down(relu(gate(x)) * up(x))``, a drop-in for LlamaMLP.
 
@@ -161,13 +326,21 @@ class SparseGatedMLP(_SparseFFN):
         return self.gate_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., d] -> [..., d]``. On CUDA, when no gradient is needed and there is no bias,
+        runs the TwELL kernels if this layer's measured sparsity makes them pay, else dense
+        cuBLAS (see :class:`_KernelPath`; ``self.kernel_mode = "dense" | "twell" | "auto"``)."""
         self._check_input(x)
+        path = _kernel_path(self, x)
+        if path is not None and path.use_kernels(self.intermediate_size):
+            return path.gated_forward(self, x)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         g = torch.relu(self.gate_proj(x2))
         h = g * self.up_proj(x2)
         y = self.down_proj(h)
         self._record(g > 0, h)
+        if path is not None:
+            path.observe_dense(self, g)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:
@@ -192,12 +365,19 @@ class SparseMLP(_SparseFFN):
         return self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., d] -> [..., d]``; picks TwELL kernels or dense cuBLAS as
+        :meth:`SparseGatedMLP.forward` does."""
         self._check_input(x)
+        path = _kernel_path(self, x)
+        if path is not None and path.use_kernels(self.intermediate_size):
+            return path.mlp_forward(self, x)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         h = torch.relu(self.up_proj(x2))
         y = self.down_proj(h)
         self._record(h > 0, h)
+        if path is not None:
+            path.observe_dense(self, h)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:

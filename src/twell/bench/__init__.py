@@ -1,0 +1,1 @@
+"""Benchmarks of the twell kernels against dense PyTorch (run with ``twell bench``)."""

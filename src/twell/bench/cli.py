@@ -1,0 +1,141 @@
+"""``twell bench``: benchmark twell's kernels against dense PyTorch on this GPU.
+
+    twell bench inference [--out DIR] [--quick] [--variants] [--no-grid]
+
+``inference`` times the inference FFN (issue 3's grid: d 2048, f 5632, bf16,
+M in {16384, 131072}, k in {8, ..., 5632}, three unit distributions, plus d 4096, f 11008) and
+writes ``inference_mlp_<gpu>.json`` (flat records), the same as CSV, and a PNG plot of speedup
+against k (dense = 1) into ``--out``. ``--variants`` also times the design variants (gate
+kernels, up/down tuning) into ``inference_variants_<gpu>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import sys
+import time
+
+__all__ = ["bench_main", "write_results", "plot_speedup"]
+
+KS = (8, 16, 29, 56, 128, 280, 1000, 5632)
+
+
+def _gpu_tag() -> str:
+    import torch
+
+    name = torch.cuda.get_device_name().lower() if torch.cuda.is_available() else "cpu"
+    for tag in ("h200", "h100", "a100", "l40", "4090"):
+        if tag in name:
+            return tag
+    return "".join(c if c.isalnum() else "_" for c in name)
+
+
+def write_results(records: list[dict], path_json: str) -> None:
+    """Write ``records`` as JSON and, next to it, as CSV (union of keys, in first-seen order)."""
+    with open(path_json, "w") as fh:
+        json.dump(records, fh, indent=1)
+    keys: list[str] = []
+    for r in records:
+        keys += [k for k in r if k not in keys]
+    with open(os.path.splitext(path_json)[0] + ".csv", "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        w.writerows(records)
+
+
+def plot_speedup(records: list[dict], path_png: str) -> None:
+    """Speedup against k (log scale), one line per (shape, M, distribution); dense = 1."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5), sharey=True)
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["d"], r["f"], r["M"], r["distribution"]), []).append(r)
+    styles = {"even": "-", "skewed": "--", "heavy": ":"}
+    for ax, field, title in ((axes[0], "speedup", "twell module (auto: kernels or dense)"), (axes[1], "kernels_speedup", "TwELL kernels forced")):
+        for (d, f, M, dist), rs in sorted(groups.items()):
+            rs = sorted((r for r in rs if r.get(field) is not None), key=lambda r: r["k"])
+            if not rs:
+                continue
+            ax.plot([r["k"] for r in rs], [r[field] for r in rs], styles.get(dist, "-"), marker="o", ms=3,
+                    label=f"d={d} f={f} M={M} {dist}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("k: mean active units per token")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("speedup over dense bf16 PyTorch (dense = 1)")
+    axes[0].legend(fontsize=6)
+    gpu = records[0].get("gpu", "") if records else ""
+    fig.suptitle(f"TwELL inference FFN, bf16, {gpu}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+    plt.close(fig)
+
+
+def _table(records: list[dict]) -> str:
+    lines = [f"{'M':>7} {'d':>5} {'f':>6} {'k':>5} {'dist':7} {'dense':>7} {'twell':>7} {'x':>5} {'kern':>7} {'kx':>5} "
+             f"{'g+p':>6} {'ud':>7} {'err':>8} {'row':>8} {'drow':>8}"]
+    for r in records:
+        lines.append(
+            f"{r['M']:>7} {r['d']:>5} {r['f']:>6} {r['k']:>5g} {r['distribution']:7} {r['dense_ms']:7.2f} {r['twell_ms']:7.2f} "
+            f"{r['speedup']:5.2f} {r.get('kernels_ms', float('nan')):7.2f} {r.get('kernels_speedup', float('nan')):5.2f} "
+            f"{r.get('gate_pack_ms', float('nan')):6.2f} {r.get('updown_ms', float('nan')):7.2f} {r['rel_err']:8.1e} "
+            f"{r['max_row_err']:8.1e} {r['dense_max_row_err']:8.1e}"
+        )
+    return "\n".join(lines)
+
+
+def bench_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("what", choices=["inference"], help="which benchmark")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the result files")
+    parser.add_argument("--quick", action="store_true", help="a small grid (M 16384, k 29/56/280, even)")
+    parser.add_argument("--variants", action="store_true", help="also time the design variants")
+    parser.add_argument("--no-grid", action="store_true", help="skip the main grid")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SystemExit("twell bench needs a CUDA GPU")
+    from ..kernels import updown
+    from .inference import best_updown_config, run_grid, run_variants
+
+    os.makedirs(args.out, exist_ok=True)
+    tag = _gpu_tag()
+    log = lambda s: print(s, flush=True)  # noqa: E731
+    t0 = time.time()
+    if args.variants:
+        var = run_variants(log=log)
+        with open(os.path.join(args.out, f"inference_variants_{tag}.json"), "w") as fh:
+            json.dump(var, fh, indent=1)
+        best = best_updown_config(var)
+        if best is not None:
+            updown.TUNED[2048] = best
+        log(f"variants done in {time.time() - t0:.0f}s; up/down (block_e, warps) for d = 2048: {best}")
+    if args.no_grid:
+        return
+    if args.quick:
+        records = run_grid([(2048, 5632)], [16384], (29, 56, 280), ["even"], rep=args.rep, log=log)
+    else:
+        big_ok = lambda M, f, k: k <= 0.06 * f or M <= 16384  # noqa: E731  (forced kernels take seconds when dense)
+        records = run_grid([(2048, 5632)], [16384, 131072], KS, ["even", "skewed", "heavy"], kernel_k_limit=big_ok, rep=args.rep, log=log)
+        records += run_grid([(4096, 11008)], [16384, 65536], (29, 56, 280, 1000), ["even"], kernel_k_limit=big_ok, rep=args.rep, log=log)
+    path = os.path.join(args.out, f"inference_mlp_{tag}.json")
+    write_results(records, path)
+    plot_speedup(records, os.path.splitext(path)[0] + ".png")
+    log(f"grid done in {time.time() - t0:.0f}s; wrote {path}")
+    log(_table(records))
+
+
+if __name__ == "__main__":
+    bench_main(sys.argv[1:])

@@ -1,0 +1,261 @@
+"""Inference FFN benchmark: dense PyTorch against the TwELL kernels, side by side.
+
+For every (M, d, f, k, distribution) it records, in one flat dict:
+
+- ``dense_ms``: the dense bf16 PyTorch gated MLP (three cuBLAS matmuls, ReLU, product);
+- ``twell_ms``: :class:`twell.SparseGatedMLP` as shipped (``kernel_mode="auto"``: it picks
+  kernels or dense from the sparsity of its previous calls), ``track_stats=False``;
+- ``kernels_ms``: the TwELL kernels forced (:func:`twell.ops.twell_gated_mlp`, prepared weights);
+- ``gate_ms`` (cuBLAS gate alone), ``pack_ms`` (pack pass alone), ``gate_pack_ms`` (both),
+  ``updown_ms`` (fused up/down from TwELL alone);
+- ``rel_err`` (the module's output against an fp32 reference over the whole output),
+  ``max_row_err`` / ``dense_max_row_err`` (largest per-row relative error of twell and of dense
+  bf16 against the same reference), ``kernels_rel_err`` / ``kernels_max_row_err`` (forced kernels);
+- ``k_measured`` (mean active units per token), ``max_row_nnz``, ``overflow_tiles``;
+- ``gpu``, ``torch``, ``triton``, ``date``.
+
+Times are medians of ``triton.testing.do_bench`` (CUDA events, after warm-up; it clears the
+L2 cache before each run, so weights start in HBM as they would after another layer ran).
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import time
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from .synthetic import make_ffn
+
+__all__ = ["bench_ms", "errors", "run_grid", "run_variants", "best_updown_config", "machine_info"]
+
+
+def bench_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 25) -> float:
+    """Median milliseconds of ``fn`` by ``triton.testing.do_bench``."""
+    import triton.testing
+
+    try:
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
+    except TypeError:  # older Triton: no return_mode
+        return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, quantiles=[0.5])[0])
+
+
+def machine_info() -> dict:
+    import triton
+
+    return {
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+    }
+
+
+def reference_fp32(x, w_gate, w_up, w_down, chunk: int = 32768) -> torch.Tensor:
+    """fp32 gated MLP of the (bf16) inputs, in row chunks to bound memory."""
+    out = torch.empty(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    wg, wu, wd = w_gate.float(), w_up.float(), w_down.float()
+    for s in range(0, x.shape[0], chunk):
+        xs = x[s : s + chunk].float()
+        out[s : s + chunk] = (torch.relu(xs @ wg.T) * (xs @ wu.T)) @ wd.T
+    return out
+
+
+def errors(y: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """``(||y - ref|| / ||ref||, max over rows of ||y_m - ref_m|| / ||ref_m||)``.
+
+    Rows whose reference is (near) zero are measured against a thousandth of the rms row norm,
+    so an all-zero row must come out (near) zero."""
+    diff = (y.float() - ref).pow(2).sum(dim=1)
+    rn = ref.pow(2).sum(dim=1)
+    rel = math.sqrt(float(diff.sum()) / max(float(rn.sum()), 1e-30))
+    floor = 1e-3 * float(rn.mean().sqrt()) + 1e-30
+    row = (diff.sqrt() / rn.sqrt().clamp(min=floor)).max()
+    if torch.isnan(y).any():
+        return float("nan"), float("nan")
+    return rel, float(row)
+
+
+def dense_gated(x, w_gate, w_up, w_down):
+    return torch.nn.functional.linear(torch.relu(torch.nn.functional.linear(x, w_gate)) * torch.nn.functional.linear(x, w_up), w_down)
+
+
+def run_grid(
+    shapes: Iterable[tuple[int, int]],
+    Ms: Iterable[int],
+    ks: Iterable[float],
+    distributions: Iterable[str],
+    *,
+    kernel_k_limit: Optional[Callable[[int, int, float], bool]] = None,
+    rep: int = 100,
+    log: Callable[[str], None] = print,
+    device: str = "cuda",
+) -> list[dict]:
+    """Benchmark every combination; see the module docstring for the record fields.
+
+    ``kernel_k_limit(M, f, k)`` says whether to time the forced kernels and their stages (they
+    take seconds where the layer is dense); the module (``twell_ms``) is always timed.
+    """
+    from .. import SparseGatedMLP
+    from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
+    from ..ops import DEFAULT_COMPRESSION, DEFAULT_TILE, prepare_gated_weights, twell_gated_mlp
+
+    info = machine_info()
+    records = []
+    for d, f in shapes:
+        for M in Ms:
+            for dist in distributions:
+                for k in ks:
+                    if dist == "skewed" and k > 0.3 * f:
+                        log(f"skip skewed k={k}: 30% dead units leave at most {0.35 * f:.0f}")
+                        continue
+                    t0 = time.time()
+                    s = make_ffn(M, d, f, k, dist, dtype=torch.bfloat16, device=device, seed=int(k) + M + d)
+                    x, wg, wu, wd = s.x, s.w_gate, s.w_up, s.w_down
+                    rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=DEFAULT_TILE, compression=DEFAULT_COMPRESSION)
+                    ref = reference_fp32(x, wg, wu, wd)
+                    with torch.no_grad():
+                        y_dense = dense_gated(x, wg, wu, wd)
+                        rec["dense_rel_err"], rec["dense_max_row_err"] = errors(y_dense, ref)
+                        del y_dense
+                        rec["dense_ms"] = bench_ms(lambda: dense_gated(x, wg, wu, wd), rep=rep)
+
+                        mod = SparseGatedMLP(d, f, device=device, dtype=torch.bfloat16).eval()
+                        mod.gate_proj.weight.copy_(wg)
+                        mod.up_proj.weight.copy_(wu)
+                        mod.down_proj.weight.copy_(wd)
+                        mod.track_stats = False
+                        for _ in range(3):  # let the layer's estimate arrive
+                            mod(x)
+                            torch.cuda.synchronize()
+                        y_mod = mod(x)
+                        state = mod.__dict__.get("_kernel_path_state")
+                        rec["twell_path"] = "twell" if state is not None and state.use_kernels(f) else "dense"
+                        rec["rel_err"], rec["max_row_err"] = errors(y_mod, ref)
+                        del y_mod
+                        rec["twell_ms"] = bench_ms(lambda: mod(x), rep=rep)
+
+                        pre = torch.mm(x, wg.T)
+                        g = pack_relu(pre)
+                        counts = g.counts
+                        nnz = counts.sum(dim=1, dtype=torch.int64)
+                        rec["k_measured"] = float(nnz.float().mean())
+                        rec["max_row_nnz"] = int(nnz.max())
+                        rec["overflow_tiles"] = int((counts > g.slots).sum())
+                        rec["overflow_rows"] = int((counts > g.slots).any(dim=1).sum())
+                        del pre, g
+                        if kernel_k_limit is None or kernel_k_limit(M, f, k):
+                            w = prepare_gated_weights(wu, wd)
+                            krep = rep if k <= 300 else max(5, rep // 10)
+                            y_k = twell_gated_mlp(x, wg, wu, wd, weights=w)
+                            rec["kernels_rel_err"], rec["kernels_max_row_err"] = errors(y_k, ref)
+                            del y_k
+                            rec["kernels_ms"] = bench_ms(lambda: twell_gated_mlp(x, wg, wu, wd, weights=w), rep=krep)
+                            rec["gate_ms"] = bench_ms(lambda: torch.mm(x, wg.T), rep=rep)
+                            pre = torch.mm(x, wg.T)
+                            rec["pack_ms"] = bench_ms(lambda: pack_relu(pre), rep=rep)
+                            rec["gate_pack_ms"] = bench_ms(lambda: pack_relu(torch.mm(x, wg.T)), rep=rep)
+                            g = pack_relu(pre)
+                            c = OverflowCounters.zeros(x.device)
+                            rec["updown_ms"] = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c), rep=krep)
+                            pairs = rec["k_measured"] * M
+                            rec["updown_pair_GBps"] = pairs * 4 * d / (rec["updown_ms"] * 1e6)
+                            del pre, g, w
+                        rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
+                        if "kernels_ms" in rec:
+                            rec["kernels_speedup"] = rec["dense_ms"] / rec["kernels_ms"]
+                    rec.update(info)
+                    records.append(rec)
+                    del s, x, wg, wu, wd, ref, mod
+                    torch.cuda.empty_cache()
+                    log(
+                        f"M={M} d={d} f={f} k={k:g} {dist:6s} kmeas={rec['k_measured']:.1f} dense={rec['dense_ms']:.2f} "
+                        f"twell={rec['twell_ms']:.2f} ({rec['twell_path']}) x{rec['speedup']:.2f} "
+                        f"kern={rec.get('kernels_ms', float('nan')):.2f} gp={rec.get('gate_pack_ms', float('nan')):.2f} "
+                        f"ud={rec.get('updown_ms', float('nan')):.2f} err={rec['rel_err']:.1e} row={rec['max_row_err']:.1e}/"
+                        f"{rec['dense_max_row_err']:.1e} ovf={rec['overflow_tiles']} [{time.time() - t0:.1f}s]"
+                    )
+    return records
+
+
+def run_variants(M: int = 131072, d: int = 2048, f: int = 5632, log: Callable[[str], None] = print, device: str = "cuda") -> list[dict]:
+    """Design variants at one shape: gate kernels (cuBLAS + pack vs fused Triton epilogue),
+    up/down tuning (entries per step, warps, fused vs separate weight layout, tile geometry),
+    and the two ceilings (device copy bandwidth, cuBLAS bf16 rate)."""
+    from ..kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, pack_relu
+    from ..ops import prepare_gated_weights
+
+    info = machine_info()
+    out = []
+
+    def add(**kw):
+        kw.update(info)
+        out.append(kw)
+        log("  ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in kw.items() if a not in info))
+
+    buf = torch.empty(2 * 1024**3 if device == "cuda" else 1024, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(buf)
+    ms = bench_ms(lambda: dst.copy_(buf))
+    add(variant="copy_2GiB", ms=ms, TBps=2 * buf.numel() / ms / 1e9)
+    del buf, dst
+    n = 8192 if device == "cuda" else 64
+    a = torch.randn(n, n, device=device, dtype=torch.bfloat16)
+    ms = bench_ms(lambda: a @ a)
+    add(variant=f"mm_{n}_bf16", ms=ms, TFLOPs=2 * n**3 / ms / 1e9)
+    del a
+
+    for k, dist in ((29, "even"), (56, "even"), (29, "skewed"), (29, "heavy")):
+        s = make_ffn(M, d, f, k, dist, dtype=torch.bfloat16, device=device, seed=7)
+        x, wg = s.x, s.w_gate
+        w = prepare_gated_weights(s.w_up, s.w_down)
+        sep_up, sep_dt = s.w_up, s.w_down.T.contiguous()
+        ms_dense = bench_ms(lambda: dense_gated(x, wg, s.w_up, s.w_down))
+        add(variant="dense", k=k, dist=dist, ms=ms_dense)
+        if k == 29 and dist == "even":
+            add(variant="gate_cublas", k=k, dist=dist, ms=bench_ms(lambda: torch.mm(x, wg.T)))
+            for tile in (128, 256):
+                for bm, bk, nw, ns in ((128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)):
+                    if tile == 256 and bm == 128 and ns == 4:
+                        continue
+                    try:
+                        ms = bench_ms(lambda: gate_pack_fused(x, wg, tile=tile, compression=4, block_m=bm, block_k=bk, num_warps=nw, num_stages=ns))
+                        add(variant="gate_pack_fused", tile=tile, BM=bm, BK=bk, warps=nw, stages=ns, k=k, dist=dist, ms=ms)
+                    except Exception as err:  # out of shared memory etc.
+                        add(variant="gate_pack_fused", tile=tile, BM=bm, BK=bk, warps=nw, stages=ns, error=str(err)[:120])
+        pre = torch.mm(x, wg.T)
+        for tile, comp in ((256, 4), (256, 8), (128, 4), (8192, 8)):
+            ms_pack = bench_ms(lambda: pack_relu(pre, tile, comp))
+            g = pack_relu(pre, tile, comp)
+            pairs = float(g.counts.clamp(max=g.slots).sum())
+            ovf = int((g.counts > g.slots).sum())
+            c = OverflowCounters.zeros(x.device)
+            configs = [(be, nw, "fused") for be in (4, 8, 16) for nw in (4, 8)] if (tile, comp) == (256, 4) else [(8, 4, "fused")]
+            if (tile, comp) == (256, 4):
+                configs += [(8, 4, "separate"), (8, 8, "separate")]
+            for be, nw, layout in configs:
+                up, dt = (w.up, w.down_t) if layout == "fused" else (sep_up, sep_dt)
+                ms = bench_ms(lambda: ffn_from_twell(x, g, dt, w_up=up, pre=pre, counters=c, block_e=be, num_warps=nw))
+                add(variant="updown", tile=tile, C=comp, BE=be, warps=nw, layout=layout, k=k, dist=dist, ms=ms,
+                    pack_ms=ms_pack, pairs=pairs, overflow_tiles=ovf, pair_GBps=pairs * 4 * d / ms / 1e6)
+            uc = torch.zeros(f, dtype=torch.int32, device=device)
+            nnz = torch.empty(M, dtype=torch.int32, device=device)
+            if (tile, comp) == (256, 4):
+                ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, unit_counts=uc, row_nnz=nnz))
+                add(variant="updown+stats", tile=tile, C=comp, k=k, dist=dist, ms=ms)
+            del g
+        del pre, s, x, wg, w, sep_up, sep_dt
+        torch.cuda.empty_cache()
+    return out
+
+
+def best_updown_config(variants: list[dict]) -> Optional[tuple[int, int]]:
+    """``(block_e, num_warps)`` with the least total up/down time over the even cases
+    (tile 256, C 4, fused layout) of :func:`run_variants`."""
+    total: dict = {}
+    for v in variants:
+        if v.get("variant") == "updown" and v.get("layout") == "fused" and v.get("tile") == 256 and v.get("C") == 4 and v.get("dist") == "even":
+            key = (v["BE"], v["warps"])
+            total[key] = total.get(key, 0.0) + v["ms"]
+    return min(total, key=total.get) if total else None

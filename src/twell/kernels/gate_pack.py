@@ -1,0 +1,223 @@
+"""Gate with pack: ``relu(x w^T)`` written into TwELL.
+
+Two implementations of the same op, both exact for every input:
+
+``pack_relu(a)``
+    The unfused variant: cuBLAS computes the pre-activation ``a = x w^T [M, f]`` (a plain
+    ``torch.mm``) and one light Triton pass reads it once and writes the TwELL (each program
+    packs ``BM`` rows of one tile: ``nz = a > 0``, a running prefix sum of ``nz`` along the row
+    gives each non-zero its slot). The dense ``a`` stays available to the consumer, which reads
+    overflowed tiles from it instead of recomputing them.
+
+``gate_pack_fused(x, w)``
+    The fused variant: a Triton matmul whose output tile is one TwELL tile (``BN = tile``)
+    packs in its epilogue, so ``a`` never goes to memory. Overflowed tiles must then be
+    recomputed from ``x`` and ``w`` by the consumer.
+
+Which one is faster is measured (benchmarks/NOTES_inference.md): on the H200 here the plain
+pointer-load Triton matmul runs below cuBLAS, so the unfused variant is the default.
+
+Layout written (see :class:`twell.format.TwELL`): ``values [M, n_tiles, slots]`` (same dtype as
+the input), ``cols [M, n_tiles, slots]`` int16 within the tile, ``counts [M, n_tiles]`` int32,
+the true count (``counts > slots`` marks overflow; such tiles keep their first ``slots``
+entries, which consumers ignore). Entries are in ascending column order within a tile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_tensor
+from ..format import TwELL, _check_tile, twell_slots
+
+__all__ = ["pack_relu", "gate_pack_fused", "empty_twell"]
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def empty_twell(M: int, f: int, tile: int, compression: int, dtype, device) -> TwELL:
+    """Unwritten TwELL buffers for an ``[M, f]`` matrix (``overflow_values`` left None)."""
+    _check_tile(tile, compression)
+    n_tiles = max(1, math.ceil(f / tile))
+    slots = twell_slots(tile, compression)
+    values = torch.empty(M, n_tiles, slots, dtype=dtype, device=device)
+    cols = torch.empty(M, n_tiles, slots, dtype=torch.int16, device=device)
+    counts = torch.empty(M, n_tiles, dtype=torch.int32, device=device)
+    return TwELL(values, cols, counts, f, tile, compression)
+
+
+# ---------------------------------------------------------------------------------------------
+# Light pack pass over a dense pre-activation
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _pack_relu_kernel(
+    a_ptr, stride_am,
+    val_ptr, col_ptr, cnt_ptr,
+    M, f, SLOTS, N_TILES,
+    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    t = tl.program_id(1)
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < M
+    run = tl.zeros([BM], dtype=tl.int32)  # non-zeros seen so far in this (row, tile)
+    out_row = rows * (N_TILES * SLOTS) + t * SLOTS
+    for c0 in tl.static_range(0, TILE, BN):
+        cin = c0 + tl.arange(0, BN)
+        gcol = t * TILE + cin
+        mask = rmask[:, None] & (gcol < f)[None, :]
+        a = tl.load(a_ptr + rows[:, None] * stride_am + gcol[None, :], mask=mask, other=0.0)
+        nz = (a > 0) & mask
+        nzi = nz.to(tl.int32)
+        pos = tl.cumsum(nzi, axis=1) - 1 + run[:, None]
+        keep = nz & (pos < SLOTS)
+        off = out_row[:, None] + pos
+        tl.store(val_ptr + off, a, mask=keep)
+        tl.store(col_ptr + off, (cin[None, :] + tl.zeros([BM, BN], dtype=tl.int32)).to(tl.int16), mask=keep)
+        run += tl.sum(nzi, axis=1)
+    tl.store(cnt_ptr + rows * N_TILES + t, run, mask=rmask)
+
+
+def _check_pre(a: torch.Tensor, name: str) -> None:
+    check_tensor(a, name, dim=2, dtypes=_KERNEL_DTYPES)
+    if not a.is_cuda and not _interpreting():
+        raise ValueError(f"{name} must be a CUDA tensor (or run under TRITON_INTERPRET=1), got {a.device}")
+
+
+def _interpreting() -> bool:
+    import os
+
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4) -> TwELL:
+    """Pack ``relu(a)`` into TwELL with one pass over ``a``.
+
+    Args:
+        a: ``[M, f]`` pre-activation (float16, bfloat16 or float32), e.g. ``x @ w_gate.T`` from
+            cuBLAS. Its last dimension must be contiguous.
+        tile: TwELL tile width T (a power of two); compression: C in {2, 4, 8}.
+
+    Returns:
+        A kernel-written :class:`TwELL` of ``relu(a)``: entries hold ``a``'s own values (so
+        they are bit-identical to ``relu(a)``), ``overflow_values`` is None (overflowed tiles
+        are read back from ``a`` or recomputed by the consumer).
+    """
+    _check_pre(a, "a")
+    _check_tile(tile, compression)
+    if a.stride(1) != 1:
+        a = a.contiguous()
+    M, f = a.shape
+    out = empty_twell(M, f, tile, compression, a.dtype, a.device)
+    if M == 0:
+        return out
+    BN = min(tile, 256)
+    BM = max(1, 8192 // BN)
+    grid = (triton.cdiv(M, BM), out.n_tiles)
+    _pack_relu_kernel[grid](
+        a, a.stride(0), out.values, out.cols, out.counts, M, f, out.slots, out.n_tiles,
+        TILE=tile, BM=BM, BN=BN, num_warps=4,
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton matmul with the pack in its epilogue
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gate_pack_kernel(
+    x_ptr, stride_xm, w_ptr, stride_wf,
+    val_ptr, col_ptr, cnt_ptr,
+    M, f, d, SLOTS, N_TILES,
+    BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    # Grouped launch order: consecutive programs share w tiles (better L2 reuse).
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    in_group = GROUP_M * N_TILES
+    group = pid // in_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    t = (pid % in_group) // size_m
+
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    cin = tl.arange(0, TILE)
+    gcol = t * TILE + cin
+    rmask, cmask = rows < M, gcol < f
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BM, TILE], dtype=tl.float32)
+    for k0 in range(0, d, BK):
+        kmask = (k0 + ks) < d
+        xa = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        wb = tl.load(w_ptr + gcol.to(tl.int64)[None, :] * stride_wf + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
+        acc = tl.dot(xa, wb, acc)
+    a = acc.to(val_ptr.dtype.element_ty)
+    mask = rmask[:, None] & cmask[None, :]
+    nz = (a > 0) & mask
+    nzi = nz.to(tl.int32)
+    pos = tl.cumsum(nzi, axis=1) - 1
+    keep = nz & (pos < SLOTS)
+    off = (rows * (N_TILES * SLOTS) + t * SLOTS)[:, None] + pos
+    tl.store(val_ptr + off, a, mask=keep)
+    tl.store(col_ptr + off, (cin[None, :] + tl.zeros([BM, TILE], dtype=tl.int32)).to(tl.int16), mask=keep)
+    tl.store(cnt_ptr + rows * N_TILES + t, tl.sum(nzi, axis=1), mask=rmask)
+
+
+def gate_pack_fused(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tile: int = 128,
+    compression: int = 4,
+    block_m: int = 128,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+) -> TwELL:
+    """``relu(x w^T)`` into TwELL by a Triton matmul that packs in its epilogue.
+
+    Args:
+        x: ``[M, d]``; w: ``[f, d]`` (nn.Linear layout), same dtype (fp16, bf16 or fp32).
+        tile: TwELL tile width, which is also the matmul's N block (16 to 256).
+        compression, block_m, block_k, num_warps, num_stages: format and tuning knobs.
+
+    Returns:
+        A kernel-written :class:`TwELL` (``overflow_values`` None: recompute overflowed tiles
+        from ``x`` and ``w``). ``[M, f]`` never goes to memory.
+    """
+    check_tensor(x, "x", dim=2, dtypes=_KERNEL_DTYPES)
+    check_tensor(w, "w", dim=2, dtypes=_KERNEL_DTYPES)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must be [f, {x.shape[1]}] for x [M, {x.shape[1]}], got {list(w.shape)}")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise TypeError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
+    if not x.is_cuda and not _interpreting():
+        raise ValueError(f"x must be a CUDA tensor (or run under TRITON_INTERPRET=1), got {x.device}")
+    _check_tile(tile, compression)
+    if not 16 <= tile <= 256:
+        raise ValueError(f"the fused gate-pack needs 16 <= tile <= 256 (its N block), got {tile}")
+    x = x if x.stride(1) == 1 else x.contiguous()
+    w = w if w.stride(1) == 1 else w.contiguous()
+    M, d = x.shape
+    f = w.shape[0]
+    out = empty_twell(M, f, tile, compression, x.dtype, x.device)
+    if M == 0:
+        return out
+    if d == 0:
+        out.counts.zero_()
+        return out
+    grid = (triton.cdiv(M, block_m) * out.n_tiles,)
+    _gate_pack_kernel[grid](
+        x, x.stride(0), w, w.stride(0), out.values, out.cols, out.counts,
+        M, f, d, out.slots, out.n_tiles,
+        BM=block_m, TILE=tile, BK=block_k, GROUP_M=8, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out

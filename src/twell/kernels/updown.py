@@ -1,0 +1,292 @@
+"""The FFN from TwELL: fused gated up/down, or the non-gated down projection.
+
+For each token ``m`` and each active unit ``j`` of its TwELL row::
+
+    gated:      h = g[m, j] * (x[m] . w_up[j]);   y[m] += h * w_down[:, j]
+    non-gated:  h = h[m, j];                      y[m] += h * w_down[:, j]
+
+One program per token. Its TwELL entries are compacted across tiles on the fly (a prefix sum
+of the tile counts maps entry number ``e`` to its (tile, slot)), then processed ``BE`` at a
+time: ``BE`` up rows and ``BE`` down columns gathered as ``[BE, d]`` blocks (the down columns
+come as rows of ``w_down^T [f, d]``, so each is one contiguous 2*d-byte load), reduced in fp32.
+``y[m]`` stays in registers until one final store: nothing ``[M, f]``-sized is written.
+
+Exact path: a (row, tile) whose count exceeds the slots lost entries, so the program
+processes the whole tile instead, ``BE`` units at a time, taking the gate (or the non-gated
+pre-activation) either from the dense pre-activation ``pre`` when the caller has it (cuBLAS
+gate: one cheap read) or recomputing it from ``x`` and ``w_first`` (fused gate kernel). Inactive
+units of such a tile cost arithmetic but no memory traffic (their loads are masked off). Every
+overflowed tile and every row with one is counted in :class:`OverflowCounters`, on the device,
+with no host synchronisation.
+
+Weight layout: ``w_up`` and ``w_down_t`` are any ``[f, d]`` views with unit-stride rows, so the
+caller may pass the two halves of one fused ``[f, 2d]`` matrix (row ``j`` = up row ``j`` then down
+column ``j``: one 8 KB span per unit at d = 2048), or two separate matrices.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_tensor
+from ..format import TwELL
+
+__all__ = ["ffn_from_twell", "OverflowCounters"]
+
+_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass
+class OverflowCounters:
+    """Device counters of the exact path, accumulated over every call they are passed to.
+
+    ``buffer`` is a ``[2]`` int64 tensor: ``tiles`` (``buffer[0]``) counts the (row, tile)
+    pairs recomputed exactly because they overflowed, ``rows`` (``buffer[1]``) the rows that
+    had at least one. Reading them (``int(c.tiles)``) syncs; the kernels never do.
+    """
+
+    buffer: torch.Tensor
+
+    @classmethod
+    def zeros(cls, device) -> "OverflowCounters":
+        return cls(torch.zeros(2, dtype=torch.int64, device=device))
+
+    @property
+    def tiles(self) -> torch.Tensor:
+        return self.buffer[0]
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.buffer[1]
+
+
+@triton.jit
+def _ffn_from_twell_kernel(
+    x_ptr, stride_xm,
+    cnt_ptr, val_ptr, col_ptr,
+    wu_ptr, stride_wu,
+    wd_ptr, stride_wd,
+    wf_ptr, stride_wf,
+    pre_ptr, stride_pm,
+    y_ptr, stride_ym,
+    ovf_ptr, uc_ptr, nnz_ptr,
+    d, f, SLOTS, N_TILES, TILE,
+    D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr,
+    GATED: tl.constexpr, HAS_PRE: tl.constexpr, TRACK: tl.constexpr,
+):
+    m = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    dmask = offs_d < d
+    x = tl.load(x_ptr + m * stride_xm + offs_d, mask=dmask, other=0.0).to(tl.float32)
+
+    tiles = tl.arange(0, NTP)
+    cnt = tl.load(cnt_ptr + m * N_TILES + tiles, mask=tiles < N_TILES, other=0)
+    over = cnt > SLOTS
+    c = tl.where(over, 0, cnt)
+    incl = tl.cumsum(c, axis=0)
+    excl = incl - c
+    n_entries = tl.sum(c, axis=0)
+    row_base = m * N_TILES * SLOTS
+    ones = tl.full([BE], 1, dtype=tl.int32)
+
+    acc = tl.zeros([D], dtype=tl.float32)
+    for e0 in range(0, n_entries, BE):
+        e = e0 + tl.arange(0, BE)
+        valid = e < n_entries
+        # entry e lives in the first tile whose inclusive prefix exceeds e
+        t_e = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
+        base = tl.sum(tl.where(tiles[None, :] == t_e[:, None], excl[None, :], 0), axis=1)
+        off = row_base + t_e * SLOTS + (e - base)
+        col = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int32)
+        v = tl.load(val_ptr + off, mask=valid, other=0.0).to(tl.float32)
+        unit = (t_e * TILE + col).to(tl.int64)
+        wmask = valid[:, None] & dmask[None, :]
+        if GATED:
+            wu = tl.load(wu_ptr + unit[:, None] * stride_wu + offs_d[None, :], mask=wmask, other=0.0)
+            h = v * tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        else:
+            h = v
+        wd = tl.load(wd_ptr + unit[:, None] * stride_wd + offs_d[None, :], mask=wmask, other=0.0)
+        acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+        if TRACK:
+            tl.atomic_add(uc_ptr + unit, ones, mask=valid)
+
+    n_over = tl.sum(over.to(tl.int32), axis=0)
+    if n_over > 0:
+        # Exact path: the whole tile, BE units at a time.
+        tl.atomic_add(ovf_ptr, n_over.to(tl.int64))
+        tl.atomic_add(ovf_ptr + 1, 1)
+        for t in range(0, N_TILES):
+            ct = tl.load(cnt_ptr + m * N_TILES + t)
+            if ct > SLOTS:
+                width = tl.minimum(TILE, f - t * TILE)
+                for u0 in range(0, width, BE):
+                    unit = (t * TILE + u0 + tl.arange(0, BE)).to(tl.int64)
+                    umask = (u0 + tl.arange(0, BE)) < width
+                    if HAS_PRE:
+                        a = tl.load(pre_ptr + m * stride_pm + unit, mask=umask, other=0.0).to(tl.float32)
+                    else:
+                        wg = tl.load(wf_ptr + unit[:, None] * stride_wf + offs_d[None, :], mask=umask[:, None] & dmask[None, :], other=0.0)
+                        a = tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
+                        # round like the stored gate values would be
+                        a = a.to(val_ptr.dtype.element_ty).to(tl.float32)
+                    active = umask & (a > 0)
+                    wmask = active[:, None] & dmask[None, :]
+                    if GATED:
+                        wu = tl.load(wu_ptr + unit[:, None] * stride_wu + offs_d[None, :], mask=wmask, other=0.0)
+                        h = tl.where(active, a, 0.0) * tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+                    else:
+                        h = tl.where(active, a, 0.0)
+                    wd = tl.load(wd_ptr + unit[:, None] * stride_wd + offs_d[None, :], mask=wmask, other=0.0)
+                    acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+                    if TRACK:
+                        tl.atomic_add(uc_ptr + unit, ones, mask=active)
+
+    tl.store(y_ptr + m * stride_ym + offs_d, acc.to(y_ptr.dtype.element_ty), mask=dmask)
+    if TRACK:
+        tl.store(nnz_ptr + m, tl.sum(cnt, axis=0))
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.Tensor) -> None:
+    if w is None:
+        return
+    check_tensor(w, name, dim=2, dtypes=_KERNEL_DTYPES)
+    if tuple(w.shape) != (f, d):
+        raise ValueError(f"{name} must be [f, d] = [{f}, {d}], got {list(w.shape)}")
+    if w.stride(1) != 1:
+        raise ValueError(f"{name} must have unit-stride rows (w.stride(1) == 1), got strides {w.stride()}")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise TypeError(f"{name} ({w.dtype}, {w.device}) must match x ({x.dtype}, {x.device})")
+
+
+# Tuned (entries per step, warps) per padded d, set from the H200 variant sweep
+# (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements.
+TUNED: dict[int, tuple[int, int]] = {}
+
+
+def default_config(d: int) -> tuple[int, int]:
+    """``(block_e, num_warps)`` used when the caller passes none."""
+    D = triton.next_power_of_2(max(d, 1))
+    if D in TUNED:
+        return TUNED[D]
+    return max(2, min(16, 16384 // D)), (4 if D <= 1024 else 8)
+
+
+def ffn_from_twell(
+    x: torch.Tensor,
+    g: TwELL,
+    w_down_t: torch.Tensor,
+    *,
+    w_up: Optional[torch.Tensor] = None,
+    w_first: Optional[torch.Tensor] = None,
+    pre: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+    counters: Optional[OverflowCounters] = None,
+    unit_counts: Optional[torch.Tensor] = None,
+    row_nnz: Optional[torch.Tensor] = None,
+    block_e: Optional[int] = None,
+    num_warps: Optional[int] = None,
+) -> torch.Tensor:
+    """``y [M, d]`` from a TwELL: gated up/down when ``w_up`` is given, else the down projection.
+
+    Args:
+        x: ``[M, d]`` tokens (fp16, bf16 or fp32; rows with unit stride).
+        g: TwELL ``[M, f]``: the gate ``relu(x w_gate^T)`` (gated) or ``h = relu(x w_up^T)``
+            (non-gated), e.g. from :func:`twell.kernels.pack_relu`; values in x's dtype.
+        w_down_t: ``[f, d]``, row ``j`` = ``w_down[:, j]`` (``w_down.T.contiguous()``, or the
+            second half of a fused ``[f, 2d]`` matrix).
+        w_up: ``[f, d]`` up rows (gated). None: non-gated, ``h`` is taken from ``g``.
+        w_first: ``[f, d]`` the first projection (``w_gate`` if gated, else ``w_up``), to
+            recompute overflowed tiles; or
+        pre: ``[M, f]`` the dense pre-activation ``x w_first^T`` that ``g`` was packed from,
+            read for overflowed tiles instead of recomputing. One of the two is required.
+        out: optional ``[M, d]`` output (x's dtype).
+        counters: :class:`OverflowCounters` to add the exact path's counts to.
+        unit_counts: optional ``[f]`` int32, incremented by the number of tokens each unit
+            fired for; row_nnz: optional ``[M]`` int32, set to each row's true non-zero count.
+            Pass both or neither.
+        block_e, num_warps: tuning knobs (entries per step, warps per program).
+
+    Returns:
+        ``y [M, d]``.
+    """
+    check_tensor(x, "x", dim=2, dtypes=_KERNEL_DTYPES)
+    if not isinstance(g, TwELL):
+        raise TypeError(f"g must be a twell.TwELL, got {type(g).__name__}")
+    M, d = x.shape
+    f = g.f
+    if g.values.shape[0] != M:
+        raise ValueError(f"g has {g.values.shape[0]} rows but x has {M}")
+    if g.values.dtype != x.dtype:
+        raise TypeError(f"g.values has dtype {g.values.dtype} but x has {x.dtype}; they must match")
+    if g.values.device != x.device:
+        raise ValueError(f"g is on {g.values.device} but x is on {x.device}")
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have unit-stride rows, got strides {x.stride()}")
+    for t, name in ((g.values, "g.values"), (g.cols, "g.cols"), (g.counts, "g.counts")):
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    _check_rows(w_down_t, "w_down_t", f, d, x)
+    _check_rows(w_up, "w_up", f, d, x)
+    _check_rows(w_first, "w_first", f, d, x)
+    if pre is None and w_first is None:
+        raise ValueError(
+            "pass pre ([M, f] pre-activation) or w_first (w_gate, or w_up if non-gated): "
+            "overflowed tiles are recomputed from one of them"
+        )
+    if pre is not None:
+        check_tensor(pre, "pre", dim=2, dtypes=_KERNEL_DTYPES)
+        if tuple(pre.shape) != (M, f) or pre.stride(1) != 1 or pre.device != x.device:
+            raise ValueError(f"pre must be [M, f] = [{M}, {f}] with unit-stride rows on {x.device}, got {list(pre.shape)} strides {pre.stride()}")
+    if not x.is_cuda and not _interpreting():
+        raise ValueError(f"x must be a CUDA tensor (or run under TRITON_INTERPRET=1), got {x.device}")
+    if (unit_counts is None) != (row_nnz is None):
+        raise ValueError("pass unit_counts and row_nnz together, or neither")
+    if unit_counts is not None:
+        check_tensor(unit_counts, "unit_counts", dim=1, dtypes=(torch.int32,))
+        check_tensor(row_nnz, "row_nnz", dim=1, dtypes=(torch.int32,))
+        if unit_counts.shape[0] != f or row_nnz.shape[0] != M or not unit_counts.is_contiguous() or not row_nnz.is_contiguous():
+            raise ValueError(f"unit_counts must be contiguous [{f}] and row_nnz [{M}]")
+    if out is None:
+        out = torch.empty(M, d, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (M, d) or out.dtype != x.dtype or out.stride(1) != 1:
+        raise ValueError(f"out must be [{M}, {d}] {x.dtype} with unit-stride rows")
+    if counters is None:
+        counters = OverflowCounters.zeros(x.device)
+    ovf = counters.buffer
+    if ovf.dtype != torch.int64 or tuple(ovf.shape) != (2,) or ovf.device != x.device:
+        raise ValueError("counters.buffer must be a [2] int64 tensor on x's device (OverflowCounters.zeros)")
+    if M == 0:
+        return out
+    D = triton.next_power_of_2(max(d, 1))
+    be0, nw0 = default_config(d)
+    BE = block_e or be0
+    nw = num_warps or nw0
+    if BE & (BE - 1) or not 1 <= BE <= 64:
+        raise ValueError(f"block_e must be a power of two in [1, 64], got {BE}")
+    gated = w_up is not None
+    dummy = w_down_t
+    _ffn_from_twell_kernel[(M,)](
+        x, x.stride(0),
+        g.counts, g.values, g.cols,
+        w_up if gated else dummy, (w_up if gated else dummy).stride(0),
+        w_down_t, w_down_t.stride(0),
+        w_first if w_first is not None else dummy, (w_first if w_first is not None else dummy).stride(0),
+        pre if pre is not None else x, pre.stride(0) if pre is not None else 0,
+        out, out.stride(0),
+        ovf, unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
+        d, f, g.slots, g.n_tiles, g.tile,
+        D=D, BE=BE, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
+        TRACK=unit_counts is not None, num_warps=nw,
+    )
+    return out

@@ -1,0 +1,43 @@
+"""Inputs for the kernel tests: gates with chosen, adversarial sparsity patterns.
+
+Column 0 of x is the constant 1 and column 0 of the first projection holds minus a threshold,
+so the pattern is set by a few numbers: zero rows (x[m, 1:] = 0), dense rows (x[m, 0] very
+negative flips every threshold), heavy rows (x[m, 0] = 0: about half the units), hot units
+(negative threshold: fire for every token), dead units (large threshold).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def gate_case(M: int, d: int, f: int, dtype=torch.float32, seed: int = 0, density: float = 0.08, adversarial: bool = True):
+    """``(x [M, d], w_first [f, d], w_up [f, d], w_down [d, f])`` with a controlled ReLU pattern."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, d, generator=g)
+    w = torch.randn(f, d, generator=g) / math.sqrt(d - 1)
+    # z = x[1:] . w[1:] ~ N(0, 1): threshold for the wanted density
+    t = float(torch.special.ndtri(torch.tensor(1.0 - density, dtype=torch.float64)))
+    x[:, 0] = 1.0
+    w[:, 0] = -t
+    if adversarial:
+        if M > 3:
+            x[1] = 0.0  # all-zero row (a = 0 exactly: no active unit)
+            x[2, 0] = -40.0  # dense row: every tile overflows
+            x[M - 1, 0] = 0.0  # heavy row: about half the units
+        if f > 4:
+            w[3, 0] = 30.0  # hot unit
+            w[f - 2, 0] = -30.0  # dead unit (except in the dense row)
+    w_up = torch.randn(f, d, generator=g) / math.sqrt(d)
+    w_down = torch.randn(d, f, generator=g) / math.sqrt(f)
+    return tuple(t_.to(dtype) for t_ in (x, w, w_up, w_down))
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64 (NaN if out has any NaN)."""
+    out, ref = out.double(), ref.double()
+    if torch.isnan(out).any():
+        return float("nan")
+    return float((out - ref).norm() / ref.norm().clamp(min=1e-30))

@@ -1,0 +1,111 @@
+"""Gate-with-pack kernels against the PyTorch pack (Triton interpreter on the CPU; GPU in bf16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import gate_case
+from twell.format import pack_twell
+from twell.kernels import gate_pack_fused, pack_relu
+from twell.ops import gate_to_twell
+
+CPU_DTYPES = (torch.float32, torch.float16)  # the interpreter mishandles bf16 tl.dot operands
+
+
+def assert_same_twell(out, ref):
+    """Counts equal; every entry of a non-overflowed tile equal; overflowed tiles keep only
+    their count (their entries are recomputed by consumers)."""
+    assert out.values.shape == ref.values.shape and out.tile == ref.tile and out.f == ref.f
+    assert torch.equal(out.counts, ref.counts)
+    used = torch.arange(out.slots) < out.counts.unsqueeze(-1)
+    used &= ~out.overflowed().unsqueeze(-1)
+    assert torch.equal(out.cols[used], ref.cols[used])
+    assert torch.equal(out.values[used], ref.values[used])
+    assert not torch.isnan(out.values[used]).any()
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("M,f,tile,compression", [(13, 100, 32, 4), (6, 70, 16, 8), (9, 40, 64, 2), (5, 37, 128, 8)])
+def test_pack_relu_matches_pack_twell(dtype, M, f, tile, compression):
+    x, w, _, _ = gate_case(M, 24, f, dtype, seed=M + f)
+    a = x @ w.T
+    out = pack_relu(a, tile, compression)
+    ref = pack_twell(torch.relu(a), tile, compression)
+    assert_same_twell(out, ref)
+    assert out.overflow_values is None
+    assert bool(out.overflowed().any())  # the dense row overflows: the case is exercised
+
+
+def test_pack_relu_all_zero_and_empty():
+    a = -torch.rand(7, 50)
+    out = pack_relu(a, 16, 4)
+    assert torch.equal(out.counts, torch.zeros(7, 4, dtype=torch.int32))
+    empty = pack_relu(torch.zeros(0, 50), 16, 4)
+    assert empty.counts.shape == (0, 4)
+
+
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("M,d,f,tile", [(13, 40, 100, 32), (33, 20, 70, 16)])
+def test_gate_pack_fused_matches_reference(dtype, M, d, f, tile):
+    # small integers: every dot product is exact, so the signs match bit for bit
+    g = torch.Generator().manual_seed(M * d)
+    x = torch.randint(-2, 3, (M, d), generator=g).to(dtype)
+    w = torch.randint(-2, 3, (f, d), generator=g).to(dtype)
+    x[1] = 0
+    w[3] = 1
+    x[4] = 1  # fires for most units: overflows
+    out = gate_pack_fused(x, w, tile=tile, compression=4, block_m=16, block_k=16, num_warps=4, num_stages=1)
+    ref = pack_twell(torch.relu(x.float() @ w.float().T).to(dtype), tile, 4)
+    assert_same_twell(out, ref)
+    assert bool(out.overflowed().any())
+
+
+def test_gate_to_twell_methods_agree():
+    x, w, _, _ = gate_case(11, 32, 90, torch.float32, seed=3)
+    g1, pre = gate_to_twell(x, w, tile=32, compression=4, method="cublas")
+    assert pre is not None and torch.equal(pre, x @ w.T)
+    g2, none = gate_to_twell(x, w, tile=32, compression=4, method="fused")
+    assert none is None
+    # fp32 matmuls in two orders: compare the patterns away from ties
+    assert (g1.counts - g2.counts).abs().max() <= 1
+    with pytest.raises(ValueError, match="method"):
+        gate_to_twell(x, w, method="magic")
+
+
+def test_pack_validation():
+    with pytest.raises(TypeError, match="a must"):
+        pack_relu(torch.zeros(3, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="2-D"):
+        pack_relu(torch.zeros(3))
+    with pytest.raises(ValueError, match="tile"):
+        pack_relu(torch.zeros(3, 4), tile=24)
+    with pytest.raises(ValueError, match="compression"):
+        pack_relu(torch.zeros(3, 4), compression=3)
+    x = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="w must be"):
+        gate_pack_fused(x, torch.zeros(5, 7))
+    with pytest.raises(TypeError, match="dtype"):
+        gate_pack_fused(x, torch.zeros(5, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="tile"):
+        gate_pack_fused(x, torch.zeros(5, 8), tile=512)
+
+
+# --- GPU, bf16, real shapes --------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["cublas", "fused"])
+def test_gate_pack_gpu_bf16(method):
+    from twell.bench.synthetic import make_ffn
+
+    s = make_ffn(4099, 2048, 5632, 29, "heavy", dtype=torch.bfloat16, device="cuda", seed=1)
+    tile = 256 if method == "cublas" else 128
+    g, _ = gate_to_twell(s.x, s.w_gate, tile=tile, compression=4, method=method)
+    a = torch.mm(s.x, s.w_gate.T)
+    ref = pack_twell(torch.relu(a), tile, 4)
+    if method == "cublas":
+        assert_same_twell(g, ref)
+    else:  # a Triton matmul rounds differently from cuBLAS: counts agree up to a few ties
+        assert (g.counts - ref.counts).abs().sum() <= 1e-3 * ref.counts.sum()
+    assert bool(g.overflowed().any())

@@ -1,0 +1,215 @@
+"""FFN-from-TwELL kernel, ops and module kernel path against the PyTorch references
+(Triton interpreter on the CPU in fp32/fp16; GPU tests in bf16 at real shapes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import twell
+from kernel_cases import gate_case, rel_err
+from twell import reference as R
+from twell.kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, pack_relu
+from twell.ops import prepare_gated_weights, twell_gated_mlp, twell_mlp
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+SHAPES = [(13, 40, 100, 32, 4), (8, 72, 70, 16, 8), (5, 24, 37, 64, 2)]  # M, d, f, tile, C
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,d,f,tile,C", SHAPES)
+@pytest.mark.parametrize("source", ["pre", "recompute"])
+def test_gated_from_twell(dtype, M, d, f, tile, C, source):
+    x, wg, wu, wd = gate_case(M, d, f, dtype, seed=M + d + f)
+    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+    pre = x @ wg.T
+    g = pack_relu(pre, tile, C)
+    assert bool(g.overflowed().any())
+    w = prepare_gated_weights(wu, wd)
+    c = OverflowCounters.zeros("cpu")
+    kw = dict(pre=pre) if source == "pre" else dict(w_first=wg)
+    y = ffn_from_twell(x, g, w.down_t, w_up=w.up, counters=c, **kw)
+    assert y.dtype == dtype and y.shape == (M, d)
+    assert rel_err(y, ref) < TOL[dtype]
+    assert torch.all(y[1] == 0)  # the all-zero row
+    over = g.overflowed()
+    assert int(c.tiles) == int(over.sum()) and int(c.rows) == int(over.any(dim=1).sum())
+    # the counters accumulate; separate (unfused) layout gives the same result
+    y2 = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, counters=c, **kw)
+    assert int(c.tiles) == 2 * int(over.sum())
+    assert torch.equal(y, y2)
+
+
+def test_exact_path_is_needed():
+    """Consuming only the stored slots of overflowed tiles (what a kernel without the exact
+    path would do) is measurably wrong on these cases: the tests above can fail."""
+    x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=1)
+    g = pack_relu(x @ wg.T, 32, 4)
+    truncated = twell.TwELL(g.values, g.cols, g.counts.clamp(max=g.slots), g.f, g.tile, g.compression)
+    y_bad = ffn_from_twell(x, truncated, wd.T.contiguous(), w_up=wu, w_first=wg)
+    assert rel_err(y_bad, R.gated_mlp(x, wg, wu, wd)) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,d,f,tile,C", SHAPES[:2])
+def test_mlp_from_twell(dtype, M, d, f, tile, C):
+    x, wu, _, wd = gate_case(M, d, f, dtype, seed=M * 7)
+    ref = R.mlp(x.double(), wu.double(), wd.double())
+    pre = x @ wu.T
+    h = pack_relu(pre, tile, C)
+    for kw in (dict(pre=pre), dict(w_first=wu)):
+        y = ffn_from_twell(x, h, wd.T.contiguous(), **kw)
+        assert rel_err(y, ref) < TOL[dtype]
+
+
+def test_stats_outputs():
+    x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=5)
+    pre = x @ wg.T
+    g = pack_relu(pre, 32, 4)
+    uc = torch.zeros(100, dtype=torch.int32)
+    nnz = torch.empty(13, dtype=torch.int32)
+    ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, unit_counts=uc, row_nnz=nnz)
+    assert torch.equal(uc.long(), (pre > 0).sum(0))
+    assert torch.equal(nnz.long(), (pre > 0).sum(1))
+
+
+def test_ops_match_reference():
+    x, wg, wu, wd = gate_case(11, 40, 100, torch.float32, seed=9)
+    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+    for method in ("cublas", "fused"):
+        c = OverflowCounters.zeros("cpu")
+        y = twell_gated_mlp(x.view(1, 11, 40), wg, wu, wd, tile=32, compression=4, method=method, counters=c)
+        assert y.shape == (1, 11, 40) and rel_err(y[0], ref) < 1e-5
+        assert int(c.tiles) > 0
+    y = twell_mlp(x, wu, wd, tile=32, compression=8)
+    assert rel_err(y, R.mlp(x.double(), wu.double(), wd.double())) < 1e-5
+    with pytest.raises(RuntimeError, match="inference only"):
+        twell_gated_mlp(x.requires_grad_(), wg, wu, wd)
+
+
+def test_fused_gate_then_recompute():
+    """The fused gate kernel leaves overflowed tiles to be recomputed from w_gate."""
+    x, wg, wu, wd = gate_case(13, 40, 100, torch.float16, seed=2)
+    g = gate_pack_fused(x, wg, tile=32, compression=4, block_m=16, block_k=16, num_warps=4, num_stages=1)
+    y = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, w_first=wg)
+    assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 3e-3
+
+
+def test_validation():
+    x, wg, wu, wd = gate_case(5, 24, 37, torch.float32)
+    g = pack_relu(x @ wg.T, 16, 4)
+    wdt = wd.T.contiguous()
+    with pytest.raises(ValueError, match="pre .* or w_first"):
+        ffn_from_twell(x, g, wdt, w_up=wu)
+    with pytest.raises(ValueError, match="w_down_t must be"):
+        ffn_from_twell(x, g, wd, w_up=wu, w_first=wg)
+    with pytest.raises(TypeError, match="g must be"):
+        ffn_from_twell(x, "g", wdt, w_first=wg)
+    with pytest.raises(TypeError, match="dtype"):
+        ffn_from_twell(x.half(), g, wdt, w_first=wg)
+    with pytest.raises(ValueError, match="rows"):
+        ffn_from_twell(x[:3], g, wdt, w_first=wg)
+    with pytest.raises(ValueError, match="unit-stride"):
+        ffn_from_twell(x, g, wd.T, w_first=wg)
+    with pytest.raises(ValueError, match="together"):
+        ffn_from_twell(x, g, wdt, w_first=wg, unit_counts=torch.zeros(37, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("cls", [twell.SparseGatedMLP, twell.SparseMLP])
+def test_module_kernel_path_matches_dense(cls):
+    torch.manual_seed(0)
+    m = cls(40, 100).eval()
+    x = torch.randn(2, 7, 40)
+    with torch.no_grad():
+        y_dense = m(x)
+        s_dense = m.stats
+        assert "_kernel_path_state" not in m.__dict__  # CPU auto: dense path untouched
+        m.kernel_mode = "twell"
+        y_k = m(x)
+        s_k = m.stats
+    assert rel_err(y_k, y_dense) < 1e-5
+    assert torch.equal(s_k.unit_counts, s_dense.unit_counts)
+    assert float(s_k.active_mean) == pytest.approx(float(s_dense.active_mean))
+    assert int(s_k.active_max) == int(s_dense.active_max)
+    assert int(m.tokens_seen) == 28 and torch.equal(m.fire_counts, 2 * s_dense.unit_counts)
+    # a gradient is needed: the dense path runs, kernel mode or not
+    m.train()
+    y = m(x)
+    assert y.requires_grad
+
+
+# --- GPU, bf16, real shapes --------------------------------------------------------------------
+
+
+def _gpu_case(dist, k=29, M=4099, d=2048, f=5632):
+    from twell.bench.synthetic import make_ffn
+
+    s = make_ffn(M, d, f, k, dist, dtype=torch.bfloat16, device="cuda", seed=3)
+    s.x[5] = 0  # an all-zero row
+    s.x[7, 0] = -50.0  # a fully dense row
+    return s
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dist", ["even", "skewed", "heavy"])
+def test_gated_gpu_bf16(dist):
+    from twell.bench.inference import errors, reference_fp32
+
+    s = _gpu_case(dist)
+    ref = reference_fp32(s.x, s.w_gate, s.w_up, s.w_down)
+    dense = torch.relu(s.x @ s.w_gate.T) * (s.x @ s.w_up.T) @ s.w_down.T
+    _, dense_row = errors(dense, ref)
+    for method in ("cublas", "fused"):
+        c = OverflowCounters.zeros("cuda")
+        kw = dict(tile=128) if method == "fused" else {}
+        y = twell_gated_mlp(s.x, s.w_gate, s.w_up, s.w_down, method=method, counters=c, **kw)
+        rel, row = errors(y, ref)
+        assert rel < 1e-2 and row <= 2 * dense_row, (method, rel, row, dense_row)
+        assert int(c.rows) >= 1
+
+
+@pytest.mark.gpu
+def test_mlp_gpu_bf16():
+    from twell.bench.inference import errors
+
+    s = _gpu_case("even")
+    x, wu, wd = s.x, s.w_gate, s.w_down  # the gate weights make a sparse non-gated up projection
+    ref = torch.relu(x.float() @ wu.float().T) @ wd.float().T
+    y = twell_mlp(x, wu, wd)
+    rel, _ = errors(y, ref)
+    assert rel < 1e-2
+
+
+@pytest.mark.gpu
+def test_module_gpu_switches_to_kernels_without_sync():
+    from twell.bench.inference import errors, reference_fp32
+
+    s = _gpu_case("even")
+    m = twell.SparseGatedMLP(2048, 5632, device="cuda", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        m.gate_proj.weight.copy_(s.w_gate)
+        m.up_proj.weight.copy_(s.w_up)
+        m.down_proj.weight.copy_(s.w_down)
+        y0 = m(s.x)  # dense: no estimate yet
+        stats0 = m.stats
+        torch.cuda.synchronize()
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                y1 = m(s.x)  # kernels now, with no host sync, on the caller's stream
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        side.synchronize()
+    assert m._kernel_path_state.use_kernels(5632)
+    ref = reference_fp32(s.x, s.w_gate, s.w_up, s.w_down)
+    assert errors(y1, ref)[0] < 1e-2 and errors(y0, ref)[0] < 1e-2
+    assert torch.equal(m.stats.unit_counts, stats0.unit_counts)
+    assert int(m.tokens_seen) == 2 * 4099
+    # a dense layer goes back to cuBLAS
+    with torch.no_grad():
+        m.gate_proj.weight[:, 0] = 5.0
+        for _ in range(3):
+            m(s.x)
+            torch.cuda.synchronize()
+    assert not m._kernel_path_state.use_kernels(5632)
