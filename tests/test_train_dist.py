@@ -7,13 +7,26 @@ import torch
 import torch.multiprocessing as mp
 
 from test_train_loss import config
-from twell.train.trainer import Trainer
+from twell.train.trainer import Trainer, shutdown_distributed
 
 
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _spawn(fn, args, timeout_s: float = 180.0) -> None:
+    """mp.spawn with a deadline, so that a stuck rank fails the test instead of hanging CI."""
+    import time
+
+    ctx = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                p.kill()
+            raise TimeoutError(f"the 2-process run did not finish in {timeout_s} s")
 
 
 def _one_step(trainer: Trainer) -> dict:
@@ -40,7 +53,8 @@ def _worker(rank, world, port, cfg, out_file):
     result["ce_l1_by_rank"] = gathered
     if rank == 0:
         torch.save(result, out_file)
-    torch.distributed.destroy_process_group()
+    del trainer
+    shutdown_distributed()
 
 
 def test_two_processes_match_one(tmp_path):
@@ -49,7 +63,7 @@ def test_two_processes_match_one(tmp_path):
     two = config(tmp_path, batch_size=B, **common)
     one = config(tmp_path, batch_size=2 * B, **common)
     out_file = tmp_path / "rank0.pt"
-    mp.spawn(_worker, args=(2, _free_port(), two, str(out_file)), nprocs=2, join=True)
+    _spawn(_worker, (2, _free_port(), two, str(out_file)))
     got = torch.load(out_file, weights_only=False)
     want = _one_step(Trainer(one))
 
@@ -95,7 +109,7 @@ def test_two_process_training_matches_one(tmp_path):
             "fsdp_resumed": (config(tmp_path, batch_size=2, fsdp=True, **common, out=str(tmp_path / "fsdp_resumed")),
                              str(tmp_path / "fsdp" / "checkpoints" / "step_000001"))}
     for name, (cfg, resume) in runs.items():
-        mp.spawn(_fit_worker, args=(2, _free_port(), cfg, resume), nprocs=2, join=True)
+        _spawn(_fit_worker, (2, _free_port(), cfg, resume))
         got = read_history(tmp_path / name / "log.csv")
         assert [r["step"] for r in got] == ([2, 3] if resume else [1, 2, 3]), name
         for g, w in zip(got, want[-len(got):]):

@@ -124,10 +124,7 @@ class DeadUnits:
         # The same generator state on every rank, so every replica draws the same noise.
         gen = torch.Generator(device=w.device).manual_seed(self.seed * 1_000_003 + step)
         for layer, m in enumerate(modules):
-            # SparseGatedMLP.reinit_dead_units applies Eq. 6 to the units whose fire_counts
-            # are zero: point its counters at this tracker's verdict.
-            m.fire_counts.copy_((~target[layer]).long())
-            m.reinit_dead_units(keep=self.keep, std=self.std, generator=gen)
+            m.reinit_dead_units(keep=self.keep, std=self.std, generator=gen, mask=target[layer])
         self.reinit_count += target.sum()
 
     def state_dict(self) -> dict:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import gc
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from .data import PackedSequences, build_streams, load_tokenizer
 from .model import PRESETS, build_model, count_params, make_config
 from .stats import DeadUnits, IntervalStats
 
-__all__ = ["TrainConfig", "Trainer", "train", "evaluate_lm"]
+__all__ = ["TrainConfig", "Trainer", "train", "evaluate_lm", "shutdown_distributed"]
 
 # Learning rates that trained well here at each scale (the paper's 1.5B used 3e-4).
 DEFAULT_LR = {"tiny": 3e-3, "small": 1.5e-3}
@@ -448,5 +449,23 @@ def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
     try:
         return trainer.fit()
     finally:
-        if trainer.world > 1 and dist.is_initialized():
-            dist.destroy_process_group()
+        if trainer.world > 1:
+            del trainer
+            shutdown_distributed()
+
+
+def shutdown_distributed() -> None:
+    """Leave the process group without the gloo shutdown deadlock seen here (torch 2.13).
+
+    Gloo's worker thread frees a finished collective, which needs the GIL, a moment after the
+    caller already saw it complete; if the process group is destroyed in that moment (from a
+    Python destructor, GIL held), the destructor joins that thread and both wait forever.
+    So: a barrier, so that every rank is done, then let the worker threads drain before
+    destroying the group.
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    dist.barrier()
+    gc.collect()  # a DDP wrapper still alive would drop the group's last reference later
+    time.sleep(0.2)  # releases the GIL: gloo's threads finish freeing their work
+    dist.destroy_process_group()
