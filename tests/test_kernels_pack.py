@@ -18,7 +18,7 @@ def assert_same_twell(out, ref):
     their count (their entries are recomputed by consumers)."""
     assert out.values.shape == ref.values.shape and out.tile == ref.tile and out.f == ref.f
     assert torch.equal(out.counts, ref.counts)
-    used = torch.arange(out.slots) < out.counts.unsqueeze(-1)
+    used = torch.arange(out.slots, device=out.counts.device) < out.counts.unsqueeze(-1)
     used &= ~out.overflowed().unsqueeze(-1)
     assert torch.equal(out.cols[used], ref.cols[used])
     assert torch.equal(out.values[used], ref.values[used])

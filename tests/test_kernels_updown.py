@@ -19,23 +19,26 @@ SHAPES = [(13, 40, 100, 32, 4), (8, 72, 70, 16, 8), (5, 24, 37, 64, 2)]  # M, d,
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("M,d,f,tile,C", SHAPES)
 @pytest.mark.parametrize("source", ["pre", "recompute"])
-def test_gated_from_twell(dtype, M, d, f, tile, C, source):
+@pytest.mark.parametrize("kernel", ["token", "rows"])
+def test_gated_from_twell(dtype, M, d, f, tile, C, source, kernel):
     x, wg, wu, wd = gate_case(M, d, f, dtype, seed=M + d + f)
     ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
     pre = x @ wg.T
+    if kernel == "rows":  # one tile per row
+        tile = 128 if f > 64 else 64
     g = pack_relu(pre, tile, C)
     assert bool(g.overflowed().any())
     w = prepare_gated_weights(wu, wd)
     c = OverflowCounters.zeros("cpu")
     kw = dict(pre=pre) if source == "pre" else dict(w_first=wg)
-    y = ffn_from_twell(x, g, w.down_t, w_up=w.up, counters=c, **kw)
+    y = ffn_from_twell(x, g, w.down_t, w_up=w.up, counters=c, kernel=kernel, **kw)
     assert y.dtype == dtype and y.shape == (M, d)
     assert rel_err(y, ref) < TOL[dtype]
     assert torch.all(y[1] == 0)  # the all-zero row
     over = g.overflowed()
     assert int(c.tiles) == int(over.sum()) and int(c.rows) == int(over.any(dim=1).sum())
     # the counters accumulate; separate (unfused) layout gives the same result
-    y2 = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, counters=c, **kw)
+    y2 = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, counters=c, kernel=kernel, **kw)
     assert int(c.tiles) == 2 * int(over.sum())
     assert torch.equal(y, y2)
 
@@ -44,7 +47,7 @@ def test_exact_path_is_needed():
     """Consuming only the stored slots of overflowed tiles (what a kernel without the exact
     path would do) is measurably wrong on these cases: the tests above can fail."""
     x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=1)
-    g = pack_relu(x @ wg.T, 32, 4)
+    g = twell.pack_twell(torch.relu(x @ wg.T), 32, 4)  # keeps the first `slots` entries of every tile
     truncated = twell.TwELL(g.values, g.cols, g.counts.clamp(max=g.slots), g.f, g.tile, g.compression)
     y_bad = ffn_from_twell(x, truncated, wd.T.contiguous(), w_up=wu, w_first=wg)
     assert rel_err(y_bad, R.gated_mlp(x, wg, wu, wd)) > 1e-2
@@ -52,25 +55,41 @@ def test_exact_path_is_needed():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("M,d,f,tile,C", SHAPES[:2])
-def test_mlp_from_twell(dtype, M, d, f, tile, C):
+@pytest.mark.parametrize("kernel", ["token", "rows"])
+def test_mlp_from_twell(dtype, M, d, f, tile, C, kernel):
     x, wu, _, wd = gate_case(M, d, f, dtype, seed=M * 7)
     ref = R.mlp(x.double(), wu.double(), wd.double())
     pre = x @ wu.T
-    h = pack_relu(pre, tile, C)
+    h = pack_relu(pre, 128 if kernel == "rows" else tile, C)
+    assert bool(h.overflowed().any())
     for kw in (dict(pre=pre), dict(w_first=wu)):
-        y = ffn_from_twell(x, h, wd.T.contiguous(), **kw)
+        y = ffn_from_twell(x, h, wd.T.contiguous(), kernel=kernel, **kw)
         assert rel_err(y, ref) < TOL[dtype]
 
 
-def test_stats_outputs():
+@pytest.mark.parametrize("tile", [32, 128])
+def test_stats_outputs(tile):
     x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=5)
     pre = x @ wg.T
-    g = pack_relu(pre, 32, 4)
+    g = pack_relu(pre, tile, 4)
     uc = torch.zeros(100, dtype=torch.int32)
     nnz = torch.empty(13, dtype=torch.int32)
     ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, unit_counts=uc, row_nnz=nnz)
     assert torch.equal(uc.long(), (pre > 0).sum(0))
     assert torch.equal(nnz.long(), (pre > 0).sum(1))
+
+
+def test_rows_kernel_empty_blocks_and_many_tokens():
+    """Token blocks with no entry at all still write y (zeros); M not a multiple of the block."""
+    x, wg, wu, wd = gate_case(37, 40, 100, torch.float32, seed=11, density=0.02, adversarial=False)
+    x[:20] = 0  # the first block has no active unit
+    pre = x @ wg.T
+    g = pack_relu(pre, 128, 8)
+    y = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, kernel="rows")
+    assert torch.all(y[:20] == 0)
+    assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 1e-5
+    with pytest.raises(ValueError, match="one-tile"):
+        ffn_from_twell(x, pack_relu(pre, 32, 8), wd.T.contiguous(), w_up=wu, pre=pre, kernel="rows")
 
 
 def test_ops_match_reference():
@@ -83,6 +102,8 @@ def test_ops_match_reference():
         assert int(c.tiles) > 0
     y = twell_mlp(x, wu, wd, tile=32, compression=8)
     assert rel_err(y, R.mlp(x.double(), wu.double(), wd.double())) < 1e-5
+    y = twell_gated_mlp(x, wg, wu, wd)  # default geometry: one tile per row, row-block kernel
+    assert rel_err(y, ref) < 1e-5
     with pytest.raises(RuntimeError, match="inference only"):
         twell_gated_mlp(x.requires_grad_(), wg, wu, wd)
 

@@ -170,8 +170,8 @@ class _KernelPath:
     and a later call reads them once its CUDA event has completed (``event.query()``). Until a
     first estimate arrives, and whenever it says the layer is too dense, the dense path runs.
     Kernels are chosen while ``cost <= kernel_max_density * f`` with
-    ``cost = mean active units + overflowed tiles per token * tile / 8`` (an overflowed tile is
-    recomputed exactly, at about an eighth of a dense pass over its units). The threshold comes
+    ``cost = mean active units + overflowed tiles per token * min(tile, f) / 8`` (an overflowed
+    tile is recomputed exactly, at about an eighth of a dense pass over its units). The threshold comes
     from the H200 benchmark (benchmarks/NOTES_inference.md); set ``module.kernel_max_density``
     to override it, or ``module.kernel_mode`` to ``"dense"`` / ``"twell"`` to force a path.
     """
@@ -181,6 +181,7 @@ class _KernelPath:
 
     def __init__(self) -> None:
         self.estimate: Optional[float] = None  # cost in units per token, from a finished call
+        self._tile = 256
         self._host: Optional[torch.Tensor] = None
         self._event = None
         self._weights = None
@@ -192,9 +193,7 @@ class _KernelPath:
     def _poll(self) -> None:
         if self._event is not None and self._event.query():
             mean, over = (float(v) for v in self._host.tolist())
-            from .ops import DEFAULT_TILE
-
-            self.estimate = mean + over * DEFAULT_TILE / 8
+            self.estimate = mean + over * self._tile / 8
             self._event = None
 
     def use_kernels(self, f: int) -> bool:
@@ -240,7 +239,7 @@ class _KernelPath:
 
     def _run(self, module: "_SparseFFN", x: torch.Tensor, first: torch.Tensor, w_up, w_down_t) -> torch.Tensor:
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu
-        from .ops import DEFAULT_COMPRESSION, DEFAULT_TILE
+        from .ops import DEFAULT_COMPRESSION, default_tile
 
         shape = x.shape
         x2 = x.reshape(-1, module.hidden_size)
@@ -251,7 +250,8 @@ class _KernelPath:
         with torch.no_grad():
             before = self.counters.tiles.clone() if M else None
             pre = torch.mm(x2, first.T)  # cuBLAS gate (measured faster than a fused Triton gate)
-            g = pack_relu(pre, DEFAULT_TILE, DEFAULT_COMPRESSION)
+            self._tile = min(default_tile(f), f)
+            g = pack_relu(pre, default_tile(f), DEFAULT_COMPRESSION)
             track = module.track_stats
             uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
             nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None

@@ -35,14 +35,24 @@ __all__ = [
     "twell_gated_mlp",
     "twell_mlp",
     "OverflowCounters",
-    "DEFAULT_TILE",
+    "default_tile",
     "DEFAULT_COMPRESSION",
 ]
 
-# TwELL geometry of the cuBLAS + pack path: 256-column tiles with 63 slots each, so a tile
-# overflows only when more than a quarter of its units fire (see benchmarks/NOTES_inference.md).
-DEFAULT_TILE = 256
-DEFAULT_COMPRESSION = 4
+# TwELL geometry of the cuBLAS + pack path: one tile per row (tile = next power of two >= f,
+# up to 32768) with tile / 8 - 1 slots, so a row overflows only past about 1/8 of its units.
+# One tile lets the up/down kernel take each row's entries as one contiguous list and work on
+# token blocks with tensor cores; 256-column tiles cost 35% more in the up/down step on the
+# H200 (benchmarks/NOTES_inference.md).
+DEFAULT_COMPRESSION = 8
+
+
+def default_tile(f: int) -> int:
+    """TwELL tile width used by the ops and modules: one tile per row where possible."""
+    t = 16
+    while t < f and t < 32768:
+        t *= 2
+    return t
 
 
 @dataclass
@@ -91,7 +101,7 @@ def _inference_only(*tensors) -> None:
 def gate_to_twell(
     x: torch.Tensor,
     w: torch.Tensor,
-    tile: int = DEFAULT_TILE,
+    tile: Optional[int] = None,
     compression: int = DEFAULT_COMPRESSION,
     method: str = "cublas",
 ) -> tuple[TwELL, Optional[torch.Tensor]]:
@@ -103,9 +113,13 @@ def gate_to_twell(
             pre-activation ``[M, f]`` is returned too, for the exact path. ``"fused"``: a Triton
             matmul that packs in its epilogue (tile <= 256); returns ``(twell, None)``.
 
+        tile: TwELL tile width (default :func:`default_tile`, or 128 for ``"fused"``).
+
     Returns:
         ``(g, pre)``: g a kernel-written TwELL ``[M, f]``; pre ``[M, f]`` or None.
     """
+    if tile is None:
+        tile = 128 if method == "fused" else default_tile(w.shape[0])
     if method == "cublas":
         pre = torch.mm(x, w.T)
         return pack_relu(pre, tile, compression), pre
@@ -121,7 +135,7 @@ def twell_gated_mlp(
     w_down: torch.Tensor,
     *,
     weights: Optional[GatedWeights] = None,
-    tile: int = DEFAULT_TILE,
+    tile: Optional[int] = None,
     compression: int = DEFAULT_COMPRESSION,
     method: str = "cublas",
     counters: Optional[OverflowCounters] = None,
@@ -132,7 +146,8 @@ def twell_gated_mlp(
         x: ``[..., d]``; w_gate, w_up: ``[f, d]``; w_down: ``[d, f]`` (nn.Linear layouts), one
             dtype (bf16 or fp16 on a GPU) and one device.
         weights: :func:`prepare_gated_weights` of ``(w_up, w_down)``, to skip the per-call copy.
-        tile, compression: TwELL geometry; method: gate kernel (see :func:`gate_to_twell`).
+        tile, compression: TwELL geometry (default: one tile per row, see :func:`default_tile`);
+            method: gate kernel (see :func:`gate_to_twell`).
         counters: optional :class:`OverflowCounters`, incremented by the exact path.
 
     Returns:
@@ -159,7 +174,7 @@ def twell_mlp(
     w_down: torch.Tensor,
     *,
     w_down_t: Optional[torch.Tensor] = None,
-    tile: int = DEFAULT_TILE,
+    tile: Optional[int] = None,
     compression: int = DEFAULT_COMPRESSION,
     method: str = "cublas",
     counters: Optional[OverflowCounters] = None,

@@ -108,7 +108,8 @@ def bench_main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("twell bench needs a CUDA GPU")
     from ..kernels import updown
-    from .inference import best_updown_config, run_grid, run_variants
+    from ..nn import _KernelPath
+    from .inference import best_rows_config, break_even_density, run_grid, run_variants
 
     os.makedirs(args.out, exist_ok=True)
     tag = _gpu_tag()
@@ -118,20 +119,28 @@ def bench_main(argv=None) -> None:
         var = run_variants(log=log)
         with open(os.path.join(args.out, f"inference_variants_{tag}.json"), "w") as fh:
             json.dump(var, fh, indent=1)
-        best = best_updown_config(var)
+        best = best_rows_config(var)
         if best is not None:
-            updown.TUNED[2048] = best
-        log(f"variants done in {time.time() - t0:.0f}s; up/down (block_e, warps) for d = 2048: {best}")
+            updown.ROWS_CONFIG = best
+        density = break_even_density(var)
+        if density is not None:
+            _KernelPath.DEFAULT_MAX_DENSITY = round(density, 4)
+        log(f"variants done in {time.time() - t0:.0f}s; rows config {best}; kernel_max_density {density}")
     if args.no_grid:
         return
+    path = os.path.join(args.out, f"inference_mlp_{tag}.json")
+    partial = os.path.splitext(path)[0] + ".partial.jsonl"
+    if os.path.exists(partial):
+        os.remove(partial)
+    kw = dict(rep=args.rep, log=log, partial_path=partial)
     if args.quick:
-        records = run_grid([(2048, 5632)], [16384], (29, 56, 280), ["even"], rep=args.rep, log=log)
+        records = run_grid([(2048, 5632)], [16384], (29, 56, 280), ["even"], **kw)
     else:
         big_ok = lambda M, f, k: k <= 0.06 * f or M <= 16384  # noqa: E731  (forced kernels take seconds when dense)
-        records = run_grid([(2048, 5632)], [16384, 131072], KS, ["even", "skewed", "heavy"], kernel_k_limit=big_ok, rep=args.rep, log=log)
-        records += run_grid([(4096, 11008)], [16384, 65536], (29, 56, 280, 1000), ["even"], kernel_k_limit=big_ok, rep=args.rep, log=log)
-    path = os.path.join(args.out, f"inference_mlp_{tag}.json")
+        records = run_grid([(2048, 5632)], [16384, 131072], KS, ["even", "skewed", "heavy"], kernel_k_limit=big_ok, **kw)
+        records += run_grid([(4096, 11008)], [16384, 65536], (29, 56, 280, 1000), ["even"], kernel_k_limit=big_ok, **kw)
     write_results(records, path)
+    os.remove(partial)
     plot_speedup(records, os.path.splitext(path)[0] + ".png")
     log(f"grid done in {time.time() - t0:.0f}s; wrote {path}")
     log(_table(records))

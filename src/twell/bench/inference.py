@@ -29,7 +29,7 @@ import torch
 
 from .synthetic import make_ffn
 
-__all__ = ["bench_ms", "errors", "run_grid", "run_variants", "best_updown_config", "machine_info"]
+__all__ = ["bench_ms", "errors", "run_grid", "run_variants", "best_rows_config", "break_even_density", "machine_info"]
 
 
 def bench_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 25) -> float:
@@ -92,6 +92,7 @@ def run_grid(
     rep: int = 100,
     log: Callable[[str], None] = print,
     device: str = "cuda",
+    partial_path: Optional[str] = None,
 ) -> list[dict]:
     """Benchmark every combination; see the module docstring for the record fields.
 
@@ -100,7 +101,9 @@ def run_grid(
     """
     from .. import SparseGatedMLP
     from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
-    from ..ops import DEFAULT_COMPRESSION, DEFAULT_TILE, prepare_gated_weights, twell_gated_mlp
+    from ..kernels import updown
+    from ..nn import _KernelPath
+    from ..ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights, twell_gated_mlp
 
     info = machine_info()
     records = []
@@ -114,7 +117,9 @@ def run_grid(
                     t0 = time.time()
                     s = make_ffn(M, d, f, k, dist, dtype=torch.bfloat16, device=device, seed=int(k) + M + d)
                     x, wg, wu, wd = s.x, s.w_gate, s.w_up, s.w_down
-                    rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=DEFAULT_TILE, compression=DEFAULT_COMPRESSION)
+                    tile = default_tile(f)
+                    rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=tile, compression=DEFAULT_COMPRESSION,
+                               rows_config="x".join(map(str, updown.ROWS_CONFIG)), max_density=_KernelPath.DEFAULT_MAX_DENSITY)
                     ref = reference_fp32(x, wg, wu, wd)
                     with torch.no_grad():
                         y_dense = dense_gated(x, wg, wu, wd)
@@ -138,7 +143,7 @@ def run_grid(
                         rec["twell_ms"] = bench_ms(lambda: mod(x), rep=rep)
 
                         pre = torch.mm(x, wg.T)
-                        g = pack_relu(pre)
+                        g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
                         counts = g.counts
                         nnz = counts.sum(dim=1, dtype=torch.int64)
                         rec["k_measured"] = float(nnz.float().mean())
@@ -155,9 +160,9 @@ def run_grid(
                             rec["kernels_ms"] = bench_ms(lambda: twell_gated_mlp(x, wg, wu, wd, weights=w), rep=krep)
                             rec["gate_ms"] = bench_ms(lambda: torch.mm(x, wg.T), rep=rep)
                             pre = torch.mm(x, wg.T)
-                            rec["pack_ms"] = bench_ms(lambda: pack_relu(pre), rep=rep)
-                            rec["gate_pack_ms"] = bench_ms(lambda: pack_relu(torch.mm(x, wg.T)), rep=rep)
-                            g = pack_relu(pre)
+                            rec["pack_ms"] = bench_ms(lambda: pack_relu(pre, tile, DEFAULT_COMPRESSION), rep=rep)
+                            rec["gate_pack_ms"] = bench_ms(lambda: pack_relu(torch.mm(x, wg.T), tile, DEFAULT_COMPRESSION), rep=rep)
+                            g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
                             c = OverflowCounters.zeros(x.device)
                             rec["updown_ms"] = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c), rep=krep)
                             pairs = rec["k_measured"] * M
@@ -168,6 +173,11 @@ def run_grid(
                             rec["kernels_speedup"] = rec["dense_ms"] / rec["kernels_ms"]
                     rec.update(info)
                     records.append(rec)
+                    if partial_path:
+                        import json
+
+                        with open(partial_path, "a") as fh:
+                            fh.write(json.dumps(rec) + "\n")
                     del s, x, wg, wu, wd, ref, mod
                     torch.cuda.empty_cache()
                     log(
@@ -181,10 +191,10 @@ def run_grid(
 
 
 def run_variants(M: int = 131072, d: int = 2048, f: int = 5632, log: Callable[[str], None] = print, device: str = "cuda") -> list[dict]:
-    """Design variants at one shape: gate kernels (cuBLAS + pack vs fused Triton epilogue),
-    up/down tuning (entries per step, warps, fused vs separate weight layout, tile geometry),
-    and the two ceilings (device copy bandwidth, cuBLAS bf16 rate)."""
-    from ..kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, pack_relu
+    """Design variants at one shape: the pack pass (one tile per row vs 256-column tiles), the
+    up/down kernels (token blocks on tensor cores with several block shapes, one program per
+    token), and the two ceilings (device copy bandwidth, cuBLAS bf16 rate)."""
+    from ..kernels import OverflowCounters, ffn_from_twell, pack_relu, updown
     from ..ops import prepare_gated_weights
 
     info = machine_info()
@@ -206,56 +216,79 @@ def run_variants(M: int = 131072, d: int = 2048, f: int = 5632, log: Callable[[s
     add(variant=f"mm_{n}_bf16", ms=ms, TFLOPs=2 * n**3 / ms / 1e9)
     del a
 
+    row_tile = 8192 if f > 4096 else 1 << max(4, (f - 1).bit_length())
+    rows_configs = [(16, 64, 128, 4), (16, 64, 128, 8), (16, 128, 128, 8), (16, 32, 128, 4), (16, 64, 64, 4), (32, 64, 128, 8)]
+    saved = updown.ROWS_CONFIG
     for k, dist in ((29, "even"), (56, "even"), (29, "skewed"), (29, "heavy")):
         s = make_ffn(M, d, f, k, dist, dtype=torch.bfloat16, device=device, seed=7)
         x, wg = s.x, s.w_gate
         w = prepare_gated_weights(s.w_up, s.w_down)
-        sep_up, sep_dt = s.w_up, s.w_down.T.contiguous()
-        ms_dense = bench_ms(lambda: dense_gated(x, wg, s.w_up, s.w_down))
-        add(variant="dense", k=k, dist=dist, ms=ms_dense)
+        add(variant="dense", k=k, dist=dist, ms=bench_ms(lambda: dense_gated(x, wg, s.w_up, s.w_down)))
         if k == 29 and dist == "even":
             add(variant="gate_cublas", k=k, dist=dist, ms=bench_ms(lambda: torch.mm(x, wg.T)))
-            for tile in (128, 256):
-                for bm, bk, nw, ns in ((128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 4)):
-                    if tile == 256 and bm == 128 and ns == 4:
-                        continue
-                    try:
-                        ms = bench_ms(lambda: gate_pack_fused(x, wg, tile=tile, compression=4, block_m=bm, block_k=bk, num_warps=nw, num_stages=ns))
-                        add(variant="gate_pack_fused", tile=tile, BM=bm, BK=bk, warps=nw, stages=ns, k=k, dist=dist, ms=ms)
-                    except Exception as err:  # out of shared memory etc.
-                        add(variant="gate_pack_fused", tile=tile, BM=bm, BK=bk, warps=nw, stages=ns, error=str(err)[:120])
         pre = torch.mm(x, wg.T)
-        for tile, comp in ((256, 4), (256, 8), (128, 4), (8192, 8)):
+        c = OverflowCounters.zeros(x.device)
+        for tile, comp in ((row_tile, 8), (256, 4)):
             ms_pack = bench_ms(lambda: pack_relu(pre, tile, comp))
             g = pack_relu(pre, tile, comp)
             pairs = float(g.counts.clamp(max=g.slots).sum())
             ovf = int((g.counts > g.slots).sum())
-            c = OverflowCounters.zeros(x.device)
-            configs = [(be, nw, "fused") for be in (4, 8, 16) for nw in (4, 8)] if (tile, comp) == (256, 4) else [(8, 4, "fused")]
-            if (tile, comp) == (256, 4):
-                configs += [(8, 4, "separate"), (8, 8, "separate")]
-            for be, nw, layout in configs:
-                up, dt = (w.up, w.down_t) if layout == "fused" else (sep_up, sep_dt)
-                ms = bench_ms(lambda: ffn_from_twell(x, g, dt, w_up=up, pre=pre, counters=c, block_e=be, num_warps=nw))
-                add(variant="updown", tile=tile, C=comp, BE=be, warps=nw, layout=layout, k=k, dist=dist, ms=ms,
-                    pack_ms=ms_pack, pairs=pairs, overflow_tiles=ovf, pair_GBps=pairs * 4 * d / ms / 1e6)
+            add(variant="pack", tile=tile, C=comp, k=k, dist=dist, ms=ms_pack, overflow_tiles=ovf, GBps=pre.numel() * 2 / ms_pack / 1e6)
+            ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="token", block_e=8, num_warps=4))
+            add(variant="updown_token", tile=tile, C=comp, BE=8, warps=4, k=k, dist=dist, ms=ms, pairs=pairs, pair_GBps=pairs * 4 * d / ms / 1e6)
+            if g.n_tiles != 1:
+                continue
+            for cfg in rows_configs:
+                updown.ROWS_CONFIG = cfg
+                try:
+                    ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="rows"))
+                    add(variant="updown_rows", tile=tile, C=comp, cfg="x".join(map(str, cfg)), k=k, dist=dist, ms=ms,
+                        pairs=pairs, overflow_rows=ovf, pair_GBps=pairs * 4 * d / ms / 1e6)
+                except Exception as err:  # out of resources
+                    add(variant="updown_rows", cfg="x".join(map(str, cfg)), k=k, dist=dist, error=str(err)[:160])
+            updown.ROWS_CONFIG = saved
             uc = torch.zeros(f, dtype=torch.int32, device=device)
             nnz = torch.empty(M, dtype=torch.int32, device=device)
-            if (tile, comp) == (256, 4):
-                ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, unit_counts=uc, row_nnz=nnz))
-                add(variant="updown+stats", tile=tile, C=comp, k=k, dist=dist, ms=ms)
+            ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, unit_counts=uc, row_nnz=nnz))
+            add(variant="updown_rows+stats", tile=tile, C=comp, k=k, dist=dist, ms=ms)
             del g
-        del pre, s, x, wg, w, sep_up, sep_dt
+        del pre, s, x, wg, w
         torch.cuda.empty_cache()
     return out
 
 
-def best_updown_config(variants: list[dict]) -> Optional[tuple[int, int]]:
-    """``(block_e, num_warps)`` with the least total up/down time over the even cases
-    (tile 256, C 4, fused layout) of :func:`run_variants`."""
+def best_rows_config(variants: list[dict]) -> Optional[tuple[int, ...]]:
+    """Row-block kernel configuration with the least total time over the even cases."""
     total: dict = {}
     for v in variants:
-        if v.get("variant") == "updown" and v.get("layout") == "fused" and v.get("tile") == 256 and v.get("C") == 4 and v.get("dist") == "even":
-            key = (v["BE"], v["warps"])
-            total[key] = total.get(key, 0.0) + v["ms"]
-    return min(total, key=total.get) if total else None
+        if v.get("variant") == "updown_rows" and v.get("dist") == "even" and "ms" in v:
+            total[v["cfg"]] = total.get(v["cfg"], 0.0) + v["ms"]
+    if not total:
+        return None
+    return tuple(int(t) for t in min(total, key=total.get).split("x"))
+
+
+def break_even_density(variants: list[dict], f: int = 5632) -> Optional[float]:
+    """Density (active units / f) below which the kernels beat dense, from the even cases:
+    kernel time = cuBLAS gate + pack + best up/down, linear in k, against the dense time;
+    with a 10% margin toward dense."""
+    dense = [v["ms"] for v in variants if v.get("variant") == "dense" and v.get("dist") == "even"]
+    gate = [v["ms"] for v in variants if v.get("variant") == "gate_cublas"]
+    pts = {}
+    for v in variants:
+        if v.get("dist") != "even" or "ms" not in v:
+            continue
+        if v.get("variant") == "pack" and v.get("C") == 8:
+            pts.setdefault(v["k"], {})["pack"] = v["ms"]
+        if v.get("variant") == "updown_rows":
+            p = pts.setdefault(v["k"], {})
+            p["ud"] = min(p.get("ud", 1e9), v["ms"])
+    ks = sorted(k for k, p in pts.items() if "pack" in p and "ud" in p)
+    if not dense or not gate or len(ks) < 2:
+        return None
+    t = [gate[0] + pts[k]["pack"] + pts[k]["ud"] for k in ks]
+    slope = (t[-1] - t[0]) / (ks[-1] - ks[0])
+    if slope <= 0:
+        return None
+    k_star = ks[0] + (0.9 * (sum(dense) / len(dense)) - t[0]) / slope
+    return max(0.0, k_star / f)

@@ -78,7 +78,7 @@ def _ffn_from_twell_kernel(
     ovf_ptr, uc_ptr, nnz_ptr,
     d, f, SLOTS, N_TILES, TILE,
     D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr,
-    GATED: tl.constexpr, HAS_PRE: tl.constexpr, TRACK: tl.constexpr,
+    GATED: tl.constexpr, HAS_PRE: tl.constexpr, TRACK: tl.constexpr, ONLY_OVER: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
@@ -96,6 +96,8 @@ def _ffn_from_twell_kernel(
     ones = tl.full([BE], 1, dtype=tl.int32)
 
     acc = tl.zeros([D], dtype=tl.float32)
+    if ONLY_OVER:  # the stored entries were done by the row-block kernel
+        n_entries = 0
     for e0 in range(0, n_entries, BE):
         e = e0 + tl.arange(0, BE)
         valid = e < n_entries
@@ -148,9 +150,91 @@ def _ffn_from_twell_kernel(
                     if TRACK:
                         tl.atomic_add(uc_ptr + unit, ones, mask=active)
 
-    tl.store(y_ptr + m * stride_ym + offs_d, acc.to(y_ptr.dtype.element_ty), mask=dmask)
+    if ONLY_OVER:
+        if n_over > 0:
+            acc += tl.load(y_ptr + m * stride_ym + offs_d, mask=dmask, other=0.0).to(tl.float32)
+            tl.store(y_ptr + m * stride_ym + offs_d, acc.to(y_ptr.dtype.element_ty), mask=dmask)
+    else:
+        tl.store(y_ptr + m * stride_ym + offs_d, acc.to(y_ptr.dtype.element_ty), mask=dmask)
     if TRACK:
         tl.store(nnz_ptr + m, tl.sum(cnt, axis=0))
+
+
+@triton.jit
+def _ffn_rows_dot_kernel(
+    x_ptr, stride_xm,
+    cnt_ptr, val_ptr, col_ptr,
+    wu_ptr, stride_wu,
+    wd_ptr, stride_wd,
+    h_ptr, y_ptr, stride_ym, uc_ptr,
+    M, d, SLOTS,
+    BM: tl.constexpr, BE: tl.constexpr, BK: tl.constexpr, KSTEPS: tl.constexpr,
+    GATED: tl.constexpr, TRACK: tl.constexpr, PREC: tl.constexpr,
+):
+    # BM tokens of a one-tile TwELL (each row's entries contiguous). Their entries, concatenated,
+    # are taken BE at a time; entry e belongs to token tok(e) of the block.
+    #   phase 1 (gated): U[BE, BM] = W_up[units] @ X^T (tensor cores; only column tok(e) of
+    #                    row e is used), h_e = g_e * U[e, tok(e)], kept in a small scratch;
+    #   phase 2:         Y[BM, BK] += H[BM, BE] @ W_down^T[units, d-chunk], H one-hot by token.
+    # The gathers feed tl.dot, so Triton pipelines them (cp.async), and no reduction crosses warps.
+    pid = tl.program_id(0)
+    r_local = tl.arange(0, BM)
+    rows = (pid * BM + r_local).to(tl.int64)
+    rmask = rows < M
+    cnt = tl.load(cnt_ptr + rows, mask=rmask, other=0)
+    c = tl.where(cnt > SLOTS, 0, cnt)  # overflowed rows: done by the exact path afterwards
+    incl = tl.cumsum(c, axis=0)
+    excl = incl - c
+    n_entries = tl.sum(c, axis=0)
+    n_chunks = tl.cdiv(n_entries, BE)
+    ks = tl.arange(0, BK)
+    if GATED:
+        U = tl.zeros([BE, BM], dtype=tl.float32)
+        for it in range(0, n_chunks * KSTEPS):
+            ch = it // KSTEPS
+            kk = it % KSTEPS
+            e = ch * BE + tl.arange(0, BE)
+            valid = e < n_entries
+            tok = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
+            slot = e - tl.sum(tl.where(r_local[None, :] == tok[:, None], excl[None, :], 0), axis=1)
+            off = (pid * BM + tok).to(tl.int64) * SLOTS + slot
+            unit = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int64)
+            kd = kk * BK + ks
+            kmask = kd < d
+            wu = tl.load(wu_ptr + unit[:, None] * stride_wu + kd[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
+            xt = tl.load(x_ptr + rows[None, :] * stride_xm + kd[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
+            U = tl.where(kk == 0, 0.0, U)
+            U = tl.dot(wu, xt, U, input_precision=PREC)
+            u = tl.sum(tl.where(tok[:, None] == r_local[None, :], U, 0.0), axis=1)
+            last = valid & ((tl.zeros([BE], dtype=tl.int32) + kk) == KSTEPS - 1)
+            g = tl.load(val_ptr + off, mask=last, other=0.0).to(tl.float32)
+            tl.store(h_ptr + off, g * u, mask=last)
+        tl.debug_barrier()  # phase 2 reads what other threads of this program wrote
+    n_chunks2 = tl.maximum(n_chunks, 1)
+    Y = tl.zeros([BM, BK], dtype=tl.float32)
+    for it in range(0, KSTEPS * n_chunks2):
+        dk = it // n_chunks2
+        ch = it % n_chunks2
+        e = ch * BE + tl.arange(0, BE)
+        valid = e < n_entries
+        tok = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
+        slot = e - tl.sum(tl.where(r_local[None, :] == tok[:, None], excl[None, :], 0), axis=1)
+        off = (pid * BM + tok).to(tl.int64) * SLOTS + slot
+        unit = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int64)
+        if GATED:
+            h = tl.load(h_ptr + off, mask=valid, other=0.0)
+        else:
+            h = tl.load(val_ptr + off, mask=valid, other=0.0).to(tl.float32)
+        H = tl.where(r_local[:, None] == tok[None, :], h[None, :], 0.0).to(wd_ptr.dtype.element_ty)
+        dd = dk * BK + ks
+        dmask = dd < d
+        wd = tl.load(wd_ptr + unit[:, None] * stride_wd + dd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        Y = tl.where(ch == 0, 0.0, Y)
+        Y = tl.dot(H, wd, Y, input_precision=PREC)
+        tl.store(y_ptr + rows[:, None] * stride_ym + dd[None, :], Y.to(y_ptr.dtype.element_ty),
+                 mask=(rmask[:, None] & dmask[None, :]) & ((tl.zeros([BM, 1], dtype=tl.int32) + ch) == n_chunks2 - 1))
+        if TRACK:
+            tl.atomic_add(uc_ptr + unit, tl.full([BE], 1, dtype=tl.int32), mask=valid & ((tl.zeros([BE], dtype=tl.int32) + dk) == 0))
 
 
 def _interpreting() -> bool:
@@ -172,6 +256,10 @@ def _check_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.T
 # Tuned (entries per step, warps) per padded d, set from the H200 variant sweep
 # (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements.
 TUNED: dict[int, tuple[int, int]] = {}
+
+
+# Row-block kernel (BM tokens, BE entries, BK columns of d per step, warps).
+ROWS_CONFIG: tuple[int, int, int, int] = (16, 64, 128, 4)
 
 
 def default_config(d: int) -> tuple[int, int]:
@@ -196,6 +284,7 @@ def ffn_from_twell(
     row_nnz: Optional[torch.Tensor] = None,
     block_e: Optional[int] = None,
     num_warps: Optional[int] = None,
+    kernel: str = "auto",
 ) -> torch.Tensor:
     """``y [M, d]`` from a TwELL: gated up/down when ``w_up`` is given, else the down projection.
 
@@ -216,6 +305,9 @@ def ffn_from_twell(
             fired for; row_nnz: optional ``[M]`` int32, set to each row's true non-zero count.
             Pass both or neither.
         block_e, num_warps: tuning knobs (entries per step, warps per program).
+        kernel: ``"rows"``: token blocks on tensor cores (needs a one-tile TwELL, ``tile >= f``),
+            then the exact path for overflowed rows; ``"token"``: one program per token, any
+            tile; ``"auto"``: ``"rows"`` when the TwELL has one tile.
 
     Returns:
         ``y [M, d]``.
@@ -266,6 +358,11 @@ def ffn_from_twell(
     ovf = counters.buffer
     if ovf.dtype != torch.int64 or tuple(ovf.shape) != (2,) or ovf.device != x.device:
         raise ValueError("counters.buffer must be a [2] int64 tensor on x's device (OverflowCounters.zeros)")
+    if kernel not in ("auto", "rows", "token"):
+        raise ValueError(f"kernel must be 'auto', 'rows' or 'token', got {kernel!r}")
+    if kernel == "rows" and g.n_tiles != 1:
+        raise ValueError(f"kernel='rows' needs a one-tile TwELL (tile >= f), got {g.n_tiles} tiles")
+    rows_kernel = kernel == "rows" or (kernel == "auto" and g.n_tiles == 1)
     if M == 0:
         return out
     D = triton.next_power_of_2(max(d, 1))
@@ -276,6 +373,20 @@ def ffn_from_twell(
         raise ValueError(f"block_e must be a power of two in [1, 64], got {BE}")
     gated = w_up is not None
     dummy = w_down_t
+    if rows_kernel:
+        bm, be, bk, nw_rows = ROWS_CONFIG
+        if block_e:
+            be = BE
+        h = torch.empty(M, g.slots, dtype=torch.float32, device=x.device) if gated else out
+        _ffn_rows_dot_kernel[(triton.cdiv(M, bm),)](
+            x, x.stride(0), g.counts, g.values, g.cols,
+            w_up if gated else dummy, (w_up if gated else dummy).stride(0),
+            w_down_t, w_down_t.stride(0),
+            h, out, out.stride(0), unit_counts if unit_counts is not None else g.counts,
+            M, d, g.slots,
+            BM=bm, BE=be, BK=bk, KSTEPS=triton.cdiv(d, bk), GATED=gated, TRACK=unit_counts is not None,
+            PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps or nw_rows,
+        )
     _ffn_from_twell_kernel[(M,)](
         x, x.stride(0),
         g.counts, g.values, g.cols,
@@ -287,6 +398,6 @@ def ffn_from_twell(
         ovf, unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
         d, f, g.slots, g.n_tiles, g.tile,
         D=D, BE=BE, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
-        TRACK=unit_counts is not None, num_warps=nw,
+        TRACK=unit_counts is not None, ONLY_OVER=rows_kernel, num_warps=nw,
     )
     return out
