@@ -159,6 +159,28 @@ def test_module_kernel_path_matches_dense(cls):
     assert y.requires_grad
 
 
+@pytest.mark.parametrize("cls", [twell.SparseGatedMLP, twell.SparseMLP])
+@pytest.mark.parametrize("track", [True, False])
+def test_module_lean_dense_inference_path(cls, track):
+    """The dense path taken on CUDA in inference (in-place ReLU and product) returns what the
+    training dense path returns, with the same statistics."""
+    from twell.nn import _KernelPath
+
+    torch.manual_seed(1)
+    m = cls(40, 100).eval()
+    m.track_stats = track
+    x = torch.randn(3, 5, 40)
+    with torch.no_grad():
+        y_ref = m(x)
+        s_ref = m.stats
+        path = _KernelPath()
+        path._sync_knobs(m)
+        y = path.gated_dense(m, x) if cls is twell.SparseGatedMLP else path.mlp_dense(m, x)
+    assert torch.equal(y, y_ref) and m.l1 is None
+    if track:
+        assert torch.equal(m.stats.unit_counts, s_ref.unit_counts) and int(m.tokens_seen) == 30
+
+
 # --- GPU, bf16, real shapes --------------------------------------------------------------------
 
 
@@ -207,6 +229,7 @@ def test_module_gpu_switches_to_kernels_without_sync():
 
     s = _gpu_case("even")
     m = twell.SparseGatedMLP(2048, 5632, device="cuda", dtype=torch.bfloat16).eval()
+    m.kernel_max_density = 0.02  # the case has a fully dense row, which the cost estimate weighs
     with torch.no_grad():
         m.gate_proj.weight.copy_(s.w_gate)
         m.up_proj.weight.copy_(s.w_up)

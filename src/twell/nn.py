@@ -163,21 +163,27 @@ def _kernel_path(module: "_SparseFFN", x: torch.Tensor) -> Optional["_KernelPath
 
 
 class _KernelPath:
-    """Per-layer state of the TwELL kernel path: weight layout cache and the sparsity estimate.
+    """Per-layer state of the inference path on CUDA: weight layout cache, sparsity estimate.
 
-    Choosing kernels or dense never syncs: after each call the layer's mean active units per
-    token (and overflowed tiles per token) are copied to pinned host memory without blocking,
-    and a later call reads them once its CUDA event has completed (``event.query()``). Until a
-    first estimate arrives, and whenever it says the layer is too dense, the dense path runs.
-    Kernels are chosen while ``cost <= kernel_max_density * f`` with
-    ``cost = mean active units + overflowed tiles per token * min(tile, f) / 8`` (an overflowed
-    tile is recomputed exactly, at about an eighth of a dense pass over its units). The threshold comes
-    from the H200 benchmark (benchmarks/NOTES_inference.md); set ``module.kernel_max_density``
-    to override it, or ``module.kernel_mode`` to ``"dense"`` / ``"twell"`` to force a path.
+    Choosing kernels or dense never syncs: after each call the layer's row statistics (mean and
+    root mean square of active units per token, overflowed tiles per token) are copied to pinned
+    host memory without blocking, and a later call reads them once its CUDA event has completed
+    (``event.query()``). Until a first estimate arrives, and whenever it says the layer is too
+    dense, the dense path runs. Kernels are chosen while ``cost <= kernel_max_density * f`` with
+    ``cost = mean + 0.3 * (rms - mean) + overflowed tiles per token * min(tile, f) / 8``: a few
+    very heavy rows make the pack and the up/down step slower than their mean suggests (their
+    programs run long), and an overflowed tile is recomputed exactly at about an eighth of a
+    dense pass over its units. The threshold and the weights come from the H200 benchmark
+    (benchmarks/NOTES_inference.md); set ``module.kernel_max_density`` to override the
+    threshold, or ``module.kernel_mode`` to ``"dense"`` / ``"twell"`` to force a path.
+
+    The dense path taken here (inference only) is the module's own math with in-place ReLU and
+    product, and the ``[M, f]`` pattern is only formed when ``track_stats`` is on.
     """
 
     # Break-even density measured on the H200 (d 2048, f 5632, bf16): see NOTES_inference.md.
-    DEFAULT_MAX_DENSITY = 0.010
+    DEFAULT_MAX_DENSITY = 0.0064
+    RMS_WEIGHT = 0.3
 
     def __init__(self) -> None:
         self.estimate: Optional[float] = None  # cost in units per token, from a finished call
@@ -187,13 +193,15 @@ class _KernelPath:
         self._weights = None
         self._weights_key = None
         self.counters = None  # OverflowCounters, accumulated over the layer's kernel calls
+        self._mode = "auto"
+        self._max_density = self.DEFAULT_MAX_DENSITY
 
     # -- decision -------------------------------------------------------------------------------
 
     def _poll(self) -> None:
         if self._event is not None and self._event.query():
-            mean, over = (float(v) for v in self._host.tolist())
-            self.estimate = mean + over * self._tile / 8
+            mean, rms, over = (float(v) for v in self._host.tolist())
+            self.estimate = mean + self.RMS_WEIGHT * max(0.0, rms - mean) + over * self._tile / 8
             self._event = None
 
     def use_kernels(self, f: int) -> bool:
@@ -202,34 +210,60 @@ class _KernelPath:
             return True
         return self.estimate is not None and self.estimate <= self._max_density * f
 
-    def _publish(self, mean: torch.Tensor, over_per_token: torch.Tensor) -> None:
-        if self._event is not None or not mean.is_cuda:
+    def _publish(self, per_row: torch.Tensor, over_per_token: torch.Tensor) -> None:
+        """per_row: ``[n]`` active units of (a sample of) the call's rows."""
+        if self._event is not None or not per_row.is_cuda or per_row.numel() == 0:
             return  # one probe in flight at a time
         if self._host is None:
-            self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
-        self._host.copy_(torch.stack([mean.float(), over_per_token.float()]), non_blocking=True)
+            self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)
+        p = per_row.float()
+        self._host.copy_(torch.stack([p.mean(), p.square().mean().sqrt(), over_per_token.float()]), non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()
-
-    def observe_dense(self, module: "_SparseFFN", g: torch.Tensor) -> None:
-        """After a dense call: publish its mean active units (from the stats when tracked, else
-        from at most 4096 sampled rows)."""
-        if self._mode == "dense" or not g.is_cuda or g.shape[0] == 0:
-            return
-        if self._event is not None:
-            return
-        if module.track_stats and module.stats is not None:
-            mean = module.stats.active_mean
-        else:
-            with torch.no_grad():
-                mean = (g[:4096] > 0).sum(dim=1).float().mean()
-        self._publish(mean, torch.zeros((), device=g.device))
 
     def _sync_knobs(self, module) -> None:
         self._mode = getattr(module, "kernel_mode", "auto")
         self._max_density = getattr(module, "kernel_max_density", None) or self.DEFAULT_MAX_DENSITY
 
-    # -- forward --------------------------------------------------------------------------------
+    # -- dense inference ------------------------------------------------------------------------
+
+    def _dense_done(self, module: "_SparseFFN", active: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> None:
+        if active is not None:
+            module._record(active, None)  # the stats the dense path records (no L1: no gradient)
+        else:
+            module.l1 = None
+        if rows is not None:
+            self._publish(rows, torch.zeros((), device=rows.device))
+
+    def _sample(self, g: torch.Tensor, active: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Active units of up to 4096 rows, when a new estimate is wanted."""
+        if self._mode == "dense" or self._event is not None or not g.is_cuda:
+            return None
+        return (active[:4096] if active is not None else g[:4096] > 0).sum(dim=1)
+
+    def gated_dense(self, module: "SparseGatedMLP", x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, module.hidden_size)
+        with torch.no_grad():
+            g = torch.relu_(module.gate_proj(x2))
+            active = g > 0 if module.track_stats else None
+            rows = self._sample(g, active)
+            y = module.down_proj(g.mul_(module.up_proj(x2)))
+            self._dense_done(module, active, rows)
+        return y.reshape(shape)
+
+    def mlp_dense(self, module: "SparseMLP", x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, module.hidden_size)
+        with torch.no_grad():
+            h = torch.relu_(module.up_proj(x2))
+            active = h > 0 if module.track_stats else None
+            rows = self._sample(h, active)
+            y = module.down_proj(h)
+            self._dense_done(module, active, rows)
+        return y.reshape(shape)
+
+    # -- kernels --------------------------------------------------------------------------------
 
     def _cached(self, key, build):
         if self._weights_key != key:
@@ -267,10 +301,10 @@ class _KernelPath:
                     )
                     module.fire_counts += unit_counts
                     module.tokens_seen += M
-                    mean = module.stats.active_mean
                 else:
-                    mean = g.counts.sum(dim=1, dtype=torch.int64).float().mean()
-                self._publish(mean, over)
+                    per_token = g.counts.sum(dim=1)
+                if self._mode != "dense":
+                    self._publish(per_token, over)
             elif track:
                 z = torch.zeros((), dtype=torch.int64, device=x.device)
                 module.stats = SparsityStats(torch.zeros((), device=x.device), z, torch.zeros(f, dtype=torch.int64, device=x.device), 0)
@@ -331,16 +365,16 @@ class SparseGatedMLP(_SparseFFN):
         cuBLAS (see :class:`_KernelPath`; ``self.kernel_mode = "dense" | "twell" | "auto"``)."""
         self._check_input(x)
         path = _kernel_path(self, x)
-        if path is not None and path.use_kernels(self.intermediate_size):
-            return path.gated_forward(self, x)
+        if path is not None:  # CUDA inference
+            if path.use_kernels(self.intermediate_size):
+                return path.gated_forward(self, x)
+            return path.gated_dense(self, x)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         g = torch.relu(self.gate_proj(x2))
         h = g * self.up_proj(x2)
         y = self.down_proj(h)
         self._record(g > 0, h)
-        if path is not None:
-            path.observe_dense(self, g)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:
@@ -369,15 +403,15 @@ class SparseMLP(_SparseFFN):
         :meth:`SparseGatedMLP.forward` does."""
         self._check_input(x)
         path = _kernel_path(self, x)
-        if path is not None and path.use_kernels(self.intermediate_size):
-            return path.mlp_forward(self, x)
+        if path is not None:  # CUDA inference
+            if path.use_kernels(self.intermediate_size):
+                return path.mlp_forward(self, x)
+            return path.mlp_dense(self, x)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         h = torch.relu(self.up_proj(x2))
         y = self.down_proj(h)
         self._record(h > 0, h)
-        if path is not None:
-            path.observe_dense(self, h)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:

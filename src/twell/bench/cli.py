@@ -107,9 +107,9 @@ def bench_main(argv=None) -> None:
 
     if not torch.cuda.is_available():
         raise SystemExit("twell bench needs a CUDA GPU")
-    from ..kernels import updown
+    from ..kernels import gate_pack, updown
     from ..nn import _KernelPath
-    from .inference import best_rows_config, break_even_density, run_grid, run_variants
+    from .inference import best_config, break_even_density, run_grid, run_variants
 
     os.makedirs(args.out, exist_ok=True)
     tag = _gpu_tag()
@@ -119,13 +119,16 @@ def bench_main(argv=None) -> None:
         var = run_variants(log=log)
         with open(os.path.join(args.out, f"inference_variants_{tag}.json"), "w") as fh:
             json.dump(var, fh, indent=1)
-        best = best_rows_config(var)
-        if best is not None:
-            updown.ROWS_CONFIG = best
+        best_pack = best_config(var, "pack")
+        if best_pack is not None:
+            gate_pack.PACK_CONFIG = best_pack
+        best_token = best_config(var, "updown_token")
+        if best_token is not None:
+            updown.TUNED[2048] = best_token
         density = break_even_density(var)
         if density is not None:
             _KernelPath.DEFAULT_MAX_DENSITY = round(density, 4)
-        log(f"variants done in {time.time() - t0:.0f}s; rows config {best}; kernel_max_density {density}")
+        log(f"variants done in {time.time() - t0:.0f}s; pack {best_pack}; token {best_token}; kernel_max_density {density}")
     if args.no_grid:
         return
     path = os.path.join(args.out, f"inference_mlp_{tag}.json")

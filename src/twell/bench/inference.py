@@ -29,7 +29,7 @@ import torch
 
 from .synthetic import make_ffn
 
-__all__ = ["bench_ms", "errors", "run_grid", "run_variants", "best_rows_config", "break_even_density", "machine_info"]
+__all__ = ["bench_ms", "errors", "run_grid", "run_variants", "best_config", "break_even_density", "machine_info"]
 
 
 def bench_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 25) -> float:
@@ -101,7 +101,7 @@ def run_grid(
     """
     from .. import SparseGatedMLP
     from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
-    from ..kernels import updown
+    from ..kernels import gate_pack, updown
     from ..nn import _KernelPath
     from ..ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights, twell_gated_mlp
 
@@ -119,7 +119,9 @@ def run_grid(
                     x, wg, wu, wd = s.x, s.w_gate, s.w_up, s.w_down
                     tile = default_tile(f)
                     rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=tile, compression=DEFAULT_COMPRESSION,
-                               rows_config="x".join(map(str, updown.ROWS_CONFIG)), max_density=_KernelPath.DEFAULT_MAX_DENSITY)
+                               pack_config="x".join(map(str, gate_pack.PACK_CONFIG)),
+                               token_config="x".join(map(str, updown.default_config(d))),
+                               max_density=_KernelPath.DEFAULT_MAX_DENSITY)
                     ref = reference_fp32(x, wg, wu, wd)
                     with torch.no_grad():
                         y_dense = dense_gated(x, wg, wu, wd)
@@ -191,10 +193,10 @@ def run_grid(
 
 
 def run_variants(M: int = 131072, d: int = 2048, f: int = 5632, log: Callable[[str], None] = print, device: str = "cuda") -> list[dict]:
-    """Design variants at one shape: the pack pass (one tile per row vs 256-column tiles), the
-    up/down kernels (token blocks on tensor cores with several block shapes, one program per
-    token), and the two ceilings (device copy bandwidth, cuBLAS bf16 rate)."""
-    from ..kernels import OverflowCounters, ffn_from_twell, pack_relu, updown
+    """Design variants at one shape: the pack pass (rows per program, warps; one tile per row vs
+    256-column tiles), the up/down kernels (one program per token with several step sizes and
+    warps; token blocks on tensor cores), and the ceilings (device copy, cuBLAS bf16 rate)."""
+    from ..kernels import OverflowCounters, ffn_from_twell, gate_pack, pack_relu, updown
     from ..ops import prepare_gated_weights
 
     info = machine_info()
@@ -217,9 +219,10 @@ def run_variants(M: int = 131072, d: int = 2048, f: int = 5632, log: Callable[[s
     del a
 
     row_tile = 8192 if f > 4096 else 1 << max(4, (f - 1).bit_length())
-    rows_configs = [(16, 64, 128, 4), (16, 64, 128, 8), (16, 128, 128, 8), (16, 32, 128, 4), (16, 64, 64, 4), (32, 64, 128, 8)]
-    saved = updown.ROWS_CONFIG
-    for k, dist in ((29, "even"), (56, "even"), (29, "skewed"), (29, "heavy")):
+    pack_configs = [(8, 256, 4), (16, 256, 4), (32, 256, 4), (16, 128, 4), (32, 128, 4), (64, 64, 4)]
+    token_configs = [(4, 4), (8, 4), (8, 8), (16, 4), (16, 8)]
+    saved_pack, saved_tuned = gate_pack.PACK_CONFIG, dict(updown.TUNED)
+    for k, dist in ((29, "even"), (56, "even"), (8, "even"), (29, "skewed"), (29, "heavy")):
         s = make_ffn(M, d, f, k, dist, dtype=torch.bfloat16, device=device, seed=7)
         x, wg = s.x, s.w_gate
         w = prepare_gated_weights(s.w_up, s.w_down)
@@ -228,40 +231,37 @@ def run_variants(M: int = 131072, d: int = 2048, f: int = 5632, log: Callable[[s
             add(variant="gate_cublas", k=k, dist=dist, ms=bench_ms(lambda: torch.mm(x, wg.T)))
         pre = torch.mm(x, wg.T)
         c = OverflowCounters.zeros(x.device)
-        for tile, comp in ((row_tile, 8), (256, 4)):
-            ms_pack = bench_ms(lambda: pack_relu(pre, tile, comp))
-            g = pack_relu(pre, tile, comp)
-            pairs = float(g.counts.clamp(max=g.slots).sum())
-            ovf = int((g.counts > g.slots).sum())
-            add(variant="pack", tile=tile, C=comp, k=k, dist=dist, ms=ms_pack, overflow_tiles=ovf, GBps=pre.numel() * 2 / ms_pack / 1e6)
-            ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="token", block_e=8, num_warps=4))
-            add(variant="updown_token", tile=tile, C=comp, BE=8, warps=4, k=k, dist=dist, ms=ms, pairs=pairs, pair_GBps=pairs * 4 * d / ms / 1e6)
-            if g.n_tiles != 1:
-                continue
-            for cfg in rows_configs:
-                updown.ROWS_CONFIG = cfg
-                try:
-                    ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="rows"))
-                    add(variant="updown_rows", tile=tile, C=comp, cfg="x".join(map(str, cfg)), k=k, dist=dist, ms=ms,
-                        pairs=pairs, overflow_rows=ovf, pair_GBps=pairs * 4 * d / ms / 1e6)
-                except Exception as err:  # out of resources
-                    add(variant="updown_rows", cfg="x".join(map(str, cfg)), k=k, dist=dist, error=str(err)[:160])
-            updown.ROWS_CONFIG = saved
-            uc = torch.zeros(f, dtype=torch.int32, device=device)
-            nnz = torch.empty(M, dtype=torch.int32, device=device)
-            ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, unit_counts=uc, row_nnz=nnz))
-            add(variant="updown_rows+stats", tile=tile, C=comp, k=k, dist=dist, ms=ms)
-            del g
-        del pre, s, x, wg, w
+        sweep = dist == "even" and k in (29, 56)
+        for cfg in pack_configs if sweep else [saved_pack]:
+            gate_pack.PACK_CONFIG = cfg
+            ms = bench_ms(lambda: pack_relu(pre, row_tile, 8))
+            add(variant="pack", tile=row_tile, C=8, cfg="x".join(map(str, cfg)), k=k, dist=dist, ms=ms, GBps=pre.numel() * 2 / ms / 1e6)
+        gate_pack.PACK_CONFIG = saved_pack
+        g = pack_relu(pre, row_tile, 8)
+        pairs = float(g.counts.clamp(max=g.slots).sum())
+        for be, nw in token_configs if sweep else [saved_tuned.get(2048, (8, 4))]:
+            ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="token", block_e=be, num_warps=nw))
+            add(variant="updown_token", tile=row_tile, C=8, cfg=f"{be}x{nw}", k=k, dist=dist, ms=ms, pairs=pairs,
+                overflow_rows=int((g.counts > g.slots).sum()), pair_GBps=pairs * 4 * d / ms / 1e6)
+        if k == 29 and dist == "even":
+            updown.ROWS_CONFIG = (16, 32, 128, 4)
+            ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="rows"))
+            add(variant="updown_rows", tile=row_tile, C=8, cfg="16x32x128x4", k=k, dist=dist, ms=ms, pair_GBps=pairs * 4 * d / ms / 1e6)
+            g256 = pack_relu(pre, 256, 4)
+            add(variant="pack", tile=256, C=4, cfg="x".join(map(str, saved_pack)), k=k, dist=dist, ms=bench_ms(lambda: pack_relu(pre, 256, 4)))
+            ms = bench_ms(lambda: ffn_from_twell(x, g256, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="token"))
+            add(variant="updown_token", tile=256, C=4, cfg="8x4", k=k, dist=dist, ms=ms, pair_GBps=pairs * 4 * d / ms / 1e6)
+            del g256
+        del g, pre, s, x, wg, w
         torch.cuda.empty_cache()
     return out
 
 
-def best_rows_config(variants: list[dict]) -> Optional[tuple[int, ...]]:
-    """Row-block kernel configuration with the least total time over the even cases."""
+def best_config(variants: list[dict], variant: str) -> Optional[tuple[int, ...]]:
+    """Configuration of ``variant`` with the least total time over the swept even cases."""
     total: dict = {}
     for v in variants:
-        if v.get("variant") == "updown_rows" and v.get("dist") == "even" and "ms" in v:
+        if v.get("variant") == variant and v.get("dist") == "even" and v.get("k") in (29, 56) and "ms" in v and v.get("C") == 8:
             total[v["cfg"]] = total.get(v["cfg"], 0.0) + v["ms"]
     if not total:
         return None
@@ -269,26 +269,30 @@ def best_rows_config(variants: list[dict]) -> Optional[tuple[int, ...]]:
 
 
 def break_even_density(variants: list[dict], f: int = 5632) -> Optional[float]:
-    """Density (active units / f) below which the kernels beat dense, from the even cases:
-    kernel time = cuBLAS gate + pack + best up/down, linear in k, against the dense time;
-    with a 10% margin toward dense."""
+    """Density (active units / f) below which the kernels beat dense with a 10% margin, from
+    the even cases: kernel time = cuBLAS gate + best pack + best up/down, interpolated
+    linearly in k between the measured points."""
     dense = [v["ms"] for v in variants if v.get("variant") == "dense" and v.get("dist") == "even"]
     gate = [v["ms"] for v in variants if v.get("variant") == "gate_cublas"]
-    pts = {}
+    pts: dict = {}
     for v in variants:
-        if v.get("dist") != "even" or "ms" not in v:
+        if v.get("dist") != "even" or "ms" not in v or v.get("C") != 8:
             continue
-        if v.get("variant") == "pack" and v.get("C") == 8:
-            pts.setdefault(v["k"], {})["pack"] = v["ms"]
-        if v.get("variant") == "updown_rows":
+        if v.get("variant") in ("pack", "updown_token"):
             p = pts.setdefault(v["k"], {})
-            p["ud"] = min(p.get("ud", 1e9), v["ms"])
-    ks = sorted(k for k, p in pts.items() if "pack" in p and "ud" in p)
+            p[v["variant"]] = min(p.get(v["variant"], 1e9), v["ms"])
+    ks = sorted(k for k, p in pts.items() if len(p) == 2)
     if not dense or not gate or len(ks) < 2:
         return None
-    t = [gate[0] + pts[k]["pack"] + pts[k]["ud"] for k in ks]
-    slope = (t[-1] - t[0]) / (ks[-1] - ks[0])
-    if slope <= 0:
-        return None
-    k_star = ks[0] + (0.9 * (sum(dense) / len(dense)) - t[0]) / slope
-    return max(0.0, k_star / f)
+    target = 0.9 * sum(dense) / len(dense)
+    t = [gate[0] + pts[k]["pack"] + pts[k]["updown_token"] for k in ks]
+    for (k0, t0), (k1, t1) in zip(zip(ks, t), zip(ks[1:], t[1:])):
+        if t1 >= target:
+            if t0 >= target:
+                return k0 * (target / t0) / f if t0 > 0 else 0.0
+            return (k0 + (k1 - k0) * (target - t0) / (t1 - t0)) / f
+    k0, k1, t0, t1 = ks[-2], ks[-1], t[-2], t[-1]
+    slope = (t1 - t0) / (k1 - k0)
+    return (k1 + (target - t1) / slope) / f if slope > 0 else None
+
+

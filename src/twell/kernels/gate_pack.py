@@ -106,6 +106,11 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+# (rows per program, columns per step, warps), from the H200 variant sweep
+# (benchmarks/NOTES_inference.md).
+PACK_CONFIG: tuple[int, int, int] = (16, 256, 4)
+
+
 def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4) -> TwELL:
     """Pack ``relu(a)`` into TwELL with one pass over ``a``.
 
@@ -127,12 +132,12 @@ def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4) -> TwELL:
     out = empty_twell(M, f, tile, compression, a.dtype, a.device)
     if M == 0:
         return out
-    BN = min(tile, 256)
-    BM = 16
+    BM, BN, nw = PACK_CONFIG
+    BN = min(tile, BN)
     grid = (triton.cdiv(M, BM), out.n_tiles)
     _pack_relu_kernel[grid](
         a, a.stride(0), out.values, out.cols, out.counts, M, f, out.slots, out.n_tiles,
-        TILE=tile, BM=BM, BN=BN, num_warps=4,
+        TILE=tile, BM=BM, BN=BN, num_warps=nw,
     )
     return out
 

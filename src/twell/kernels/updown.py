@@ -253,9 +253,9 @@ def _check_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.T
         raise TypeError(f"{name} ({w.dtype}, {w.device}) must match x ({x.dtype}, {x.device})")
 
 
-# Tuned (entries per step, warps) per padded d, set from the H200 variant sweep
+# Tuned (entries per step, warps) per padded d, from the H200 variant sweep
 # (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements.
-TUNED: dict[int, tuple[int, int]] = {}
+TUNED: dict[int, tuple[int, int]] = {2048: (8, 4)}
 
 
 # Row-block kernel (BM tokens, BE entries, BK columns of d per step, warps).
@@ -305,9 +305,10 @@ def ffn_from_twell(
             fired for; row_nnz: optional ``[M]`` int32, set to each row's true non-zero count.
             Pass both or neither.
         block_e, num_warps: tuning knobs (entries per step, warps per program).
-        kernel: ``"rows"``: token blocks on tensor cores (needs a one-tile TwELL, ``tile >= f``),
-            then the exact path for overflowed rows; ``"token"``: one program per token, any
-            tile; ``"auto"``: ``"rows"`` when the TwELL has one tile.
+        kernel: ``"token"``: one program per token, any tile (the default: ``"auto"``);
+            ``"rows"``: token blocks on tensor cores (needs a one-tile TwELL, ``tile >= f``),
+            then the exact path for overflowed rows. ``"rows"`` measured 2.5 to 3 times slower
+            than ``"token"`` on the H200 (benchmarks/NOTES_inference.md) and is kept for study.
 
     Returns:
         ``y [M, d]``.
@@ -362,7 +363,7 @@ def ffn_from_twell(
         raise ValueError(f"kernel must be 'auto', 'rows' or 'token', got {kernel!r}")
     if kernel == "rows" and g.n_tiles != 1:
         raise ValueError(f"kernel='rows' needs a one-tile TwELL (tile >= f), got {g.n_tiles} tiles")
-    rows_kernel = kernel == "rows" or (kernel == "auto" and g.n_tiles == 1)
+    rows_kernel = kernel == "rows"
     if M == 0:
         return out
     D = triton.next_power_of_2(max(d, 1))
