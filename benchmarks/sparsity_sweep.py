@@ -18,7 +18,6 @@ import argparse
 import csv
 import datetime
 import json
-import math
 import time
 from dataclasses import replace
 from pathlib import Path

@@ -1,6 +1,5 @@
 """twell train's loss (CE + lambda * L1), its statistics and dead-unit re-initialisation."""
 
-import math
 import types
 from pathlib import Path
 

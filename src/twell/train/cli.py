@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
 
 from .model import PRESETS
@@ -126,7 +126,6 @@ def eval_main(argv=None) -> dict:
 
     from ..hf import sparsify
     from .data import PackedSequences, build_streams, load_tokenizer
-    from .report import format_summary
     from .trainer import TrainConfig, evaluate_lm
 
     p = argparse.ArgumentParser(prog="twell eval", description="Validation loss, perplexity and sparsity of a "

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import glob
 import json
-import os
 import sysconfig
 import zlib
 from dataclasses import dataclass

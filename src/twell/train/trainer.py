@@ -20,13 +20,12 @@ with ``fsdp=True``. Statistics and validation loss are reduced over all ranks.
 from __future__ import annotations
 
 import contextlib
-import csv
 import gc
 import json
 import math
 import os
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
@@ -360,6 +359,7 @@ class Trainer:
         ce_acc = torch.zeros((), device=self.device)
         l1_acc = torch.zeros((), device=self.device)
         n_acc, t_last, tokens_last = 0, time.perf_counter(), 0
+        final = None
         while self.step < cfg.steps:
             ce, l1 = self.train_step()
             ce_acc += ce
@@ -385,13 +385,15 @@ class Trainer:
                 if evaluate:
                     ev = self.evaluate()
                     row["val_loss"] = ev["val_loss"]
+                    final = ev if last else None
                     t_last = time.perf_counter()  # validation time is not training throughput
                 self.history.append(row)
                 logger.log(row)
             if (cfg.save_every and self.step % cfg.save_every == 0) or last:
                 self.save_checkpoint()
                 t_last = time.perf_counter()
-        final = self.evaluate()
+        if final is None:  # only when resumed at cfg.steps, which __init__ refuses
+            final = self.evaluate()
         return logger.finish(final)
 
     def _layer_row(self, s: dict) -> dict:
