@@ -157,6 +157,9 @@ def eval_main(argv=None) -> dict:
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok_spec = a.tokenizer or (str(path) if (path / "twell_tokenizer.json").is_file() else cfg.tokenizer)
     tokenizer = load_tokenizer(tok_spec)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # keep the report to what twell prints
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     sparsify(model)
     model.to(device)
