@@ -165,15 +165,20 @@ def _kernel_path(module: "_SparseFFN", x: torch.Tensor) -> Optional["_KernelPath
 class _KernelPath:
     """Per-layer state of the inference path on CUDA: weight layout cache, sparsity estimate.
 
-    Choosing kernels or dense never syncs: after each call the layer's row statistics (mean and
-    root mean square of active units per token, overflowed tiles per token) are copied to pinned
-    host memory without blocking, and a later call reads them once its CUDA event has completed
-    (``event.query()``). Until a first estimate arrives, and whenever it says the layer is too
-    dense, the dense path runs. Kernels are chosen while ``cost <= kernel_max_density * f`` with
-    ``cost = mean + 0.3 * (rms - mean) + overflowed tiles per token * min(tile, f) / 8``: a few
-    very heavy rows make the pack and the up/down step slower than their mean suggests (their
-    programs run long), and an overflowed tile is recomputed exactly at about an eighth of a
-    dense pass over its units. The threshold and the weights come from the H200 benchmark
+    Choosing kernels or dense never syncs: after each call the layer's row statistics (mean,
+    root mean square and maximum of active units per token, overflowed tiles per token) are
+    copied to pinned host memory without blocking, and a later call reads them once its CUDA
+    event has completed (``event.query()``). Until a first estimate arrives, and whenever it
+    says the layer is too dense, the dense path runs. A call of ``M`` tokens takes the kernels
+    while ``cost <= kernel_max_density * f``, in active units per token::
+
+        cost = mean + 0.1 * (rms - mean) + 850 * max / M + overflowed tiles per token * min(tile, f) / 8
+
+    The up/down kernel runs one program per token, so its time is at least the longest row's
+    (about 1 us per entry on the H200, against about 1.2 ns per entry of throughput: the
+    ``850 * max / M`` term), and a heavy-tailed layer loses more than its mean says (the rms
+    term); an overflowed tile is recomputed exactly at about an eighth of a dense pass over its
+    units. The threshold and the weights come from the H200 benchmark
     (benchmarks/NOTES_inference.md); set ``module.kernel_max_density`` to override the
     threshold, or ``module.kernel_mode`` to ``"dense"`` / ``"twell"`` to force a path.
 
@@ -182,11 +187,12 @@ class _KernelPath:
     """
 
     # Break-even density measured on the H200 (d 2048, f 5632, bf16): see NOTES_inference.md.
-    DEFAULT_MAX_DENSITY = 0.0064
-    RMS_WEIGHT = 0.3
+    DEFAULT_MAX_DENSITY = 0.0086
+    RMS_WEIGHT = 0.1
+    TAIL_WEIGHT = 850.0
 
     def __init__(self) -> None:
-        self.estimate: Optional[float] = None  # cost in units per token, from a finished call
+        self.estimate: Optional[tuple[float, float]] = None  # (cost without the tail, max row)
         self._tile = 256
         self._host: Optional[torch.Tensor] = None
         self._event = None
@@ -200,24 +206,33 @@ class _KernelPath:
 
     def _poll(self) -> None:
         if self._event is not None and self._event.query():
-            mean, rms, over = (float(v) for v in self._host.tolist())
-            self.estimate = mean + self.RMS_WEIGHT * max(0.0, rms - mean) + over * self._tile / 8
+            mean, rms, top, over = (float(v) for v in self._host.tolist())
+            self.estimate = (mean + self.RMS_WEIGHT * max(0.0, rms - mean) + over * self._tile / 8, top)
             self._event = None
 
-    def use_kernels(self, f: int) -> bool:
+    def cost(self, M: int) -> Optional[float]:
+        """Estimated kernel cost of a call of ``M`` tokens, in active units per token."""
+        if self.estimate is None:
+            return None
+        base, top = self.estimate
+        return base + self.TAIL_WEIGHT * top / max(M, 1)
+
+    def use_kernels(self, f: int, M: int) -> bool:
         self._poll()
         if self._mode == "twell":
             return True
-        return self.estimate is not None and self.estimate <= self._max_density * f
+        c = self.cost(M)
+        return c is not None and c <= self._max_density * f
 
     def _publish(self, per_row: torch.Tensor, over_per_token: torch.Tensor) -> None:
         """per_row: ``[n]`` active units of (a sample of) the call's rows."""
         if self._event is not None or not per_row.is_cuda or per_row.numel() == 0:
             return  # one probe in flight at a time
         if self._host is None:
-            self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)
+            self._host = torch.empty(4, dtype=torch.float32, pin_memory=True)
         p = per_row.float()
-        self._host.copy_(torch.stack([p.mean(), p.square().mean().sqrt(), over_per_token.float()]), non_blocking=True)
+        stats = torch.stack([p.mean(), p.square().mean().sqrt(), p.max(), over_per_token.float()])
+        self._host.copy_(stats, non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()
 
@@ -366,7 +381,7 @@ class SparseGatedMLP(_SparseFFN):
         self._check_input(x)
         path = _kernel_path(self, x)
         if path is not None:  # CUDA inference
-            if path.use_kernels(self.intermediate_size):
+            if path.use_kernels(self.intermediate_size, x.numel() // self.hidden_size):
                 return path.gated_forward(self, x)
             return path.gated_dense(self, x)
         shape = x.shape
@@ -404,7 +419,7 @@ class SparseMLP(_SparseFFN):
         self._check_input(x)
         path = _kernel_path(self, x)
         if path is not None:  # CUDA inference
-            if path.use_kernels(self.intermediate_size):
+            if path.use_kernels(self.intermediate_size, x.numel() // self.hidden_size):
                 return path.mlp_forward(self, x)
             return path.mlp_dense(self, x)
         shape = x.shape
