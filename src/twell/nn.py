@@ -187,7 +187,7 @@ class _KernelPath:
     """
 
     # Break-even density measured on the H200 (d 2048, f 5632, bf16): see NOTES_inference.md.
-    DEFAULT_MAX_DENSITY = 0.0086
+    DEFAULT_MAX_DENSITY = 0.0093
     RMS_WEIGHT = 0.1
     TAIL_WEIGHT = 850.0
 

@@ -108,7 +108,7 @@ def _interpreting() -> bool:
 
 # (rows per program, columns per step, warps), from the H200 variant sweep
 # (benchmarks/NOTES_inference.md).
-PACK_CONFIG: tuple[int, int, int] = (8, 256, 4)
+PACK_CONFIG: tuple[int, int, int] = (4, 256, 2)
 
 
 def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4) -> TwELL:

@@ -255,7 +255,7 @@ def _check_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.T
 
 # Tuned (entries per step, warps) per padded d, from the H200 variant sweep
 # (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements.
-TUNED: dict[int, tuple[int, int]] = {2048: (4, 4), 4096: (4, 8)}
+TUNED: dict[int, tuple[int, int]] = {2048: (2, 2), 4096: (4, 8)}
 
 
 # Row-block kernel (BM tokens, BE entries, BK columns of d per step, warps).
