@@ -162,7 +162,7 @@ def test_module_kernel_path_matches_dense(cls):
 @pytest.mark.parametrize("cls", [twell.SparseGatedMLP, twell.SparseMLP])
 @pytest.mark.parametrize("track", [True, False])
 def test_module_lean_dense_inference_path(cls, track):
-    """The dense path taken on CUDA in inference (in-place ReLU and product) returns what the
+    """The dense path taken on CUDA in inference (in-place product) returns what the
     training dense path returns, with the same statistics."""
     from twell.nn import _KernelPath
 

@@ -182,8 +182,8 @@ class _KernelPath:
     (benchmarks/NOTES_inference.md); set ``module.kernel_max_density`` to override the
     threshold, or ``module.kernel_mode`` to ``"dense"`` / ``"twell"`` to force a path.
 
-    The dense path taken here (inference only) is the module's own math with in-place ReLU and
-    product, and the ``[M, f]`` pattern is only formed when ``track_stats`` is on.
+    The dense path taken here (inference only) is the module's own math with the product done in
+    place, and the ``[M, f]`` pattern is only formed when ``track_stats`` is on.
     """
 
     # Break-even density measured on the H200 (d 2048, f 5632, bf16): see NOTES_inference.md.
@@ -260,7 +260,7 @@ class _KernelPath:
         shape = x.shape
         x2 = x.reshape(-1, module.hidden_size)
         with torch.no_grad():
-            g = torch.relu_(module.gate_proj(x2))
+            g = torch.relu(module.gate_proj(x2))  # not in place: hooks may hold gate_proj's output
             active = g > 0 if module.track_stats else None
             rows = self._sample(g, active)
             y = module.down_proj(g.mul_(module.up_proj(x2)))
@@ -271,7 +271,7 @@ class _KernelPath:
         shape = x.shape
         x2 = x.reshape(-1, module.hidden_size)
         with torch.no_grad():
-            h = torch.relu_(module.up_proj(x2))
+            h = torch.relu(module.up_proj(x2))
             active = h > 0 if module.track_stats else None
             rows = self._sample(h, active)
             y = module.down_proj(h)
