@@ -74,12 +74,14 @@ class _SparseFFN(nn.Module):
                 "(or run under torch.autocast)"
             )
 
-    def _record(self, active: torch.Tensor, h: Optional[torch.Tensor]) -> None:
-        """active: ``[M, f]`` bool pattern of the call; h: ``[M, f]`` hidden (for the L1 term)."""
+    def _record(self, first: torch.Tensor, h: Optional[torch.Tensor]) -> None:
+        """first: ``[M, f]`` output of the ReLU (its non-zeros are the call's pattern);
+        h: ``[M, f]`` hidden (for the L1 term)."""
         self.l1 = reference.l1_penalty(h) if (h is not None and self.training and torch.is_grad_enabled()) else None
         if not self.track_stats:
-            return
+            return  # no pass over [M, f] for statistics nobody asked for
         with torch.no_grad():
+            active = first > 0
             per_token = active.sum(dim=1)
             unit_counts = active.sum(dim=0, dtype=torch.int64)
             M = active.shape[0]
@@ -242,29 +244,21 @@ class _KernelPath:
 
     # -- dense inference ------------------------------------------------------------------------
 
-    def _dense_done(self, module: "_SparseFFN", active: Optional[torch.Tensor], rows: Optional[torch.Tensor]) -> None:
-        if active is not None:
-            module._record(active, None)  # the stats the dense path records (no L1: no gradient)
-        else:
-            module.l1 = None
-        if rows is not None:
-            self._publish(rows, torch.zeros((), device=rows.device))
-
-    def _sample(self, g: torch.Tensor, active: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Active units of up to 4096 rows, when a new estimate is wanted."""
-        if self._mode == "dense" or self._event is not None or not g.is_cuda:
-            return None
-        return (active[:4096] if active is not None else g[:4096] > 0).sum(dim=1)
+    def _sample(self, g: torch.Tensor) -> None:
+        """Publish the active units of up to 4096 rows of the ReLU output ``g``, when a new
+        estimate is wanted (one probe in flight at a time)."""
+        if self._mode == "dense" or self._event is not None or not g.is_cuda or g.shape[0] == 0:
+            return
+        self._publish((g[:4096] > 0).sum(dim=1), torch.zeros((), device=g.device))
 
     def gated_dense(self, module: "SparseGatedMLP", x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, module.hidden_size)
         with torch.no_grad():
             g = torch.relu(module.gate_proj(x2))  # not in place: hooks may hold gate_proj's output
-            active = g > 0 if module.track_stats else None
-            rows = self._sample(g, active)
+            self._sample(g)
+            module._record(g, None)  # statistics before g becomes the hidden (no L1: no gradient)
             y = module.down_proj(g.mul_(module.up_proj(x2)))
-            self._dense_done(module, active, rows)
         return y.reshape(shape)
 
     def mlp_dense(self, module: "SparseMLP", x: torch.Tensor) -> torch.Tensor:
@@ -272,10 +266,9 @@ class _KernelPath:
         x2 = x.reshape(-1, module.hidden_size)
         with torch.no_grad():
             h = torch.relu(module.up_proj(x2))
-            active = h > 0 if module.track_stats else None
-            rows = self._sample(h, active)
+            self._sample(h)
+            module._record(h, None)
             y = module.down_proj(h)
-            self._dense_done(module, active, rows)
         return y.reshape(shape)
 
     # -- kernels --------------------------------------------------------------------------------
@@ -389,7 +382,7 @@ class SparseGatedMLP(_SparseFFN):
         g = torch.relu(self.gate_proj(x2))
         h = g * self.up_proj(x2)
         y = self.down_proj(h)
-        self._record(g > 0, h)
+        self._record(g, h)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:
@@ -426,7 +419,7 @@ class SparseMLP(_SparseFFN):
         x2 = x.reshape(-1, self.hidden_size)
         h = torch.relu(self.up_proj(x2))
         y = self.down_proj(h)
-        self._record(h > 0, h)
+        self._record(h, h)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:
