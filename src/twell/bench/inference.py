@@ -32,10 +32,20 @@ from .synthetic import make_ffn
 __all__ = ["bench_ms", "errors", "run_grid", "run_variants", "best_config", "break_even_density", "machine_info"]
 
 
-def bench_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 25) -> float:
-    """Median milliseconds of ``fn`` by ``triton.testing.do_bench``."""
+def bench_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 25, min_reps: int = 10) -> float:
+    """Median milliseconds of ``fn`` by ``triton.testing.do_bench``, over at least ``min_reps``
+    timed calls: do_bench sizes its repetitions from ``rep`` milliseconds, which for a 27 ms
+    call would be two samples, too few for a median to mean anything."""
     import triton.testing
 
+    if torch.cuda.is_available():
+        fn()  # warm (compilation, allocator), then one timed call to size the repetitions
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        rep = max(rep, int(min_reps * start.elapsed_time(end)) + 1)
     try:
         return float(triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median"))
     except TypeError:  # older Triton: no return_mode
@@ -144,6 +154,11 @@ def run_grid(
                         rec["rel_err"], rec["max_row_err"] = errors(y_mod, ref)
                         del y_mod
                         rec["twell_ms"] = bench_ms(lambda: mod(x), rep=rep)
+                        # the module's plain forward (no kernel-path bookkeeping), to tell the
+                        # cost of the dispatcher's dense branch from noise
+                        mod.kernel_mode = "dense"
+                        rec["module_dense_ms"] = bench_ms(lambda: mod(x), rep=rep)
+                        mod.kernel_mode = "auto"
                         # dense again after twell, so that drift of the GPU's clocks over the
                         # record weighs on both sides: dense_ms is the mean of the two
                         rec["dense_ms_before"] = rec["dense_ms"]
