@@ -3,8 +3,8 @@
 # Usage (on the GPU machine, repository root): bash benchmarks/run_inference_h200.sh [OUTDIR]
 # Writes under OUTDIR (default $OUT or benchmarks/results): gpu_tests.log, bench.log,
 # inference_variants_h200.json, inference_mlp_h200.{json,csv,png}. Prints a short table last.
-# The committed results (benchmarks/results/inference_*) are this script's output, run 4 of
-# benchmarks/NOTES_inference.md: about 105 s on one H200.
+# The committed results (benchmarks/results/inference_*) are this script's output, run 5 of
+# benchmarks/NOTES_inference.md: about 135 s on one H200.
 set -u
 OUTDIR="${1:-${OUT:-benchmarks/results}}"
 mkdir -p "$OUTDIR"
