@@ -26,7 +26,11 @@ def assert_same_twell(out, ref):
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize("M,f,tile,compression", [(13, 100, 32, 4), (6, 70, 16, 8), (9, 40, 64, 2), (5, 37, 128, 8)])
+@pytest.mark.parametrize(
+    "M,f,tile,compression",
+    # the last two span several 256-column steps of the pack pass (its carry across steps)
+    [(13, 100, 32, 4), (6, 70, 16, 8), (9, 40, 64, 2), (5, 37, 128, 8), (9, 700, 512, 4), (9, 1500, 1024, 8)],
+)
 def test_pack_relu_matches_pack_twell(dtype, M, f, tile, compression):
     x, w, _, _ = gate_case(M, 24, f, dtype, seed=M + f)
     a = x @ w.T
@@ -109,3 +113,22 @@ def test_gate_pack_gpu_bf16(method):
     else:  # a Triton matmul rounds differently from cuBLAS: counts agree up to a few ties
         assert (g.counts - ref.counts).abs().sum() <= 1e-3 * ref.counts.sum()
     assert bool(g.overflowed().any())
+
+
+@pytest.mark.gpu
+def test_gate_pack_fused_fp32_is_full_precision():
+    """fp32 operands must not be rounded to TF32 (Triton's default for tl.dot on NVIDIA GPUs):
+    the stored gate values match a float64 product to fp32 accuracy."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(257, 512, device="cuda", generator=g)
+    w = torch.randn(300, 512, device="cuda", generator=g)
+    x[:, 0], w[:, 0] = 8.0, -5.0  # shift the gate down: a few percent of units fire
+    out = gate_pack_fused(x, w, tile=128, compression=2)
+    ref = x.double() @ w.double().T
+    used = torch.arange(out.slots, device="cuda") < out.counts.unsqueeze(-1)
+    used &= ~out.overflowed().unsqueeze(-1)
+    r, t, s = torch.nonzero(used, as_tuple=True)
+    cols = t.long() * out.tile + out.cols[r, t, s].long()
+    want = ref[r, cols]
+    err = ((out.values[r, t, s].double() - want).norm() / want.norm()).item()
+    assert r.numel() > 1000 and err < 1e-5, err

@@ -10,7 +10,7 @@ import twell
 from kernel_cases import gate_case, rel_err
 from twell import reference as R
 from twell.kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, pack_relu
-from twell.ops import prepare_gated_weights, twell_gated_mlp, twell_mlp
+from twell.ops import gate_to_twell, prepare_gated_weights, twell_gated_mlp, twell_mlp
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 SHAPES = [(13, 40, 100, 32, 4), (8, 72, 70, 16, 8), (5, 24, 37, 64, 2)]  # M, d, f, tile, C
@@ -134,6 +134,55 @@ def test_validation():
         ffn_from_twell(x, g, wd.T, w_first=wg)
     with pytest.raises(ValueError, match="together"):
         ffn_from_twell(x, g, wdt, w_first=wg, unit_counts=torch.zeros(37, dtype=torch.int32))
+    with pytest.raises(ValueError, match="w_down_t .* is required"):
+        ffn_from_twell(x, g, None, w_first=wg)
+    with pytest.raises(TypeError, match="pre has dtype"):
+        ffn_from_twell(x.half(), pack_relu((x @ wg.T).half(), 16, 4), wdt.half(), pre=x @ wg.T)
+    # a TwELL whose geometry does not cover f = 37 (2 tiles of 16) is refused, not misread
+    short = pack_relu((x @ wg.T)[:, :32], 16, 4)
+    short.f = 37
+    with pytest.raises(ValueError, match="inconsistent TwELL"):
+        ffn_from_twell(x, short, wdt, w_first=wg)
+    with pytest.raises(ValueError, match="w must be"):
+        gate_to_twell(x, wg.T.contiguous())
+
+
+@pytest.mark.parametrize("M", [0, 1])
+def test_tiny_batches(M):
+    x, wg, wu, wd = gate_case(M, 24, 37, torch.float32, seed=4)
+    y = twell_gated_mlp(x, wg, wu, wd, tile=16, compression=4)
+    assert y.shape == (M, 24)
+    if M:
+        assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 1e-5
+    assert twell_mlp(x, wu, wd, tile=16, compression=4).shape == (M, 24)
+
+
+def test_module_kernel_path_sees_new_weights():
+    """The kernel path caches a weight layout; loading new weights (or editing them through
+    .data and calling refresh_kernel_weights) must not leave it stale."""
+    torch.manual_seed(3)
+    m = twell.SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "twell"
+    x = torch.randn(6, 40)
+
+    def dense():
+        return R.gated_mlp(x.double(), *(p.double() for p in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)))
+
+    with torch.no_grad():
+        m(x)
+        m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
+        assert rel_err(m(x), dense()) < 1e-5
+        m.down_proj.weight.data.copy_(torch.randn(40, 100))
+        m.refresh_kernel_weights()
+        assert rel_err(m(x), dense()) < 1e-5
+
+
+def test_module_under_autocast_takes_the_dense_path():
+    m = twell.SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "twell"
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        y = m(torch.randn(5, 40))
+    assert y.dtype == torch.bfloat16 and "_kernel_path_state" not in m.__dict__
 
 
 @pytest.mark.parametrize("cls", [twell.SparseGatedMLP, twell.SparseMLP])
@@ -257,3 +306,24 @@ def test_module_gpu_switches_to_kernels_without_sync():
             m(s.x)
             torch.cuda.synchronize()
     assert not m._kernel_path_state.use_kernels(5632, 4099)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_module_on_a_gpu_that_is_not_current():
+    """A layer on cuda:1 called while cuda:0 is current (as device_map="auto" spreads layers)
+    launches its kernels on cuda:1's stream, ordered after its own cuBLAS gate."""
+    from twell.bench.synthetic import make_ffn
+
+    s = make_ffn(4099, 2048, 5632, 29, "even", dtype=torch.bfloat16, device="cuda:1", seed=5)
+    m = twell.SparseGatedMLP(2048, 5632, device="cuda:1", dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        m.gate_proj.weight.copy_(s.w_gate)
+        m.up_proj.weight.copy_(s.w_up)
+        m.down_proj.weight.copy_(s.w_down)
+        m.kernel_mode = "twell"
+        torch.cuda.set_device(0)
+        y = m(s.x)
+        m.kernel_mode = "dense"
+        y_dense = m(s.x)
+    assert rel_err(y, y_dense) < 1e-2

@@ -138,30 +138,3 @@ def test_bad_inputs(module):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: no error
         assert module(torch.randn(3, 8, dtype=torch.bfloat16)).shape == (3, 8)
 
-
-@pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("track", [True, False])
-def test_inference_dense_branch_matches_the_plain_forward(gated, track):
-    """The dense branch of the CUDA inference dispatcher (called directly here, on the CPU)
-    returns what the plain forward returns and records the same statistics."""
-    from twell.nn import _KernelPath
-
-    torch.manual_seed(6)
-    mlp = (SparseGatedMLP if gated else SparseMLP)(12, 40).double().eval()
-    mlp.track_stats = track
-    x = torch.randn(2, 9, 12, dtype=torch.float64)
-    with torch.no_grad():
-        want = mlp(x)
-        want_stats = mlp.stats
-        mlp.reset_fire_counts()
-        mlp.stats = None
-        path = _KernelPath()
-        got = path.gated_dense(mlp, x) if gated else path.mlp_dense(mlp, x)
-    assert rel_err(got, want) < 1e-12 and got.shape == x.shape
-    if track:
-        assert torch.equal(mlp.stats.unit_counts, want_stats.unit_counts)
-        assert mlp.stats.active_mean.item() == want_stats.active_mean.item()
-        assert torch.equal(mlp.fire_counts, want_stats.unit_counts)
-    else:
-        assert mlp.stats is None
-    assert mlp.l1 is None

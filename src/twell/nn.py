@@ -99,6 +99,19 @@ class _SparseFFN(nn.Module):
         self.fire_counts.zero_()
         self.tokens_seen.zero_()
 
+    def refresh_kernel_weights(self) -> None:
+        """Drop the kernel path's cached weight layouts (rebuilt at the next CUDA inference call).
+
+        The cache notices in-place updates that go through autograd's version counter (optimizer
+        steps, ``load_state_dict``, ``copy_`` on the parameter); call this after editing a
+        weight through ``.data``, which that counter does not see.
+        """
+        self.__dict__.pop("_kernel_path_state", None)
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self.refresh_kernel_weights()
+        super()._load_from_state_dict(*args, **kwargs)
+
     def dead_units(self) -> torch.Tensor:
         """``[f]`` bool: units that did not fire for any token since the last reset."""
         return self.fire_counts == 0
@@ -122,6 +135,7 @@ class _SparseFFN(nn.Module):
         w = self._first_projection().weight
         noise = torch.randn(w.shape, generator=generator, device=w.device, dtype=torch.float32).to(w.dtype) * std
         w.copy_(torch.where(dead.unsqueeze(1), keep * w + (1.0 - keep) * noise, w))
+        self.refresh_kernel_weights()
         return dead
 
     def _first_projection(self) -> nn.Linear:
@@ -150,12 +164,14 @@ def _kernel_path(module: "_SparseFFN", x: torch.Tensor) -> Optional["_KernelPath
     if not (x.is_cuda or (mode == "twell" and _interpreting())):
         return None
     w = module.down_proj.weight
-    if x.dtype != w.dtype or module.down_proj.bias is not None:
+    if any(p.dtype != x.dtype for p in module.parameters()) or w.device != x.device or module.down_proj.bias is not None:
         return None
     if x.is_cuda and x.dtype not in (torch.float16, torch.bfloat16):
         return None
     if torch.is_grad_enabled() and (module.training or x.requires_grad or any(p.requires_grad for p in module.parameters())):
         return None
+    if torch.is_autocast_enabled(x.device.type):
+        return None  # autocast recasts the cuBLAS gate; the dense path follows its rules
     path = module.__dict__.get("_kernel_path_state")
     if path is None:
         path = _KernelPath()

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .checks import check_mlp_args
+from .checks import check_mlp_args, check_tensor
 from .format import TwELL
 from .kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, pack_relu
 
@@ -118,6 +118,13 @@ def gate_to_twell(
     Returns:
         ``(g, pre)``: g a kernel-written TwELL ``[M, f]``; pre ``[M, f]`` or None.
     """
+    check_tensor(x, "x", dim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    check_tensor(w, "w", dim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    if w.shape[1] != x.shape[1] or w.dtype != x.dtype or w.device != x.device:
+        raise ValueError(
+            f"w must be [f, {x.shape[1]}] {x.dtype} on {x.device} for x {list(x.shape)}, "
+            f"got {list(w.shape)} {w.dtype} on {w.device}"
+        )
     if tile is None:
         tile = 128 if method == "fused" else default_tile(w.shape[0])
     if method == "cublas":

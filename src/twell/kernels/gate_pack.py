@@ -32,6 +32,7 @@ import triton.language as tl
 
 from ..checks import check_tensor
 from ..format import TwELL, _check_tile, twell_slots
+from ._launch import on_device_of
 
 __all__ = ["pack_relu", "gate_pack_fused", "empty_twell"]
 
@@ -135,10 +136,11 @@ def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4) -> TwELL:
     BM, BN, nw = PACK_CONFIG
     BN = min(tile, BN)
     grid = (triton.cdiv(M, BM), out.n_tiles)
-    _pack_relu_kernel[grid](
-        a, a.stride(0), out.values, out.cols, out.counts, M, f, out.slots, out.n_tiles,
-        TILE=tile, BM=BM, BN=BN, num_warps=nw,
-    )
+    with on_device_of(a):
+        _pack_relu_kernel[grid](
+            a, a.stride(0), out.values, out.cols, out.counts, M, f, out.slots, out.n_tiles,
+            TILE=tile, BM=BM, BN=BN, num_warps=nw,
+        )
     return out
 
 
@@ -152,7 +154,7 @@ def _gate_pack_kernel(
     x_ptr, stride_xm, w_ptr, stride_wf,
     val_ptr, col_ptr, cnt_ptr,
     M, f, d, SLOTS, N_TILES,
-    BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr,
 ):
     # Grouped launch order: consecutive programs share w tiles (better L2 reuse).
     pid = tl.program_id(0)
@@ -174,7 +176,7 @@ def _gate_pack_kernel(
         kmask = (k0 + ks) < d
         xa = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         wb = tl.load(w_ptr + gcol.to(tl.int64)[None, :] * stride_wf + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc = tl.dot(xa, wb, acc)
+        acc = tl.dot(xa, wb, acc, input_precision=PREC)
     a = acc.to(val_ptr.dtype.element_ty)
     mask = rmask[:, None] & cmask[None, :]
     nz = (a > 0) & mask
@@ -230,9 +232,13 @@ def gate_pack_fused(
         out.counts.zero_()
         return out
     grid = (triton.cdiv(M, block_m) * out.n_tiles,)
-    _gate_pack_kernel[grid](
-        x, x.stride(0), w, w.stride(0), out.values, out.cols, out.counts,
-        M, f, d, out.slots, out.n_tiles,
-        BM=block_m, TILE=tile, BK=block_k, GROUP_M=8, num_warps=num_warps, num_stages=num_stages,
-    )
+    with on_device_of(x):
+        _gate_pack_kernel[grid](
+            x, x.stride(0), w, w.stride(0), out.values, out.cols, out.counts,
+            M, f, d, out.slots, out.n_tiles,
+            BM=block_m, TILE=tile, BK=block_k, GROUP_M=8,
+            # fp32 operands: full-precision products (tl.dot defaults to TF32 on NVIDIA GPUs)
+            PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
+        )
     return out

@@ -35,7 +35,8 @@ import triton
 import triton.language as tl
 
 from ..checks import check_tensor
-from ..format import TwELL
+from ..format import TwELL, twell_slots
+from ._launch import on_device_of
 
 __all__ = ["ffn_from_twell", "OverflowCounters"]
 
@@ -322,13 +323,27 @@ def ffn_from_twell(
         raise ValueError(f"g has {g.values.shape[0]} rows but x has {M}")
     if g.values.dtype != x.dtype:
         raise TypeError(f"g.values has dtype {g.values.dtype} but x has {x.dtype}; they must match")
-    if g.values.device != x.device:
-        raise ValueError(f"g is on {g.values.device} but x is on {x.device}")
+    for t, name in ((g.values, "g.values"), (g.cols, "g.cols"), (g.counts, "g.counts")):
+        if t.device != x.device:
+            raise ValueError(f"{name} is on {t.device} but x is on {x.device}")
+    n_tiles = -(-f // g.tile)
+    if (
+        tuple(g.counts.shape) != (M, n_tiles)
+        or g.cols.shape != g.values.shape
+        or g.values.shape[1] != n_tiles
+        or g.slots != twell_slots(g.tile, g.compression)
+    ):
+        raise ValueError(
+            f"inconsistent TwELL for f = {f}, tile = {g.tile}, compression = {g.compression}: values "
+            f"{list(g.values.shape)}, cols {list(g.cols.shape)}, counts {list(g.counts.shape)}"
+        )
     if x.stride(1) != 1:
         raise ValueError(f"x must have unit-stride rows, got strides {x.stride()}")
     for t, name in ((g.values, "g.values"), (g.cols, "g.cols"), (g.counts, "g.counts")):
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+    if w_down_t is None:
+        raise ValueError("w_down_t ([f, d], w_down.T.contiguous()) is required")
     _check_rows(w_down_t, "w_down_t", f, d, x)
     _check_rows(w_up, "w_up", f, d, x)
     _check_rows(w_first, "w_first", f, d, x)
@@ -339,6 +354,8 @@ def ffn_from_twell(
         )
     if pre is not None:
         check_tensor(pre, "pre", dim=2, dtypes=_KERNEL_DTYPES)
+        if pre.dtype != x.dtype:
+            raise TypeError(f"pre has dtype {pre.dtype} but x has {x.dtype}; they must match")
         if tuple(pre.shape) != (M, f) or pre.stride(1) != 1 or pre.device != x.device:
             raise ValueError(f"pre must be [M, f] = [{M}, {f}] with unit-stride rows on {x.device}, got {list(pre.shape)} strides {pre.stride()}")
     if not x.is_cuda and not _interpreting():
@@ -350,14 +367,16 @@ def ffn_from_twell(
         check_tensor(row_nnz, "row_nnz", dim=1, dtypes=(torch.int32,))
         if unit_counts.shape[0] != f or row_nnz.shape[0] != M or not unit_counts.is_contiguous() or not row_nnz.is_contiguous():
             raise ValueError(f"unit_counts must be contiguous [{f}] and row_nnz [{M}]")
+        if unit_counts.device != x.device or row_nnz.device != x.device:
+            raise ValueError(f"unit_counts and row_nnz must be on x's device {x.device}")
     if out is None:
         out = torch.empty(M, d, dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (M, d) or out.dtype != x.dtype or out.stride(1) != 1:
-        raise ValueError(f"out must be [{M}, {d}] {x.dtype} with unit-stride rows")
+    elif tuple(out.shape) != (M, d) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device or (M > 1 and out.stride(0) < d):
+        raise ValueError(f"out must be [{M}, {d}] {x.dtype} on {x.device} with unit-stride, non-overlapping rows")
     if counters is None:
         counters = OverflowCounters.zeros(x.device)
     ovf = counters.buffer
-    if ovf.dtype != torch.int64 or tuple(ovf.shape) != (2,) or ovf.device != x.device:
+    if ovf.dtype != torch.int64 or tuple(ovf.shape) != (2,) or ovf.device != x.device or not ovf.is_contiguous():
         raise ValueError("counters.buffer must be a [2] int64 tensor on x's device (OverflowCounters.zeros)")
     if kernel not in ("auto", "rows", "token"):
         raise ValueError(f"kernel must be 'auto', 'rows' or 'token', got {kernel!r}")
@@ -368,37 +387,40 @@ def ffn_from_twell(
         return out
     D = triton.next_power_of_2(max(d, 1))
     be0, nw0 = default_config(d)
+    if block_e is not None and block_e < 1:
+        raise ValueError(f"block_e must be a power of two in [1, 64], got {block_e}")
     BE = block_e or be0
     nw = num_warps or nw0
     if BE & (BE - 1) or not 1 <= BE <= 64:
         raise ValueError(f"block_e must be a power of two in [1, 64], got {BE}")
     gated = w_up is not None
     dummy = w_down_t
-    if rows_kernel:
-        bm, be, bk, nw_rows = ROWS_CONFIG
-        if block_e:
-            be = BE
-        h = torch.empty(M, g.slots, dtype=torch.float32, device=x.device) if gated else out
-        _ffn_rows_dot_kernel[(triton.cdiv(M, bm),)](
-            x, x.stride(0), g.counts, g.values, g.cols,
+    with on_device_of(x):
+        if rows_kernel:
+            bm, be, bk, nw_rows = ROWS_CONFIG
+            if block_e:
+                be = BE
+            h = torch.empty(M, g.slots, dtype=torch.float32, device=x.device) if gated else out
+            _ffn_rows_dot_kernel[(triton.cdiv(M, bm),)](
+                x, x.stride(0), g.counts, g.values, g.cols,
+                w_up if gated else dummy, (w_up if gated else dummy).stride(0),
+                w_down_t, w_down_t.stride(0),
+                h, out, out.stride(0), unit_counts if unit_counts is not None else g.counts,
+                M, d, g.slots,
+                BM=bm, BE=be, BK=bk, KSTEPS=triton.cdiv(d, bk), GATED=gated, TRACK=unit_counts is not None,
+                PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps or nw_rows,
+            )
+        _ffn_from_twell_kernel[(M,)](
+            x, x.stride(0),
+            g.counts, g.values, g.cols,
             w_up if gated else dummy, (w_up if gated else dummy).stride(0),
             w_down_t, w_down_t.stride(0),
-            h, out, out.stride(0), unit_counts if unit_counts is not None else g.counts,
-            M, d, g.slots,
-            BM=bm, BE=be, BK=bk, KSTEPS=triton.cdiv(d, bk), GATED=gated, TRACK=unit_counts is not None,
-            PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps or nw_rows,
+            w_first if w_first is not None else dummy, (w_first if w_first is not None else dummy).stride(0),
+            pre if pre is not None else x, pre.stride(0) if pre is not None else 0,
+            out, out.stride(0),
+            ovf, unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
+            d, f, g.slots, g.n_tiles, g.tile,
+            D=D, BE=BE, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
+            TRACK=unit_counts is not None, ONLY_OVER=rows_kernel, num_warps=nw,
         )
-    _ffn_from_twell_kernel[(M,)](
-        x, x.stride(0),
-        g.counts, g.values, g.cols,
-        w_up if gated else dummy, (w_up if gated else dummy).stride(0),
-        w_down_t, w_down_t.stride(0),
-        w_first if w_first is not None else dummy, (w_first if w_first is not None else dummy).stride(0),
-        pre if pre is not None else x, pre.stride(0) if pre is not None else 0,
-        out, out.stride(0),
-        ovf, unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
-        d, f, g.slots, g.n_tiles, g.tile,
-        D=D, BE=BE, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
-        TRACK=unit_counts is not None, ONLY_OVER=rows_kernel, num_warps=nw,
-    )
     return out
