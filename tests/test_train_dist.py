@@ -104,9 +104,10 @@ def test_two_process_training_matches_one(tmp_path):
     one = config(tmp_path, batch_size=4, **common, out=str(tmp_path / "one"))
     Trainer(one).fit()
     want = read_history(tmp_path / "one" / "log.csv")
-    runs = {"ddp": (config(tmp_path, batch_size=2, **common, out=str(tmp_path / "ddp")), None),
-            "fsdp": (config(tmp_path, batch_size=2, fsdp=True, **common, out=str(tmp_path / "fsdp")), None),
-            "fsdp_resumed": (config(tmp_path, batch_size=2, fsdp=True, **common, out=str(tmp_path / "fsdp_resumed")),
+    two = dict(batch_size=2)
+    runs = {"ddp": (config(tmp_path, **two, **common, out=str(tmp_path / "ddp")), None),
+            "fsdp": (config(tmp_path, **two, fsdp=True, **common, out=str(tmp_path / "fsdp")), None),
+            "fsdp_resumed": (config(tmp_path, **two, fsdp=True, **common, out=str(tmp_path / "fsdp_resumed")),
                              str(tmp_path / "fsdp" / "checkpoints" / "step_000001"))}
     for name, (cfg, resume) in runs.items():
         _spawn(_fit_worker, (2, _free_port(), cfg, resume))
@@ -117,3 +118,61 @@ def test_two_process_training_matches_one(tmp_path):
                 if key in w:
                     assert abs(g[key] - w[key]) <= 1e-4 * abs(w[key]) + 1e-6, (name, g["step"], key, g[key], w[key])
             assert g["active_max"] == w["active_max"] and g["dead_frac"] == w["dead_frac"], name
+
+
+def _state_worker(rank, world, port, out_file):
+    """Each rank fires different units / sees different statistics; save, load into fresh
+    trackers, finish the window: the verdict must count every rank's firings once."""
+    import torch.distributed as dist
+
+    from twell.train.stats import DeadUnits, IntervalStats
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
+    dead = DeadUnits(1, 4, window_steps=2, device="cpu")
+    dead.pending[0, rank] = 3  # rank 0 fires unit 0, rank 1 unit 1; units 2 and 3 never
+    dead.end_step([], 1)
+    interval = IntervalStats(1, "cpu")
+    interval.active_sum += 10.0 * (rank + 1)
+    interval.active_max += 5 + rank
+    interval.tokens = 4
+    dead_state, interval_state = dead.state_dict(), interval.state_dict()
+
+    dead2, interval2 = DeadUnits(1, 4, window_steps=2, device="cpu"), IntervalStats(1, "cpu")
+    dead2.load_state_dict(dead_state, primary=rank == 0)
+    interval2.load_state_dict(interval_state, primary=rank == 0)
+    dead2.end_step([], 2)  # the window ends: counts summed over ranks
+    result = {"dead_frac": dead2.dead_frac, "dead": dead2.dead.tolist(), "stats": interval2.reduce()}
+    if rank == 0:
+        torch.save(result, out_file)
+    shutdown_distributed()
+
+
+def test_tracker_state_saved_under_ddp_counts_every_rank_once(tmp_path):
+    out_file = tmp_path / "rank0.pt"
+    _spawn(_state_worker, (2, _free_port(), str(out_file)))
+    got = torch.load(out_file, weights_only=False)
+    assert got["dead"] == [[False, False, True, True]] and got["dead_frac"] == [0.5]
+    assert got["stats"]["tokens"] == 8 and got["stats"]["active_max"] == [6]
+    assert got["stats"]["active_mean"] == [(10.0 + 20.0) / 8]
+
+
+def test_two_process_resume_between_windows_and_log_steps(tmp_path):
+    """DDP resumed at step 3, inside a 4-step dead-unit window and between log steps (every 2):
+    the step-4 row (losses of steps 3-4, statistics, dead units of steps 1-4, counted on both
+    ranks) is the uninterrupted run's."""
+    from twell.train.report import read_history
+
+    common = dict(l1=0.05, steps=4, log_every=2, eval_every=4, save_every=3, dead_window=4, batch_size=2)
+    full = config(tmp_path, **common, out=str(tmp_path / "full"))
+    _spawn(_fit_worker, (2, _free_port(), full, None))
+    resumed = config(tmp_path, **common, out=str(tmp_path / "resumed"))
+    _spawn(_fit_worker, (2, _free_port(), resumed, str(tmp_path / "full" / "checkpoints" / "step_000003")))
+    want = read_history(tmp_path / "full" / "log.csv")[-1]
+    got = read_history(tmp_path / "resumed" / "log.csv")
+    assert [r["step"] for r in got] == [4] and want["step"] == 4
+    got = got[0]
+    for key, w in want.items():
+        if key.startswith(("active_max", "dead_frac")) or key in ("step", "tokens", "lr", "lambda"):
+            assert got[key] == w, key
+        elif key != "tokens_per_s":
+            assert abs(got[key] - w) <= 1e-5 * abs(w) + 1e-7, (key, got[key], w)

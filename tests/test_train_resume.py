@@ -60,3 +60,20 @@ def test_resume_past_the_end_is_a_clear_error(tmp_path):
     Trainer(config(tmp_path, steps=2, log_every=1, eval_every=2)).fit()
     with pytest.raises(ValueError, match="nothing to do"):
         Trainer(config(tmp_path, steps=2), resume=str(tmp_path / "run"))
+
+
+def test_resume_between_log_steps_logs_what_an_uninterrupted_run_logs(tmp_path):
+    """A checkpoint at step 3 with log rows every 2 steps: the step-4 row averages steps 3 and
+    4, so the sums since the last log row (losses, statistics) must travel in the checkpoint."""
+    common = dict(steps=4, log_every=2, save_every=3, l1=0.05, dead_window=4)
+    Trainer(config(tmp_path, **common, out=str(tmp_path / "full"))).fit()
+    resumed = Trainer(config(tmp_path, **common, out=str(tmp_path / "resumed")),
+                      resume=str(tmp_path / "full" / "checkpoints" / "step_000003"))
+    assert resumed.step == 3 and resumed.n_acc == 1 and resumed.interval.tokens == 4 * 32
+    resumed.fit()
+    a = read_history(tmp_path / "full" / "log.csv")[-1]
+    b = read_history(tmp_path / "resumed" / "log.csv")
+    assert [r["step"] for r in b] == [4] and a["step"] == 4
+    for key in a:
+        if key != "tokens_per_s":
+            assert a[key] == b[0][key], key

@@ -6,7 +6,8 @@
                                        restores the sparse modules
       optimizer.safetensors            AdamW state, one tensor per (parameter name, slot);
                                        the param groups as JSON in the metadata
-      trainer_state.safetensors        RNG states of every rank, dead-unit tracker; metadata:
+      trainer_state.safetensors        RNG states of every rank, dead-unit tracker and the sums
+                                       since the last log row (both summed over ranks); metadata:
                                        step, samples consumed (the data position), scheduler
       train_config.json                the run's settings (eval and --resume read them)
       twell_tokenizer.json (+ HF tokenizer files)

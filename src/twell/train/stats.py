@@ -68,6 +68,27 @@ class IntervalStats:
         self.reset()
         return out
 
+    def state_dict(self) -> dict:
+        """The sums since the last :meth:`reduce`, summed over ranks (``active_max``: max over
+        ranks). Under torch.distributed every rank must call it (a collective)."""
+        sums = torch.cat([self.active_sum, self.l1_sum, torch.tensor([float(self.tokens)], device=self.device, dtype=torch.float64)])
+        maxes = self.active_max.clone()
+        if _distributed():
+            dist.all_reduce(sums)
+            dist.all_reduce(maxes, op=dist.ReduceOp.MAX)
+        return {"active_sum": sums[: self.L], "l1_sum": sums[self.L : 2 * self.L], "active_max": maxes,
+                "tokens": int(sums[-1])}
+
+    def load_state_dict(self, state: dict, primary: bool = True) -> None:
+        """Restore :meth:`state_dict`'s sums: all of them on the ``primary`` rank, zeros on the
+        others, so that the next :meth:`reduce` (a sum over ranks) counts them once."""
+        self.reset()
+        if primary:
+            self.active_sum.copy_(state["active_sum"])
+            self.l1_sum.copy_(state["l1_sum"])
+            self.tokens = int(state["tokens"])
+        self.active_max.copy_(state["active_max"])  # a max over ranks: the same on every rank is fine
+
 
 class DeadUnits:
     """Which units fired for no token over a window of optimizer steps, and the paper's Eq. 6.
@@ -128,11 +149,25 @@ class DeadUnits:
         self.reinit_count += target.sum()
 
     def state_dict(self) -> dict:
-        return {"counts": self.counts, "dead": self.dead, "reinit_count": self.reinit_count,
+        """The tracker's state with ``counts`` summed over ranks (the window's firings on every
+        rank). Under torch.distributed every rank must call it (a collective, unless ``reinit``
+        already keeps the counts summed)."""
+        counts = self.counts.clone()
+        if not self.reinit and _distributed():
+            dist.all_reduce(counts)
+        return {"counts": counts, "dead": self.dead, "reinit_count": self.reinit_count,
                 "steps_in_window": self.steps_in_window, "windows_done": self.windows_done, "dead_frac": self.dead_frac}
 
-    def load_state_dict(self, state: dict) -> None:
-        self.counts.copy_(state["counts"])
+    def load_state_dict(self, state: dict, primary: bool = True) -> None:
+        """Restore :meth:`state_dict`. ``counts`` are the sum over ranks: without re-init they go to
+        the ``primary`` rank only (zeros elsewhere), so that the window's end, which sums the
+        ranks' counts, sees each firing once; with re-init every rank keeps the summed counts,
+        as it does while training."""
+        if self.reinit or primary:
+            self.counts.copy_(state["counts"])
+        else:
+            self.counts.zero_()
+        self.pending.zero_()
         self.dead.copy_(state["dead"])
         self.reinit_count.copy_(state["reinit_count"])
         self.steps_in_window, self.windows_done = int(state["steps_in_window"]), int(state["windows_done"])

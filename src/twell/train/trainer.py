@@ -173,6 +173,11 @@ class Trainer:
                               keep=cfg.reinit_keep, std=cfg.reinit_std, seed=cfg.seed)
         self.step = 0
         self.samples_seen = 0  # the data position: training samples consumed by all ranks
+        # Sums of this rank's step losses since the last log row (saved in checkpoints, so that a
+        # run resumed between two log steps logs what an uninterrupted run logs).
+        self.ce_acc = torch.zeros((), device=self.device)
+        self.l1_acc = torch.zeros((), device=self.device)
+        self.n_acc = 0
         self.history: list[dict] = []
         if resume:
             self.load_checkpoint(ckpt.latest_checkpoint(Path(resume)))
@@ -305,6 +310,11 @@ class Trainer:
         rngs = [rng] if self.world == 1 else [None] * self.world
         if self.world > 1:
             dist.all_gather_object(rngs, rng)
+        # What accumulates between log steps, summed over ranks (collectives: every rank).
+        dead, interval = self.dead.state_dict(), self.interval.state_dict()
+        acc = torch.stack([self.ce_acc, self.l1_acc])
+        if self.world > 1:
+            dist.all_reduce(acc)
         if self.main:
             directory.mkdir(parents=True, exist_ok=True)
             unwrapped = self.model.module if hasattr(self.model, "module") else self.model
@@ -313,12 +323,14 @@ class Trainer:
             hf_logging.disable_progress_bar()  # its "Writing model shards" bar would break ours
             unwrapped.save_pretrained(directory, state_dict=msd)
             ckpt.save_optimizer(directory / "optimizer.safetensors", osd)
-            dead = self.dead.state_dict()
             tensors = {k: v for r in rngs for k, v in r.items()}
             tensors.update({f"dead/{k}": dead[k] for k in ("counts", "dead", "reinit_count")})
+            tensors.update({f"interval/{k}": interval[k] for k in ("active_sum", "l1_sum", "active_max")})
+            tensors["log/ce_l1_sum"] = acc
             meta = {"step": self.step, "samples_seen": self.samples_seen, "world_size": self.world,
                     "scheduler": self.scheduler.state_dict(),
-                    "dead": {k: dead[k] for k in ("steps_in_window", "windows_done", "dead_frac")}}
+                    "dead": {k: dead[k] for k in ("steps_in_window", "windows_done", "dead_frac")},
+                    "interval_tokens": interval["tokens"], "log_steps": self.n_acc}
             ckpt.save_tensors_with_meta(directory / "trainer_state.safetensors", tensors, meta)
             (directory / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
             self.tokenizer.save(directory)
@@ -339,7 +351,17 @@ class Trainer:
         tensors, meta = ckpt.load_tensors_with_meta(directory / "trainer_state.safetensors")
         self.step, self.samples_seen = int(meta["step"]), int(meta["samples_seen"])
         self.scheduler.load_state_dict(meta["scheduler"])
-        self.dead.load_state_dict({**{k: tensors[f"dead/{k}"] for k in ("counts", "dead", "reinit_count")}, **meta["dead"]})
+        self.dead.load_state_dict({**{k: tensors[f"dead/{k}"] for k in ("counts", "dead", "reinit_count")}, **meta["dead"]},
+                                  primary=self.main)
+        # The sums since the last log step (summed over ranks when saved): on rank 0 only, so
+        # that the next log step's reduction over ranks counts them once.
+        if "log/ce_l1_sum" in tensors:  # absent from checkpoints of older versions
+            self.interval.load_state_dict({**{k: tensors[f"interval/{k}"] for k in ("active_sum", "l1_sum", "active_max")},
+                                           "tokens": meta["interval_tokens"]}, primary=self.main)
+            acc = tensors["log/ce_l1_sum"].to(self.device) if self.main else torch.zeros(2, device=self.device)
+            self.ce_acc.copy_(acc[0])
+            self.l1_acc.copy_(acc[1])
+            self.n_acc = int(meta["log_steps"])
         if f"rng_cpu_rank{self.rank}" in tensors:  # a run resumed on other ranks keeps its own RNG
             torch.set_rng_state(tensors[f"rng_cpu_rank{self.rank}"])
             if self.device.type == "cuda" and f"rng_cuda_rank{self.rank}" in tensors:
@@ -356,21 +378,19 @@ class Trainer:
         cfg = self.cfg
         logger = RunLogger(self, enabled=self.main)
         logger.start()
-        ce_acc = torch.zeros((), device=self.device)
-        l1_acc = torch.zeros((), device=self.device)
-        n_acc, t_last, tokens_last = 0, time.perf_counter(), 0
+        t_last, tokens_last = time.perf_counter(), 0
         final = None
         while self.step < cfg.steps:
             ce, l1 = self.train_step()
-            ce_acc += ce
-            l1_acc += l1
-            n_acc += 1
+            self.ce_acc += ce
+            self.l1_acc += l1
+            self.n_acc += 1
             tokens_last += self.tokens_per_step
             logger.tick()
             last = self.step == cfg.steps
             evaluate = self.step % cfg.eval_every == 0 or last
             if self.step % cfg.log_every == 0 or evaluate:
-                loss = torch.stack([ce_acc, l1_acc]) / n_acc
+                loss = torch.stack([self.ce_acc, self.l1_acc]) / self.n_acc
                 if self.world > 1:
                     dist.all_reduce(loss)
                     loss /= self.world
@@ -380,8 +400,8 @@ class Trainer:
                        "lr": self.scheduler.get_last_lr()[0], "lambda": self.l1_coef(self.step),
                        "ce": ce_v, "l1": l1_v, "loss": ce_v + self.l1_coef(self.step) * l1_v,
                        "tokens_per_s": tokens_last / (now - t_last), **self._layer_row(self.interval.reduce())}
-                ce_acc.zero_(), l1_acc.zero_()
-                n_acc, t_last, tokens_last = 0, now, 0
+                self.ce_acc.zero_(), self.l1_acc.zero_()
+                self.n_acc, t_last, tokens_last = 0, now, 0
                 if evaluate:
                     ev = self.evaluate()
                     row["val_loss"] = ev["val_loss"]
