@@ -51,6 +51,7 @@ def _worker(rank, world, port, cfg, out_file):
     gathered = [None] * world
     torch.distributed.all_gather_object(gathered, (float(result["ce"]), float(result["l1"])))
     result["ce_l1_by_rank"] = gathered
+    result["broadcast_buffers"] = trainer.wrapped.broadcast_buffers
     if rank == 0:
         torch.save(result, out_file)
     del trainer
@@ -66,6 +67,7 @@ def test_two_processes_match_one(tmp_path):
     _spawn(_worker, (2, _free_port(), two, str(out_file)))
     got = torch.load(out_file, weights_only=False)
     want = _one_step(Trainer(one))
+    assert got["broadcast_buffers"] is False  # no buffer broadcast before every forward
 
     # the one-process loss is the mean of the two ranks' (equal token counts)
     ces, l1s = zip(*got["ce_l1_by_rank"])
@@ -96,15 +98,16 @@ def _fit_worker(rank, world, port, cfg, resume):
 
 
 def test_two_process_training_matches_one(tmp_path):
-    """Three optimizer steps under DDP and under FSDP give the losses and statistics of one
-    process; an FSDP checkpoint resumes exactly."""
+    """Three optimizer steps under DDP and under FSDP, with 2 micro-batches per step (gradients
+    synced on the last one only), give the losses and statistics of one process; an FSDP
+    checkpoint resumes exactly."""
     from twell.train.report import read_history
 
     common = dict(l1=0.05, steps=3, log_every=1, eval_every=3, save_every=1, dead_window=1)
     one = config(tmp_path, batch_size=4, **common, out=str(tmp_path / "one"))
     Trainer(one).fit()
     want = read_history(tmp_path / "one" / "log.csv")
-    two = dict(batch_size=2)
+    two = dict(batch_size=1, grad_accum=2)  # 2 ranks x 2 micro-batches x 1 = the 4 sequences of one process
     runs = {"ddp": (config(tmp_path, **two, **common, out=str(tmp_path / "ddp")), None),
             "fsdp": (config(tmp_path, **two, fsdp=True, **common, out=str(tmp_path / "fsdp")), None),
             "fsdp_resumed": (config(tmp_path, **two, fsdp=True, **common, out=str(tmp_path / "fsdp_resumed")),

@@ -214,7 +214,12 @@ class Trainer:
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+        # broadcast_buffers off: the buffers are RoPE's inv_freq (the same on every rank) and the
+        # sparse MLPs' fire_counts/tokens_seen, per-rank tallies the trainer does not read (its
+        # statistics come from each forward's unit counts, summed over ranks in stats.py); no
+        # broadcast before every forward.
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
+                   broadcast_buffers=False)
 
     def _autocast(self):
         if self.cfg.precision == "bf16":
@@ -257,7 +262,14 @@ class Trainer:
             batch = batch.to(self.device, non_blocking=True)
             x, y = batch[:, :-1], batch[:, 1:]
             last = micro == cfg.grad_accum - 1
-            sync = contextlib.nullcontext() if (last or self.world == 1 or cfg.fsdp) else self.wrapped.no_sync()
+            # Gradients are reduced over ranks on the last micro-batch only: DDP's no_sync, FSDP2's
+            # set_requires_gradient_sync (no reduce-scatter; unsharded gradients accumulate).
+            sync = contextlib.nullcontext()
+            if self.world > 1 and cfg.grad_accum > 1:
+                if not cfg.fsdp:
+                    sync = contextlib.nullcontext() if last else self.wrapped.no_sync()
+                elif hasattr(self.wrapped, "set_requires_gradient_sync"):
+                    self.wrapped.set_requires_gradient_sync(last)
             with sync:
                 with self._autocast():
                     logits = self.wrapped(input_ids=x, use_cache=False).logits
