@@ -61,3 +61,25 @@ def test_unknown_preset_is_rejected(capsys):
     with pytest.raises(SystemExit):
         main(["train", "--preset", "huge"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_resume_with_new_lr_and_weight_decay_applies_them(tmp_path):
+    """--lr and --weight-decay given with --resume override the checkpoint's (as --help says),
+    in the optimizer and in the scheduler, which would otherwise keep the saved values."""
+    from twell.train.trainer import Trainer, TrainConfig
+
+    out = tmp_path / "run"
+    data = tmp_path / "data"
+    data.mkdir()
+    base = [*FAST, "--data", small_corpus(data), "--val-fraction", "0.2", "--log-every", "1", "--warmup", "1",
+            "--min-lr-ratio", "1", "--out", str(out)]  # constant lr after warm-up: the logged lr is --lr
+    main(["train", *base, "--steps", "2", "--lr", "1e-3", "--weight-decay", "0.1"])
+    main(["train", "--resume", str(out), "--steps", "4", "--lr", "4e-3", "--weight-decay", "0.05"])
+    lrs = {r["step"]: r["lr"] for r in read_history(out / "log.csv")}
+    assert lrs[2] == pytest.approx(1e-3) and lrs[3] == pytest.approx(4e-3) and lrs[4] == pytest.approx(4e-3)
+
+    cfg = TrainConfig(**{**json.loads((out / "checkpoints" / "step_000004" / "train_config.json").read_text()),
+                         "steps": 6, "weight_decay": 0.02})
+    t = Trainer(cfg, resume=str(out))
+    assert [g["weight_decay"] for g in t.optimizer.param_groups] == [0.02, 0.0]
+    assert [g["lr"] for g in t.optimizer.param_groups] == [4e-3, 4e-3] and t.scheduler.base_lrs == [4e-3, 4e-3]

@@ -61,7 +61,8 @@ def train_parser() -> argparse.ArgumentParser:
     o.add_argument("--lr", type=float, help="peak learning rate (default: tiny 3e-3, small 1.5e-3, else 3e-4)")
     o.add_argument("--min-lr-ratio", type=float, help=f"cosine floor as a share of --lr (default {d.min_lr_ratio})")
     o.add_argument("--warmup", type=int, help="learning-rate warm-up steps (default min(100, steps/10))")
-    o.add_argument("--weight-decay", type=float, help=f"AdamW weight decay on matrices (default {d.weight_decay})")
+    o.add_argument("--weight-decay", type=float, help=f"AdamW weight decay on matrices, the tied embedding/output "
+                   f"matrix included (default {d.weight_decay})")
     o.add_argument("--grad-clip", type=float, help=f"clip the gradient norm to this, 0 = off (default {d.grad_clip})")
     o.add_argument("--seed", type=int, help=f"initialisation and data order (default {d.seed})")
     s = p.add_argument_group("sparsity")
@@ -77,7 +78,9 @@ def train_parser() -> argparse.ArgumentParser:
     r.add_argument("--eval-every", type=int, help="steps between validation passes (default steps/6)")
     r.add_argument("--val-batches", type=int, help=f"validation micro-batches per pass and process (default {d.val_batches})")
     r.add_argument("--save-every", type=int, help="steps between checkpoints (default: only the last step)")
-    r.add_argument("--resume", help="a checkpoint folder, or a run's --out folder (its newest checkpoint)")
+    r.add_argument("--resume", help="a checkpoint folder, or a run's --out folder (its newest checkpoint); "
+                   "the checkpoint's settings apply, except options given on the command line (--lr, "
+                   "--weight-decay and the schedule's --steps/--warmup/--min-lr-ratio included)")
     r.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     r.add_argument("--precision", choices=["bf16", "fp32"], help="bf16 autocast (default on GPUs) or fp32")
     r.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in the backward pass")

@@ -166,7 +166,8 @@ class Trainer:
             [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
             lr=cfg.lr, betas=cfg.betas, fused=self.device.type == "cuda",
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg.warmup, cfg.steps, cfg.min_lr_ratio))
+        self.lr_factor = _lr_lambda(cfg.warmup, cfg.steps, cfg.min_lr_ratio)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
         L, f = len(self.modules), self.config.intermediate_size
         self.interval = IntervalStats(L, self.device)
         self.dead = DeadUnits(L, f, cfg.dead_window, self.device, reinit=cfg.reinit,
@@ -363,6 +364,7 @@ class Trainer:
         tensors, meta = ckpt.load_tensors_with_meta(directory / "trainer_state.safetensors")
         self.step, self.samples_seen = int(meta["step"]), int(meta["samples_seen"])
         self.scheduler.load_state_dict(meta["scheduler"])
+        self._apply_optimizer_settings()
         self.dead.load_state_dict({**{k: tensors[f"dead/{k}"] for k in ("counts", "dead", "reinit_count")}, **meta["dead"]},
                                   primary=self.main)
         # The sums since the last log step (summed over ranks when saved): on rank 0 only, so
@@ -380,6 +382,18 @@ class Trainer:
                 torch.cuda.set_rng_state(tensors[f"rng_cuda_rank{self.rank}"], self.device)
         if self.step >= self.cfg.steps:
             raise ValueError(f"the checkpoint is at step {self.step}, not before --steps {self.cfg.steps}: nothing to do")
+
+    def _apply_optimizer_settings(self) -> None:
+        """After loading a checkpoint: the run's ``lr`` and ``weight_decay`` (the checkpoint's own
+        unless given again, e.g. ``--resume ... --lr``) replace those in the loaded optimizer and
+        scheduler state, which would otherwise keep the checkpoint's. The schedule's shape
+        (warm-up, steps, floor) always comes from the run's settings."""
+        cfg = self.cfg
+        self.scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
+        lr = cfg.lr * self.lr_factor(self.scheduler.last_epoch)
+        for group, wd in zip(self.optimizer.param_groups, (cfg.weight_decay, 0.0)):
+            group["initial_lr"], group["lr"], group["weight_decay"] = cfg.lr, lr, wd
+        self.scheduler._last_lr = [lr] * len(self.optimizer.param_groups)
 
     # --- the run -------------------------------------------------------------------------------
 
