@@ -138,3 +138,40 @@ def test_hf_tokenizer_by_path_round_trip_and_streams(tmp_path):
     assert (train == 0).sum() + (val == 0).sum() == 20
     tok.save(tmp_path / "saved")  # what a checkpoint holds
     assert load_tokenizer(str(tmp_path / "saved")).encode(text).tolist() == tok.encode(text).tolist()
+
+
+def test_split_does_not_depend_on_how_the_path_is_written(tmp_path, monkeypatch):
+    """Keys are paths relative to the --data root given: relative, absolute, a glob or a moved
+    copy of the corpus all give the same split."""
+    import shutil
+
+    (tmp_path / "corpus").mkdir()
+    corpus = _corpus(tmp_path / "corpus")
+    monkeypatch.chdir(tmp_path)
+    tok = ByteTokenizer()
+    keys = [k for k, _ in iter_documents(["corpus"])]
+    assert keys[:3] == ["a.txt", "b.md", "c.jsonl:0"]
+    assert keys == [k for k, _ in iter_documents([str(corpus.resolve())])]
+    want = build_streams(["corpus"], tok, val_fraction=0.1)
+    assert 0 < len(want[1]) < len(want[0])
+    shutil.copytree(corpus, tmp_path / "elsewhere" / "copy")
+    for spec in ([str(corpus.resolve())], ["./corpus/"], ["corpus/*"], [str(corpus.resolve() / "*")],
+                 ["elsewhere/copy"], [str(tmp_path / "elsewhere" / "copy")]):
+        got = build_streams(spec, tok, val_fraction=0.1)
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), spec
+    # one file, given relative or absolute: keyed on its name
+    assert [k for k, _ in iter_documents(["corpus/a.txt"])] == [k for k, _ in iter_documents([str(corpus.resolve() / "a.txt")])] == ["a.txt"]
+
+
+@pytest.mark.parametrize("side", [True, False])
+def test_split_falls_back_when_either_side_is_empty(tmp_path, monkeypatch, side):
+    """Every document in validation (or every one in training): split by position instead, and
+    both sides are non-empty."""
+    import twell.train.data as data
+
+    _corpus(tmp_path)
+    monkeypatch.setattr(data, "is_validation", lambda key, fraction: side)
+    train, val = build_streams([str(tmp_path)], ByteTokenizer(), val_fraction=0.1)
+    assert len(train) > 0 and len(val) > 0
+    n = len(train) + len(val)
+    assert len(val) == n - int(n * 0.9)

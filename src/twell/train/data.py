@@ -10,8 +10,11 @@ Corpora (``--data``):
 - ``hf:NAME[:CONFIG]``: a Hugging Face dataset (needs ``datasets`` and a network), streamed
   up to ``max_docs`` documents.
 
-Every document gets a stable key (a path, or a path and a row); documents go to validation
-when a hash of their key falls under ``val_fraction``. Documents are tokenized, each followed
+Every document gets a stable key: its path relative to the ``--data`` root it came from (the
+folder given, the folder of a file given, or a glob's folder before its first wildcard), with
+the row for ``.jsonl``/``.parquet``, so the key does not depend on whether the path was written
+relative or absolute, nor on where the corpus lies. Documents go to validation when a hash of
+their key falls under ``val_fraction``. Documents are tokenized, each followed
 by the tokenizer's end-of-text id, and concatenated into one token stream per split. Training
 samples are windows of ``seq_len + 1`` tokens cut from that stream at multiples of ``seq_len``,
 visited in an order that is a seeded permutation per epoch: sample ``k`` depends only on
@@ -129,17 +132,33 @@ def stdlib_documents() -> Iterator[tuple[str, str]]:
         yield key, path.read_text(encoding="utf-8", errors="replace")
 
 
-def _expand(spec: str) -> list[Path]:
+def _expand(spec: str) -> tuple[Path, list[Path]]:
+    """``(root, files)`` of a local ``--data`` spec; documents are keyed on their path relative to ``root``."""
     path = Path(spec)
     if path.is_dir():
-        return sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | {".jsonl", ".parquet"})
+        return path, sorted(p for p in path.rglob("*") if p.is_file() and p.suffix in TEXT_SUFFIXES | {".jsonl", ".parquet"})
     matches = sorted(Path(p) for p in glob.glob(spec, recursive=True))
     if not matches:
         raise FileNotFoundError(f"--data {spec!r}: no such file, folder or glob match")
-    return matches
+    if not glob.has_magic(spec):
+        return path.parent, matches
+    fixed = []
+    for part in path.parts:
+        if glob.has_magic(part):
+            break
+        fixed.append(part)
+    return Path(*fixed) if fixed else Path("."), matches
 
 
-def _file_documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
+def _key(path: Path, root: Path) -> str:
+    try:
+        return path.relative_to(root).as_posix()
+    except ValueError:  # not under root (a glob with "..", say): the path as found
+        return path.as_posix()
+
+
+def _file_documents(path: Path, text_field: str, key: Optional[str] = None) -> Iterator[tuple[str, str]]:
+    key = str(path) if key is None else key
     if path.suffix == ".jsonl":
         with open(path, encoding="utf-8") as fh:
             for i, line in enumerate(fh):
@@ -148,7 +167,7 @@ def _file_documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
                 row = json.loads(line)
                 if text_field not in row:
                     raise KeyError(f"{path}:{i + 1}: no field {text_field!r} (fields: {sorted(row)}); see --text-field")
-                yield f"{path}:{i}", row[text_field]
+                yield f"{key}:{i}", row[text_field]
     elif path.suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -156,9 +175,9 @@ def _file_documents(path: Path, text_field: str) -> Iterator[tuple[str, str]]:
             raise ImportError("reading .parquet needs pyarrow: pip install 'twell[data]'") from err
         table = pq.read_table(path, columns=[text_field])
         for i, text in enumerate(table.column(text_field).to_pylist()):
-            yield f"{path}:{i}", text or ""
+            yield f"{key}:{i}", text or ""
     else:
-        yield str(path), path.read_text(encoding="utf-8", errors="replace")
+        yield key, path.read_text(encoding="utf-8", errors="replace")
 
 
 def _hf_documents(spec: str, text_field: str, max_docs: Optional[int]) -> Iterator[tuple[str, str]]:
@@ -182,8 +201,9 @@ def iter_documents(specs: list[str], text_field: str = "text", max_docs: Optiona
         elif spec.startswith("hf:"):
             yield from _hf_documents(spec, text_field, max_docs)
         else:
-            for path in _expand(spec):
-                yield from _file_documents(path, text_field)
+            root, paths = _expand(spec)
+            for path in paths:
+                yield from _file_documents(path, text_field, _key(path, root))
 
 
 def is_validation(key: str, val_fraction: float) -> bool:
@@ -196,8 +216,9 @@ def build_streams(specs: list[str], tokenizer, val_fraction: float = 0.02, text_
                   max_docs: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
     """Tokenize the corpus into ``(train [n_train], validation [n_val])`` token streams.
 
-    Each document is followed by ``tokenizer.eos_id``. If no document falls in validation (one
-    file, say), the last ``val_fraction`` of the training stream becomes validation instead.
+    Each document is followed by ``tokenizer.eos_id``. If either side gets no document (one
+    file, say), the split is by position instead: the last ``val_fraction`` of the stream of
+    all documents becomes validation, the rest training.
     """
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction}")
@@ -212,9 +233,10 @@ def build_streams(specs: list[str], tokenizer, val_fraction: float = 0.02, text_
         raise ValueError(f"--data {specs}: found no documents")
     train = np.concatenate(parts[False]) if parts[False] else np.zeros(0, np.uint16)
     val = np.concatenate(parts[True]) if parts[True] else np.zeros(0, np.uint16)
-    if len(val) == 0:
-        cut = int(len(train) * (1.0 - val_fraction))
-        train, val = train[:cut], train[cut:]
+    if len(val) == 0 or len(train) == 0:
+        stream = train if len(val) == 0 else val
+        cut = min(max(int(len(stream) * (1.0 - val_fraction)), 1), len(stream) - 1)
+        train, val = stream[:cut], stream[cut:]
     return train, val
 
 
