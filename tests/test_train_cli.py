@@ -47,8 +47,11 @@ def test_help_documents_the_l1_convention(capsys):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--steps", "0"], "steps must be >= 1"),
+    (["--steps", "0"], r"steps \(--steps\) must be >= 1, got 0"),
     (["--l1", "-1"], "L1 coefficient"),
+    (["--log-every", "0"], r"^twell train: log_every \(--log-every\) must be >= 1, got 0$"),
+    (["--num-heads", "0"], r"^twell train: num_heads \(--num-heads\) must be >= 1, got 0$"),
+    (["--save-every", "0"], r"save_every \(--save-every\) must be >= 1, got 0"),
     (["--data", "/no/such/file.txt"], "no such file"),
     (["--resume", "/no/such/run"], "no checkpoint"),
 ])
@@ -83,3 +86,20 @@ def test_resume_with_new_lr_and_weight_decay_applies_them(tmp_path):
     t = Trainer(cfg, resume=str(out))
     assert [g["weight_decay"] for g in t.optimizer.param_groups] == [0.02, 0.0]
     assert [g["lr"] for g in t.optimizer.param_groups] == [4e-3, 4e-3] and t.scheduler.base_lrs == [4e-3, 4e-3]
+
+
+def test_jsonl_without_the_text_field_is_a_clear_error(tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"body": "x" * 100}) + "\n")
+    with pytest.raises(SystemExit, match=r"^twell train: .*d.jsonl:1: expected a field 'text', the row has \['body'\]"):
+        main(["train", *FAST, "--out", str(tmp_path / "run"), "--data", str(tmp_path / "d.jsonl")])
+
+
+def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is there")
+    with pytest.raises(SystemExit, match="^twell train: device 'cuda' asked for, but torch sees no CUDA GPU; use --device cpu$"):
+        main(["train", *FAST, "--out", str(tmp_path), "--device", "cuda"])
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        main(["eval", str(tmp_path), "--device", "cuda"])

@@ -70,7 +70,7 @@ def test_single_file_falls_back_to_tail_split(tmp_path):
 
 def test_jsonl_missing_field_is_a_clear_error(tmp_path):
     (tmp_path / "d.jsonl").write_text(json.dumps({"body": "x"}) + "\n")
-    with pytest.raises(KeyError, match="text-field"):
+    with pytest.raises(ValueError, match="expected a field 'text', the row has \\['body'\\]; see --text-field"):
         build_streams([str(tmp_path / "d.jsonl")], ByteTokenizer())
 
 

@@ -118,7 +118,7 @@ def train_main(argv=None) -> dict:
     try:
         cfg = _config_from(args, base)
         return train(cfg, resume=resume)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, ImportError) as err:
         raise SystemExit(f"twell train: {err}")
 
 
@@ -143,6 +143,13 @@ def eval_main(argv=None) -> dict:
     p.add_argument("--device", help="default: cuda if available")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+
+    for key in ("seq_len", "batch_size", "val_batches"):
+        value = getattr(a, key)
+        if value is not None and value < (2 if key == "seq_len" else 1):
+            raise SystemExit(f"twell eval: --{key.replace('_', '-')} must be >= {2 if key == 'seq_len' else 1}, got {value}")
+    if a.device and a.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(f"twell eval: device {a.device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
 
     from .checkpoint import latest_checkpoint
 
@@ -170,7 +177,7 @@ def eval_main(argv=None) -> dict:
     try:
         _, val = build_streams(cfg.data, tokenizer, cfg.val_fraction, cfg.text_field, cfg.max_docs)
         val_data = PackedSequences(val, seq_len, cfg.seed)
-    except (ValueError, FileNotFoundError) as err:
+    except (ValueError, FileNotFoundError, ImportError) as err:
         raise SystemExit(f"twell eval: {err}")
     precision = "bf16" if device.type == "cuda" else "fp32"
     ev = evaluate_lm(model, val_data, cfg.batch_size, a.val_batches, device, precision)

@@ -166,7 +166,7 @@ def _file_documents(path: Path, text_field: str, key: Optional[str] = None) -> I
                     continue
                 row = json.loads(line)
                 if text_field not in row:
-                    raise KeyError(f"{path}:{i + 1}: no field {text_field!r} (fields: {sorted(row)}); see --text-field")
+                    raise ValueError(f"{path}:{i + 1}: expected a field {text_field!r}, the row has {sorted(row)}; see --text-field")
                 yield f"{key}:{i}", row[text_field]
     elif path.suffix == ".parquet":
         try:
@@ -190,6 +190,8 @@ def _hf_documents(spec: str, text_field: str, max_docs: Optional[int]) -> Iterat
     for i, row in enumerate(ds):
         if max_docs is not None and i >= max_docs:
             break
+        if text_field not in row:
+            raise ValueError(f"{spec} row {i}: expected a field {text_field!r}, the row has {sorted(row)}; see --text-field")
         yield f"{spec}:{i}", row[text_field]
 
 

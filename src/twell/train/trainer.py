@@ -93,6 +93,19 @@ class TrainConfig:
         c = TrainConfig(**asdict(self))
         if c.preset not in PRESETS:
             raise ValueError(f"unknown preset {c.preset!r}; choose one of {', '.join(PRESETS)}")
+        # Counts and sizes first: the defaults below divide by some of them.
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len", "max_docs",
+                     "steps", "batch_size", "grad_accum", "log_every", "eval_every", "val_batches", "save_every",
+                     "dead_window"):
+            value = getattr(c, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                option = "--" + name.replace("_", "-")
+                raise ValueError(f"{name} ({option}) must be an integer >= 1, got {value!r}" if not isinstance(value, int)
+                                 else f"{name} ({option}) must be >= 1, got {value}")
+        if c.warmup is not None and c.warmup < 0:
+            raise ValueError(f"warmup must be >= 0 steps, got {c.warmup}")
+        if c.device is not None and c.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {c.device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
         c.seq_len = c.seq_len or PRESETS[c.preset].context
         c.lr = c.lr if c.lr is not None else DEFAULT_LR.get(c.preset, 3e-4)
         c.warmup = c.warmup if c.warmup is not None else min(100, max(1, c.steps // 10))
@@ -102,17 +115,12 @@ class TrainConfig:
         c.precision = c.precision or ("bf16" if c.device.startswith("cuda") else "fp32")
         c.betas = tuple(c.betas)
         checks = [
-            (c.steps >= 1, f"steps must be >= 1, got {c.steps}"),
-            (c.batch_size >= 1, f"batch size must be >= 1, got {c.batch_size}"),
-            (c.grad_accum >= 1, f"grad accumulation must be >= 1, got {c.grad_accum}"),
             (c.seq_len >= 2, f"seq_len must be >= 2, got {c.seq_len}"),
             (c.lr > 0, f"lr must be > 0, got {c.lr}"),
             (c.l1 >= 0, f"the L1 coefficient must be >= 0, got {c.l1}"),
             (c.l1_warmup >= 0, f"l1 warm-up must be >= 0 steps, got {c.l1_warmup}"),
             (0 <= c.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}"),
             (c.grad_clip >= 0, f"grad clip must be >= 0 (0: off), got {c.grad_clip}"),
-            (c.log_every >= 1 and c.eval_every >= 1, "log_every and eval_every must be >= 1"),
-            (c.val_batches >= 1, f"val_batches must be >= 1, got {c.val_batches}"),
             (0 < c.reinit_keep <= 1, f"reinit keep must be in (0, 1], got {c.reinit_keep}"),
             (c.precision in ("bf16", "fp32"), f"precision must be bf16 or fp32, got {c.precision!r}"),
             (not (c.precision == "bf16" and c.device == "cpu"), "bf16 autocast is for GPUs; use fp32 on the CPU"),
@@ -194,7 +202,7 @@ class Trainer:
             dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
         if cfg.device.startswith("cuda"):
             if not torch.cuda.is_available():
-                raise RuntimeError("--device cuda asked for, but torch sees no CUDA GPU")
+                raise ValueError(f"device {cfg.device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
             self.device = torch.device("cuda", local if self.world > 1 else torch.device(cfg.device).index or 0)
             torch.cuda.set_device(self.device)
         else:
