@@ -30,6 +30,12 @@ from twell.train.trainer import TrainConfig, Trainer
 RUNS = [(0.0, False), (1e-5, False), (2e-5, False), (3e-5, False), (2e-5, True)]
 
 
+def run_config(base: TrainConfig, steps: int, lam: float, reinit: bool, runs_dir: str) -> TrainConfig:
+    """One run's settings: ``base`` with its steps, lambda and re-init, about 4 validation passes."""
+    name = f"l1_{lam:g}" + ("_reinit" if reinit else "")
+    return replace(base, steps=steps, l1=lam, reinit=reinit, out=f"{runs_dir}/{name}", eval_every=max(1, steps // 4))
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -90,8 +96,8 @@ def main() -> None:
 
     records, curves = [], []
     for lam, reinit in RUNS:
-        name = f"l1_{lam:g}" + ("_reinit" if reinit else "")
-        cfg = replace(base, steps=steps, l1=lam, reinit=reinit, out=f"{a.runs_dir}/{name}", eval_every=steps // 4)
+        cfg = run_config(base, steps, lam, reinit, a.runs_dir)
+        name = Path(cfg.out).name
         t0 = time.perf_counter()
         trainer = Trainer(cfg, streams=streams)
         s = trainer.fit()

@@ -103,3 +103,20 @@ def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
         main(["train", *FAST, "--out", str(tmp_path), "--device", "cuda"])
     with pytest.raises(SystemExit, match="no CUDA GPU"):
         main(["eval", str(tmp_path), "--device", "cuda"])
+
+
+def test_sparsity_sweep_settings_are_valid_for_short_runs():
+    """benchmarks/sparsity_sweep.py validates about 4 times per run: at least every step when
+    a run has fewer than 4 steps (steps // 4 was 0, which the trainer rejects)."""
+    import importlib.util
+    from pathlib import Path
+
+    from twell.train.trainer import TrainConfig
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "sparsity_sweep.py"
+    spec = importlib.util.spec_from_file_location("sparsity_sweep", path)
+    sweep = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sweep)
+    for steps, every in ((1, 1), (3, 1), (8, 2), (1150, 287)):
+        cfg = sweep.run_config(TrainConfig(device="cpu"), steps, 2e-5, True, "runs").resolved()
+        assert cfg.eval_every == every and cfg.out == "runs/l1_2e-05_reinit"

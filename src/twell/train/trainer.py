@@ -66,7 +66,7 @@ class TrainConfig:
     lr: Optional[float] = None
     min_lr_ratio: float = 0.1
     warmup: Optional[int] = None
-    weight_decay: float = 0.1
+    weight_decay: float = 0.1  # on every matrix, the tied embedding/output matrix included; not on norms
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
     l1: float = 2e-5
