@@ -107,7 +107,9 @@ def test_two_process_training_matches_one(tmp_path):
     one = config(tmp_path, batch_size=4, **common, out=str(tmp_path / "one"))
     Trainer(one).fit()
     want = read_history(tmp_path / "one" / "log.csv")
-    two = dict(batch_size=1, grad_accum=2)  # 2 ranks x 2 micro-batches x 1 = the 4 sequences of one process
+    # 2 ranks x 2 micro-batches x 1 = the 4 sequences of one process; validation: 2 ranks x 2
+    # batches x 1 = its 4 windows
+    two = dict(batch_size=1, grad_accum=2, val_batches=2)
     runs = {"ddp": (config(tmp_path, **two, **common, out=str(tmp_path / "ddp")), None),
             "fsdp": (config(tmp_path, **two, fsdp=True, **common, out=str(tmp_path / "fsdp")), None),
             "fsdp_resumed": (config(tmp_path, **two, fsdp=True, **common, out=str(tmp_path / "fsdp_resumed")),
