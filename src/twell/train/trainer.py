@@ -98,10 +98,8 @@ class TrainConfig:
                      "steps", "batch_size", "grad_accum", "log_every", "eval_every", "val_batches", "save_every",
                      "dead_window"):
             value = getattr(c, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                option = "--" + name.replace("_", "-")
-                raise ValueError(f"{name} ({option}) must be an integer >= 1, got {value!r}" if not isinstance(value, int)
-                                 else f"{name} ({option}) must be >= 1, got {value}")
+            if value is not None and value < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
         if c.warmup is not None and c.warmup < 0:
             raise ValueError(f"warmup must be >= 0 steps, got {c.warmup}")
         if c.device is not None and c.device.startswith("cuda") and not torch.cuda.is_available():
@@ -223,12 +221,15 @@ class Trainer:
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        # broadcast_buffers off: the buffers are RoPE's inv_freq (the same on every rank) and the
-        # sparse MLPs' fire_counts/tokens_seen, per-rank tallies the trainer does not read (its
-        # statistics come from each forward's unit counts, summed over ranks in stats.py); no
-        # broadcast before every forward.
-        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None,
-                   broadcast_buffers=False)
+        # No buffer broadcast before every forward: the buffers are RoPE's inv_freq (the same on
+        # every rank) and the sparse MLPs' fire_counts/tokens_seen, per-rank tallies the trainer
+        # does not read (its statistics come from each forward's unit counts, summed over ranks
+        # in stats.py). torch 2.13 renames broadcast_buffers to forward_sync_buffers.
+        import inspect
+
+        flag = ("forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP.__init__).parameters
+                   else "broadcast_buffers")
+        return DDP(model, device_ids=[self.device.index] if self.device.type == "cuda" else None, **{flag: False})
 
     def _autocast(self):
         if self.cfg.precision == "bf16":
