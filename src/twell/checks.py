@@ -6,6 +6,7 @@ call fails with a message that names what was expected and what came.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -53,3 +54,15 @@ def check_mlp_args(
         if w.device != x.device:
             raise ValueError(f"{name} is on {w.device} but x is on {x.device}; they must match")
     return d, f
+
+
+def triton_interpreting() -> bool:
+    """True when Triton kernels run in its CPU interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_launchable(t: torch.Tensor, name: str) -> None:
+    """Raise ValueError unless a Triton kernel can run on ``t``: a CUDA tensor, or any tensor
+    under the interpreter."""
+    if not t.is_cuda and not triton_interpreting():
+        raise ValueError(f"{name} must be a CUDA tensor (or run under TRITON_INTERPRET=1), got {t.device}")

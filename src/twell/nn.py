@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from . import reference
+from .checks import triton_interpreting
 
 __all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules"]
 
@@ -145,12 +146,6 @@ class _SparseFFN(nn.Module):
 # --- kernel path (inference on CUDA) ----------------------------------------------------------
 
 
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _kernel_path(module: "_SparseFFN", x: torch.Tensor) -> Optional["_KernelPath"]:
     """The layer's :class:`_KernelPath` if this call may run the TwELL kernels, else None.
 
@@ -161,7 +156,7 @@ def _kernel_path(module: "_SparseFFN", x: torch.Tensor) -> Optional["_KernelPath
     mode = getattr(module, "kernel_mode", "auto")
     if mode == "dense":
         return None
-    if not (x.is_cuda or (mode == "twell" and _interpreting())):
+    if not (x.is_cuda or (mode == "twell" and triton_interpreting())):
         return None
     w = module.down_proj.weight
     if any(p.dtype != x.dtype for p in module.parameters()) or w.device != x.device or module.down_proj.bias is not None:

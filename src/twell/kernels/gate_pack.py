@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_tensor
+from ..checks import check_launchable, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
 from ._launch import on_device_of
 
@@ -97,14 +97,7 @@ def _pack_relu_kernel(
 
 def _check_pre(a: torch.Tensor, name: str) -> None:
     check_tensor(a, name, dim=2, dtypes=_KERNEL_DTYPES)
-    if not a.is_cuda and not _interpreting():
-        raise ValueError(f"{name} must be a CUDA tensor (or run under TRITON_INTERPRET=1), got {a.device}")
-
-
-def _interpreting() -> bool:
-    import os
-
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    check_launchable(a, name)
 
 
 # (rows per program, columns per step, warps), from the H200 variant sweep
@@ -216,8 +209,7 @@ def gate_pack_fused(
         raise ValueError(f"w must be [f, {x.shape[1]}] for x [M, {x.shape[1]}], got {list(w.shape)}")
     if w.dtype != x.dtype or w.device != x.device:
         raise TypeError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
-    if not x.is_cuda and not _interpreting():
-        raise ValueError(f"x must be a CUDA tensor (or run under TRITON_INTERPRET=1), got {x.device}")
+    check_launchable(x, "x")
     _check_tile(tile, compression)
     if not 16 <= tile <= 256:
         raise ValueError(f"the fused gate-pack needs 16 <= tile <= 256 (its N block), got {tile}")

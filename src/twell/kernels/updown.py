@@ -26,7 +26,6 @@ column ``j``: one 8 KB span per unit at d = 2048), or two separate matrices.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -34,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_tensor
+from ..checks import check_launchable, check_tensor
 from ..format import TwELL, twell_slots
 from ._launch import on_device_of
 
@@ -238,8 +237,6 @@ def _ffn_rows_dot_kernel(
             tl.atomic_add(uc_ptr + unit, tl.full([BE], 1, dtype=tl.int32), mask=valid & ((tl.zeros([BE], dtype=tl.int32) + dk) == 0))
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
 def _check_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.Tensor) -> None:
@@ -358,8 +355,7 @@ def ffn_from_twell(
             raise TypeError(f"pre has dtype {pre.dtype} but x has {x.dtype}; they must match")
         if tuple(pre.shape) != (M, f) or pre.stride(1) != 1 or pre.device != x.device:
             raise ValueError(f"pre must be [M, f] = [{M}, {f}] with unit-stride rows on {x.device}, got {list(pre.shape)} strides {pre.stride()}")
-    if not x.is_cuda and not _interpreting():
-        raise ValueError(f"x must be a CUDA tensor (or run under TRITON_INTERPRET=1), got {x.device}")
+    check_launchable(x, "x")
     if (unit_counts is None) != (row_nnz is None):
         raise ValueError("pass unit_counts and row_nnz together, or neither")
     if unit_counts is not None:

@@ -61,7 +61,7 @@ class RunLogger:
             f"  data {' '.join(cfg.data)} ({len(t.train_data.tokens):,} train / {len(t.val_data.tokens):,} validation "
             f"tokens, tokenizer {t.tokenizer.name}); {cfg.steps} steps x {t.tokens_per_step:,} tokens; "
             f"lambda {cfg.l1:g} (L1 = mean over layers of mean over tokens of SUM over units of |h|)"
-            + (f"; dead-unit reinit on" if cfg.reinit else "")
+            + ("; dead-unit reinit on" if cfg.reinit else "")
             + (f"\n  resumed at step {t.step}" if t.step else "")
         )
         self.bar = tqdm(total=cfg.steps, initial=t.step, desc="train", unit="step", disable=not cfg.progress,
