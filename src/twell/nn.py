@@ -53,6 +53,11 @@ class _SparseFFN(nn.Module):
 
     def _init_tracking(self, device) -> None:
         self.track_stats = True
+        # CUDA inference path: "auto" picks TwELL kernels or dense cuBLAS from measured
+        # sparsity, "dense" / "twell" force one; kernel_max_density (None: the measured default)
+        # is the break-even share of active units (see _KernelPath).
+        self.kernel_mode = "auto"
+        self.kernel_max_density: Optional[float] = None
         self.l1: Optional[torch.Tensor] = None
         self.stats: Optional[SparsityStats] = None
         f = self.intermediate_size
@@ -153,7 +158,7 @@ def _kernel_path(module: "_SparseFFN", x: torch.Tensor) -> Optional["_KernelPath
     fp16/bf16 of the weights' dtype, no bias, and no gradient needed (grad mode off, or no
     parameter nor the input requiring grad in eval mode). Anything else keeps the dense path
     untouched, so CPU training never reaches this."""
-    mode = getattr(module, "kernel_mode", "auto")
+    mode = module.kernel_mode
     if mode == "dense":
         return None
     if not (x.is_cuda or (mode == "twell" and triton_interpreting())):
@@ -250,8 +255,8 @@ class _KernelPath:
         self._event.record()
 
     def _sync_knobs(self, module) -> None:
-        self._mode = getattr(module, "kernel_mode", "auto")
-        self._max_density = getattr(module, "kernel_max_density", None) or self.DEFAULT_MAX_DENSITY
+        self._mode = module.kernel_mode
+        self._max_density = module.kernel_max_density or self.DEFAULT_MAX_DENSITY
 
     # -- dense inference ------------------------------------------------------------------------
 
