@@ -116,6 +116,18 @@ def test_gate_pack_gpu_bf16(method):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tile", [256, 8192])
+def test_pack_bits_gpu_bf16(tile):
+    from twell.bench.synthetic import make_ffn
+
+    s = make_ffn(4099, 2048, 5632, 29, "heavy", dtype=torch.bfloat16, device="cuda", seed=2)
+    a = torch.mm(s.x, s.w_gate.T)
+    g = pack_relu(a, tile, 8, method="bits")
+    assert_same_twell(g, pack_twell(torch.relu(a), tile, 8))
+    assert bool(g.overflowed().any())
+
+
+@pytest.mark.gpu
 def test_gate_pack_fused_fp32_is_full_precision():
     """fp32 operands must not be rounded to TF32 (Triton's default for tl.dot on NVIDIA GPUs):
     the stored gate values match a float64 product to fp32 accuracy."""

@@ -95,6 +95,97 @@ def _pack_relu_kernel(
     tl.store(cnt_ptr + rows * N_TILES + t, run, mask=rmask)
 
 
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _bit_position(p):
+    # p a power of two as int32 (2^31 is INT_MIN): its exponent, read from its float32 bits.
+    bits = p.to(tl.float32).to(tl.int32, bitcast=True)
+    return ((bits >> 23) & 0xFF) - 127
+
+
+@triton.jit
+def _popcount(w):
+    # set bits of each int32 word (SWAR; the arithmetic shifts are masked where it matters)
+    w = w - ((w >> 1) & 0x55555555)
+    w = (w & 0x33333333) + ((w >> 2) & 0x33333333)
+    w = (w + (w >> 4)) & 0x0F0F0F0F
+    return ((w * 0x01010101) >> 24) & 0xFF
+
+
+@triton.jit
+def _pack_relu_bits_kernel(
+    a_ptr, stride_am,
+    val_ptr, col_ptr, cnt_ptr, words_ptr,
+    M, f, SLOTS, N_TILES, W_ROW,
+    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr, OR_REDUCE: tl.constexpr,
+):
+    # Two phases per (BM rows, tile):
+    #   1. stream the tile once, turning each run of 32 columns into one bit word (bit b set
+    #      when column 32 w + b is > 0), stored to a small scratch, and each non-zero word into
+    #      one bit of a summary kept in registers (NS words cover TILE columns);
+    #   2. pull entries in column order: the lowest set bit of the current word, and when the
+    #      word is spent, the next non-zero word through the summary's lowest set bit. Each
+    #      step is a few [BM] operations and two [BM] loads, whatever the tile width.
+    pid_m = tl.program_id(0)
+    t = tl.program_id(1)
+    rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+    rmask = rows < M
+    width = tl.minimum(TILE, f - t * TILE)
+    n_words = tl.cdiv(width, 32)
+    WPB: tl.constexpr = BN // 32
+    lane = tl.arange(0, 32)
+    wib = tl.arange(0, WPB)
+    sidx = tl.arange(0, NS)
+    wbase = rows * W_ROW + t * (TILE // 32)
+    a_row = a_ptr + rows * stride_am + t * TILE
+    summ = tl.zeros([BM, NS], dtype=tl.int32)
+    run = tl.zeros([BM], dtype=tl.int32)
+    for c0 in range(0, width, BN):
+        col3 = c0 + wib[None, :, None] * 32 + lane[None, None, :]
+        m3 = rmask[:, None, None] & (col3 < width)
+        a = tl.load(a_row[:, None, None] + col3, mask=m3, other=0.0)
+        nz = (a > 0) & m3
+        bits = tl.where(nz, 1 << lane[None, None, :], 0)
+        if OR_REDUCE:
+            words = tl.reduce(bits, 2, _bit_or)  # [BM, WPB]
+        else:  # distinct bits: their wrapping int32 sum is their OR
+            words = tl.sum(bits, axis=2)
+        run += tl.sum(_popcount(words), axis=1)
+        w_here = c0 // 32 + wib
+        tl.store(words_ptr + wbase[:, None] + w_here[None, :], words, mask=rmask[:, None] & (w_here < n_words)[None, :])
+        # BN divides 1024, so this step's words are bits of one summary word
+        sbits = tl.reduce(tl.where(words != 0, 1 << ((c0 // 32) % 32 + wib)[None, :], 0), 1, _bit_or)
+        summ = tl.where(sidx[None, :] == c0 // 1024, summ | sbits[:, None], summ)
+    tl.debug_barrier()  # phase 2 reads words that other threads of this program stored
+    n_write = tl.where(run > SLOTS, 0, run)  # an overflowing (row, tile) keeps no entries
+    out_row = rows * (N_TILES * SLOTS) + t * SLOTS
+    cur = tl.zeros([BM], dtype=tl.int32)  # unread bits of the current word
+    cur_w = tl.zeros([BM], dtype=tl.int32)  # its index
+    for s in range(0, tl.max(n_write, axis=0)):
+        ok = s < n_write
+        need = ok & (cur == 0)
+        si = tl.min(tl.where(summ != 0, sidx[None, :], NS), axis=1)
+        sel = sidx[None, :] == si[:, None]
+        sw = tl.sum(tl.where(sel, summ, 0), axis=1)
+        slow = sw & (-sw)
+        summ = tl.where(need[:, None] & sel, summ ^ slow[:, None], summ)
+        wi = si * 32 + _bit_position(slow)
+        w = tl.load(words_ptr + wbase + wi, mask=need, other=0)
+        cur = tl.where(need, w, cur)
+        cur_w = tl.where(need, wi, cur_w)
+        low = cur & (-cur)
+        col = cur_w * 32 + _bit_position(low)
+        v = tl.load(a_row + col, mask=ok, other=0.0)
+        tl.store(val_ptr + out_row + s, v, mask=ok)
+        tl.store(col_ptr + out_row + s, col.to(tl.int16), mask=ok)
+        cur = cur ^ low
+    tl.store(cnt_ptr + rows * N_TILES + t, run, mask=rmask)
+
+
 def _check_pre(a: torch.Tensor, name: str) -> None:
     check_tensor(a, name, dim=2, dtypes=_KERNEL_DTYPES)
     check_launchable(a, name)
@@ -103,15 +194,21 @@ def _check_pre(a: torch.Tensor, name: str) -> None:
 # (rows per program, columns per step, warps), from the H200 variant sweep
 # (benchmarks/NOTES_inference.md).
 PACK_CONFIG: tuple[int, int, int] = (4, 256, 2)
+PACK_BITS_CONFIG: tuple[int, int, int] = (8, 256, 4)
+PACK_BITS_OR = True  # reduce bit words with OR (True) or a wrapping sum (False)
 
 
-def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4) -> TwELL:
+def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4, method: str = "scan", config=None) -> TwELL:
     """Pack ``relu(a)`` into TwELL with one pass over ``a``.
 
     Args:
         a: ``[M, f]`` pre-activation (float16, bfloat16 or float32), e.g. ``x @ w_gate.T`` from
             cuBLAS. Its last dimension must be contiguous.
         tile: TwELL tile width T (a power of two); compression: C in {2, 4, 8}.
+        method: ``"scan"``: the s-th entry of each row found by a min-reduction over the
+            current block of columns; ``"bits"``: one bit word per 32 columns, entries pulled
+            from the words (needs tile >= 32).
+        config: ``(rows per program, columns per step, warps)`` tuning knobs.
 
     Returns:
         A kernel-written :class:`TwELL` of ``relu(a)``: entries hold ``a``'s own values (so
@@ -120,20 +217,33 @@ def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4) -> TwELL:
     """
     _check_pre(a, "a")
     _check_tile(tile, compression)
+    if method not in ("scan", "bits"):
+        raise ValueError(f"method must be 'scan' or 'bits', got {method!r}")
+    if method == "bits" and tile < 32:
+        raise ValueError(f"method='bits' needs tile >= 32, got {tile}")
     if a.stride(1) != 1:
         a = a.contiguous()
     M, f = a.shape
     out = empty_twell(M, f, tile, compression, a.dtype, a.device)
     if M == 0:
         return out
-    BM, BN, nw = PACK_CONFIG
+    BM, BN, nw = config or (PACK_BITS_CONFIG if method == "bits" else PACK_CONFIG)
     BN = min(tile, BN)
     grid = (triton.cdiv(M, BM), out.n_tiles)
     with on_device_of(a):
-        _pack_relu_kernel[grid](
-            a, a.stride(0), out.values, out.cols, out.counts, M, f, out.slots, out.n_tiles,
-            TILE=tile, BM=BM, BN=BN, num_warps=nw,
-        )
+        if method == "scan":
+            _pack_relu_kernel[grid](
+                a, a.stride(0), out.values, out.cols, out.counts, M, f, out.slots, out.n_tiles,
+                TILE=tile, BM=BM, BN=BN, num_warps=nw,
+            )
+        else:
+            BN = min(BN, 1024)
+            w_row = triton.cdiv(f, 32) if out.n_tiles == 1 else out.n_tiles * (tile // 32)
+            words = torch.empty(M, w_row, dtype=torch.int32, device=a.device)
+            _pack_relu_bits_kernel[grid](
+                a, a.stride(0), out.values, out.cols, out.counts, words, M, f, out.slots, out.n_tiles, w_row,
+                TILE=tile, BM=BM, BN=BN, NS=max(1, tile // 1024), OR_REDUCE=PACK_BITS_OR, num_warps=nw,
+            )
     return out
 
 

@@ -83,11 +83,15 @@ def _ffn_from_twell_kernel(
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
-    x = tl.load(x_ptr + m * stride_xm + offs_d, mask=dmask, other=0.0).to(tl.float32)
-
     tiles = tl.arange(0, NTP)
     cnt = tl.load(cnt_ptr + m * N_TILES + tiles, mask=tiles < N_TILES, other=0)
     over = cnt > SLOTS
+    # ONLY_OVER: rows without an overflowed tile were done by another kernel; skip their x
+    xmask = dmask
+    if ONLY_OVER:
+        xmask = dmask & ((offs_d * 0 + tl.sum(over.to(tl.int32), axis=0)) > 0)
+    x = tl.load(x_ptr + m * stride_xm + offs_d, mask=xmask, other=0.0).to(tl.float32)
+
     c = tl.where(over, 0, cnt)
     incl = tl.cumsum(c, axis=0)
     excl = incl - c
@@ -96,7 +100,7 @@ def _ffn_from_twell_kernel(
     ones = tl.full([BE], 1, dtype=tl.int32)
 
     acc = tl.zeros([D], dtype=tl.float32)
-    if ONLY_OVER:  # the stored entries were done by the row-block kernel
+    if ONLY_OVER:  # the stored entries were done by the row-block or split kernels
         n_entries = 0
     for e0 in range(0, n_entries, BE):
         e = e0 + tl.arange(0, BE)
@@ -260,6 +264,33 @@ TUNED: dict[int, tuple[int, int]] = {2048: (2, 2), 4096: (4, 8)}
 ROWS_CONFIG: tuple[int, int, int, int] = (16, 64, 128, 4)
 
 
+# Split kernels: (up entries per step, up warps, down tokens per program, down entries per
+# step, down columns per slice, down warps).
+SPLIT_CONFIG: tuple[int, int, int, int, int, int] = (4, 4, 16, 8, 16, 4)
+
+
+def _run_split(x, g, w_up, w_down_t, out, unit_counts, row_nnz, config) -> None:
+    from .split import down_kernel, up_kernel
+
+    M, d = x.shape
+    be_up, nw_up, bt, be, ds, nw = config
+    if w_up is not None:
+        h = torch.empty_like(g.values)
+        up_kernel[(M,)](
+            x, x.stride(0), g.counts, g.values, g.cols, h, w_up, w_up.stride(0), M, d, g.slots,
+            D=triton.next_power_of_2(d), BE=be_up, num_warps=nw_up,
+        )
+    else:
+        h = g.values
+    n_tb = triton.cdiv(M, bt)
+    track = unit_counts is not None
+    down_kernel[(n_tb * triton.cdiv(d, ds),)](
+        g.counts, h, g.cols, w_down_t, w_down_t.stride(0), out, out.stride(0),
+        unit_counts if track else g.counts, row_nnz if track else g.counts,
+        M, d, g.slots, n_tb, BT=bt, BE=be, DS=ds, TRACK=track, num_warps=nw,
+    )
+
+
 def default_config(d: int) -> tuple[int, int]:
     """``(block_e, num_warps)`` used when the caller passes none."""
     D = triton.next_power_of_2(max(d, 1))
@@ -283,6 +314,7 @@ def ffn_from_twell(
     block_e: Optional[int] = None,
     num_warps: Optional[int] = None,
     kernel: str = "auto",
+    split_config: Optional[tuple[int, int, int, int, int, int]] = None,
 ) -> torch.Tensor:
     """``y [M, d]`` from a TwELL: gated up/down when ``w_up`` is given, else the down projection.
 
@@ -374,11 +406,12 @@ def ffn_from_twell(
     ovf = counters.buffer
     if ovf.dtype != torch.int64 or tuple(ovf.shape) != (2,) or ovf.device != x.device or not ovf.is_contiguous():
         raise ValueError("counters.buffer must be a [2] int64 tensor on x's device (OverflowCounters.zeros)")
-    if kernel not in ("auto", "rows", "token"):
-        raise ValueError(f"kernel must be 'auto', 'rows' or 'token', got {kernel!r}")
-    if kernel == "rows" and g.n_tiles != 1:
-        raise ValueError(f"kernel='rows' needs a one-tile TwELL (tile >= f), got {g.n_tiles} tiles")
+    if kernel not in ("auto", "rows", "token", "split"):
+        raise ValueError(f"kernel must be 'auto', 'rows', 'token' or 'split', got {kernel!r}")
+    if kernel in ("rows", "split") and g.n_tiles != 1:
+        raise ValueError(f"kernel={kernel!r} needs a one-tile TwELL (tile >= f), got {g.n_tiles} tiles")
     rows_kernel = kernel == "rows"
+    split_kernel = kernel == "split"
     if M == 0:
         return out
     D = triton.next_power_of_2(max(d, 1))
@@ -406,6 +439,8 @@ def ffn_from_twell(
                 BM=bm, BE=be, BK=bk, KSTEPS=triton.cdiv(d, bk), GATED=gated, TRACK=unit_counts is not None,
                 PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps or nw_rows,
             )
+        if split_kernel:
+            _run_split(x, g, w_up, w_down_t, out, unit_counts, row_nnz, split_config or SPLIT_CONFIG)
         _ffn_from_twell_kernel[(M,)](
             x, x.stride(0),
             g.counts, g.values, g.cols,
@@ -417,6 +452,6 @@ def ffn_from_twell(
             ovf, unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
             d, f, g.slots, g.n_tiles, g.tile,
             D=D, BE=BE, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
-            TRACK=unit_counts is not None, ONLY_OVER=rows_kernel, num_warps=nw,
+            TRACK=unit_counts is not None, ONLY_OVER=rows_kernel or split_kernel, num_warps=nw,
         )
     return out

@@ -1,0 +1,131 @@
+"""Device experiment: bit-word pack variants, and overlapping the gate matmul with the sparse steps.
+
+Usage (GPU machine, repository root): python benchmarks/pack_overlap_variants.py OUTDIR
+At M = 131072, d = 2048, f = 5632, bf16: the pack pass (scan vs bits: block shapes, OR vs sum
+reduction) at k in {8, 29, 56} even and k = 29 heavy, each checked against the scan pack; then
+the whole FFN (cuBLAS gate + pack + token up/down) run in order, and in token chunks on two
+CUDA streams so that chunk i's gate matmul (tensor cores) can overlap chunk i-1's pack and
+up/down (memory), against dense. Writes OUTDIR/pack_overlap_variants.json; short table last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from twell.bench.inference import bench_ms, dense_gated, errors, machine_info, reference_fp32
+from twell.bench.synthetic import make_ffn
+from twell.kernels import OverflowCounters, ffn_from_twell, gate_pack, pack_relu
+from twell.ops import default_tile, prepare_gated_weights
+
+out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
+SMOKE = os.environ.get("TWELL_SMOKE") == "1"  # CPU check of this script under TRITON_INTERPRET=1
+M, d, f = (96, 64, 300) if SMOKE else (131072, 2048, 5632)
+DEV = "cpu" if SMOKE else "cuda"
+DT = torch.float16 if SMOKE else torch.bfloat16  # the interpreter has no bf16 arithmetic
+TILE = default_tile(f)
+if SMOKE:
+    def bench_ms(fn):  # noqa: F811
+        fn()
+        return 1.0
+info = machine_info()
+records = []
+
+
+def add(**kw):
+    kw.update(info)
+    records.append(kw)
+    print("  ".join(f"{a}={b:.4g}" if isinstance(b, float) else f"{a}={b}" for a, b in kw.items() if a not in info), flush=True)
+
+
+def pack(pre, method, cfg, use_or):
+    gate_pack.PACK_BITS_OR = use_or
+    return pack_relu(pre, TILE, 8, method=method, config=cfg)
+
+
+def same_twell(a, b):
+    valid = torch.arange(a.slots, device=a.counts.device)[None, :] < a.counts.clamp(max=a.slots)
+    return bool(torch.equal(a.counts, b.counts)) and bool(torch.equal(a.cols[:, 0][valid], b.cols[:, 0][valid])) and bool(
+        torch.equal(a.values[:, 0][valid], b.values[:, 0][valid]))
+
+
+cases = [(29, "even"), (56, "even"), (8, "even"), (29, "heavy")] if not SMOKE else [(29, "even")]
+best_pack = {}
+for k, dist in cases:
+    s = make_ffn(M, d, f, k, dist, dtype=DT, device=DEV, seed=7)
+    x, wg = s.x, s.w_gate
+    pre = torch.mm(x, wg.T)
+    ref_tw = pack_relu(pre, TILE, 8)
+    ms = bench_ms(lambda: pack_relu(pre, TILE, 8))
+    add(variant="pack_scan", k=k, dist=dist, cfg="4x256x2", ms=ms)
+    best = (ms, "scan", (4, 256, 2), True)
+    cfgs = [(4, 256, 2), (8, 256, 4), (16, 256, 4), (32, 256, 4), (8, 256, 2), (16, 256, 8), (4, 512, 4), (8, 512, 8)]
+    for use_or in (True, False):
+        for cfg in cfgs if k == 29 and dist == "even" else cfgs[:4]:
+            ok = same_twell(pack(pre, "bits", cfg, use_or), ref_tw)
+            ms = bench_ms(lambda: pack(pre, "bits", cfg, use_or))
+            add(variant="pack_bits", k=k, dist=dist, cfg="x".join(map(str, cfg)), reduce="or" if use_or else "sum", same=ok, ms=ms)
+            if ok and ms < best[0]:
+                best = (ms, "bits", cfg, use_or)
+    best_pack[(k, dist)] = best
+    del pre, ref_tw
+
+    # whole FFN: in order vs chunked on two streams
+    w = prepare_gated_weights(s.w_up, s.w_down)
+    ref = reference_fp32(x, wg, s.w_up, s.w_down)
+    c = OverflowCounters.zeros(x.device)
+    _, method, cfg, use_or = best
+
+    def ffn(xc):
+        p = torch.mm(xc, wg.T)
+        g = pack(p, method, cfg, use_or)
+        return ffn_from_twell(xc, g, w.down_t, w_up=w.up, pre=p, counters=c, kernel="token")
+
+    side = torch.cuda.Stream() if not SMOKE else None
+
+    def ffn_overlap(n_chunks):
+        # gate of chunk i on the current stream, pack + up/down of chunk i on the side stream,
+        # so gate(i + 1) may run while the side stream works on chunk i
+        y = torch.empty_like(x)
+        step = -(-M // n_chunks)
+        main = torch.cuda.current_stream()
+        for i in range(0, M, step):
+            xc = x[i : i + step]
+            p = torch.mm(xc, wg.T)
+            ev = torch.cuda.Event()
+            ev.record(main)
+            side.wait_event(ev)
+            with torch.cuda.stream(side):
+                g = pack(p, method, cfg, use_or)
+                ffn_from_twell(xc, g, w.down_t, w_up=w.up, pre=p, counters=c, kernel="token", out=y[i : i + step])
+                p.record_stream(side)
+        main.wait_stream(side)
+        return y
+
+    dms = bench_ms(lambda: dense_gated(x, wg, s.w_up, s.w_down))
+    yy = ffn(x)
+    e = errors(yy, ref)
+    ms = bench_ms(lambda: ffn(x))
+    add(variant="ffn_in_order", k=k, dist=dist, pack=f"{method} {cfg} {'or' if use_or else 'sum'}", ms=ms, dense_ms=dms, speedup=dms / ms, rel_err=e[0], max_row_err=e[1])
+    if not SMOKE:
+        for n_chunks in (2, 4, 8):
+            yy = ffn_overlap(n_chunks)
+            torch.cuda.synchronize()
+            e = errors(yy, ref)
+            ms = bench_ms(lambda: ffn_overlap(n_chunks))
+            add(variant=f"ffn_overlap_{n_chunks}", k=k, dist=dist, ms=ms, dense_ms=dms, speedup=dms / ms, rel_err=e[0], max_row_err=e[1])
+    del s, x, wg, w, ref
+    if not SMOKE:
+        torch.cuda.empty_cache()
+
+with open(f"{out_dir}/pack_overlap_variants.json", "w") as fh:
+    json.dump(records, fh, indent=1)
+print("\ncase        best pack                        ms   | ffn variants: ms (speedup)")
+for (k, dist), (ms, method, cfg, use_or) in best_pack.items():
+    ffns = [r for r in records if r["variant"].startswith("ffn") and r["k"] == k and r["dist"] == dist]
+    scan = next(r["ms"] for r in records if r["variant"] == "pack_scan" and r["k"] == k and r["dist"] == dist)
+    print(f"k={k:<3} {dist:6} {method} {cfg} {'or' if use_or else 'sum':4} {ms:6.3f} (scan {scan:.3f}) | "
+          + "  ".join(f"{r['variant'][4:]} {r['ms']:.2f} ({r['speedup']:.2f}x)" for r in ffns))
