@@ -18,7 +18,7 @@ import torch
 
 from twell.bench.inference import bench_ms, dense_gated, errors, machine_info, reference_fp32
 from twell.bench.synthetic import make_ffn
-from twell.kernels import OverflowCounters, ffn_from_twell, gate_pack, pack_relu
+from twell.kernels import OverflowCounters, ffn_from_twell, pack_relu
 from twell.ops import default_tile, prepare_gated_weights
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
@@ -42,7 +42,9 @@ def add(**kw):
 
 
 def pack(pre, method, cfg, use_or):
-    gate_pack.PACK_BITS_OR = use_or
+    # use_or: the bit words reduced by OR or by a wrapping sum (the same bits). Run on the H200
+    # with both (benchmarks/results/pack_overlap_variants_h200.json: equal times); the kernel
+    # now always uses OR, and this flag is only kept for the record's shape.
     return pack_relu(pre, TILE, 8, method=method, config=cfg)
 
 

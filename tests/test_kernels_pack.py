@@ -29,24 +29,45 @@ def assert_same_twell(out, ref):
 @pytest.mark.parametrize(
     "M,f,tile,compression",
     # the last two span several 256-column steps of the pack pass (its carry across steps)
-    [(13, 100, 32, 4), (6, 70, 16, 8), (9, 40, 64, 2), (5, 37, 128, 8), (9, 700, 512, 4), (9, 1500, 1024, 8)],
+    # (the bit-word pack: one summary word per 1024 columns, several in the 4096 tile)
+    [(13, 100, 32, 4), (6, 70, 16, 8), (9, 40, 64, 2), (5, 37, 128, 8), (9, 700, 512, 4), (9, 1500, 1024, 8),
+     (5, 2500, 4096, 8)],
 )
-def test_pack_relu_matches_pack_twell(dtype, M, f, tile, compression):
+@pytest.mark.parametrize("method", ["scan", "bits"])
+def test_pack_relu_matches_pack_twell(dtype, M, f, tile, compression, method):
+    if method == "bits" and tile < 32:
+        with pytest.raises(ValueError, match="tile >= 32"):
+            pack_relu(torch.zeros(M, f, dtype=dtype), tile, compression, method=method)
+        return
     x, w, _, _ = gate_case(M, 24, f, dtype, seed=M + f)
     a = x @ w.T
-    out = pack_relu(a, tile, compression)
+    out = pack_relu(a, tile, compression, method=method)
     ref = pack_twell(torch.relu(a), tile, compression)
     assert_same_twell(out, ref)
     assert out.overflow_values is None
     assert bool(out.overflowed().any())  # the dense row overflows: the case is exercised
 
 
-def test_pack_relu_all_zero_and_empty():
+@pytest.mark.parametrize("method", ["scan", "bits"])
+def test_pack_relu_all_zero_and_empty(method):
     a = -torch.rand(7, 50)
-    out = pack_relu(a, 16, 4)
-    assert torch.equal(out.counts, torch.zeros(7, 4, dtype=torch.int32))
-    empty = pack_relu(torch.zeros(0, 50), 16, 4)
-    assert empty.counts.shape == (0, 4)
+    out = pack_relu(a, 32, 4, method=method)
+    assert torch.equal(out.counts, torch.zeros(7, 2, dtype=torch.int32))
+    empty = pack_relu(torch.zeros(0, 50), 32, 4, method=method)
+    assert empty.counts.shape == (0, 2)
+    with pytest.raises(ValueError, match="method"):
+        pack_relu(a, 32, 4, method="sort")
+
+
+def test_pack_bits_block_shapes():
+    """Row blocks that do not divide M, column steps narrower than the tile, and a word whose
+    top bit (column 31 of the word, the int32 sign bit) is set."""
+    x, w, _, _ = gate_case(11, 24, 600, torch.float32, seed=3, density=0.2)
+    a = x @ w.T
+    a[4, 31] = a[4, 63] = 1.0
+    ref = pack_twell(torch.relu(a), 1024, 4)
+    for cfg in [(4, 64, 1), (8, 128, 2), (16, 32, 4)]:
+        assert_same_twell(pack_relu(a, 1024, 4, method="bits", config=cfg), ref)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)

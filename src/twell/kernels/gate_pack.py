@@ -5,8 +5,10 @@ Two implementations of the same op, both exact for every input:
 ``pack_relu(a)``
     The unfused variant: cuBLAS computes the pre-activation ``a = x w^T [M, f]`` (a plain
     ``torch.mm``) and one light Triton pass reads it once and writes the TwELL (each program
-    packs ``BM`` rows of one tile, 256 columns at a time). The dense ``a`` stays available to the consumer, which reads
-    overflowed tiles from it instead of recomputing them.
+    packs ``BM`` rows of one tile). The dense ``a`` stays available to the consumer, which
+    reads overflowed tiles from it instead of recomputing them. Two pack kernels: ``bits``
+    (the default) turns every 32 columns into a bit word, then pulls the entries out of the
+    words; ``scan`` finds each entry by a min-reduction over a block of columns.
 
 ``gate_pack_fused(x, w)``
     The fused variant: a Triton matmul whose output tile is one TwELL tile (``BN = tile``)
@@ -121,7 +123,7 @@ def _pack_relu_bits_kernel(
     a_ptr, stride_am,
     val_ptr, col_ptr, cnt_ptr, words_ptr,
     M, f, SLOTS, N_TILES, W_ROW,
-    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr, OR_REDUCE: tl.constexpr,
+    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr,
 ):
     # Two phases per (BM rows, tile):
     #   1. stream the tile once, turning each run of 32 columns into one bit word (bit b set
@@ -149,11 +151,7 @@ def _pack_relu_bits_kernel(
         m3 = rmask[:, None, None] & (col3 < width)
         a = tl.load(a_row[:, None, None] + col3, mask=m3, other=0.0)
         nz = (a > 0) & m3
-        bits = tl.where(nz, 1 << lane[None, None, :], 0)
-        if OR_REDUCE:
-            words = tl.reduce(bits, 2, _bit_or)  # [BM, WPB]
-        else:  # distinct bits: their wrapping int32 sum is their OR
-            words = tl.sum(bits, axis=2)
+        words = tl.reduce(tl.where(nz, 1 << lane[None, None, :], 0), 2, _bit_or)  # [BM, WPB]
         run += tl.sum(_popcount(words), axis=1)
         w_here = c0 // 32 + wib
         tl.store(words_ptr + wbase[:, None] + w_here[None, :], words, mask=rmask[:, None] & (w_here < n_words)[None, :])
@@ -194,20 +192,21 @@ def _check_pre(a: torch.Tensor, name: str) -> None:
 # (rows per program, columns per step, warps), from the H200 variant sweep
 # (benchmarks/NOTES_inference.md).
 PACK_CONFIG: tuple[int, int, int] = (4, 256, 2)
-PACK_BITS_CONFIG: tuple[int, int, int] = (8, 256, 4)
-PACK_BITS_OR = True  # reduce bit words with OR (True) or a wrapping sum (False)
+PACK_BITS_CONFIG: tuple[int, int, int] = (8, 256, 2)
 
 
-def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4, method: str = "scan", config=None) -> TwELL:
+def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4, method: str = "auto", config=None) -> TwELL:
     """Pack ``relu(a)`` into TwELL with one pass over ``a``.
 
     Args:
         a: ``[M, f]`` pre-activation (float16, bfloat16 or float32), e.g. ``x @ w_gate.T`` from
             cuBLAS. Its last dimension must be contiguous.
         tile: TwELL tile width T (a power of two); compression: C in {2, 4, 8}.
-        method: ``"scan"``: the s-th entry of each row found by a min-reduction over the
-            current block of columns; ``"bits"``: one bit word per 32 columns, entries pulled
-            from the words (needs tile >= 32).
+        method: ``"bits"``: one bit word per 32 columns, then entries pulled from the words
+            (needs tile >= 32); ``"scan"``: the s-th entry of each row found by a
+            min-reduction over the current block of columns. ``"auto"``: bits where it can run
+            (measured 0.89 against 1.08 ms at k = 29 on the H200, 1.21 against 1.58 ms at
+            k = 56; benchmarks/NOTES_inference.md), else scan.
         config: ``(rows per program, columns per step, warps)`` tuning knobs.
 
     Returns:
@@ -217,8 +216,10 @@ def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4, method: st
     """
     _check_pre(a, "a")
     _check_tile(tile, compression)
-    if method not in ("scan", "bits"):
-        raise ValueError(f"method must be 'scan' or 'bits', got {method!r}")
+    if method not in ("auto", "scan", "bits"):
+        raise ValueError(f"method must be 'auto', 'scan' or 'bits', got {method!r}")
+    if method == "auto":
+        method = "bits" if tile >= 32 else "scan"
     if method == "bits" and tile < 32:
         raise ValueError(f"method='bits' needs tile >= 32, got {tile}")
     if a.stride(1) != 1:
@@ -242,7 +243,7 @@ def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4, method: st
             words = torch.empty(M, w_row, dtype=torch.int32, device=a.device)
             _pack_relu_bits_kernel[grid](
                 a, a.stride(0), out.values, out.cols, out.counts, words, M, f, out.slots, out.n_tiles, w_row,
-                TILE=tile, BM=BM, BN=BN, NS=max(1, tile // 1024), OR_REDUCE=PACK_BITS_OR, num_warps=nw,
+                TILE=tile, BM=BM, BN=BN, NS=max(1, tile // 1024), num_warps=nw,
             )
     return out
 
