@@ -6,6 +6,7 @@
 - :mod:`.updown`: the FFN from TwELL (:func:`ffn_from_twell`): gated up/down (nothing
   ``[M, f]``-sized is written) or the non-gated down projection, with the exact path for
   overflowed tiles and its counters.
+- :mod:`.elementwise`: ``relu(g) * u`` in one pass, for the modules' dense inference branch.
 
 The launchers validate their arguments, accept any ``M``, ``d`` and ``f``, and launch on the
 caller's current CUDA stream (Triton's default). They keep no state between calls.

@@ -15,7 +15,9 @@ Exact path: a (row, tile) whose count exceeds the slots lost entries, so the pro
 processes the whole tile instead, ``BE`` units at a time, taking the gate (or the non-gated
 pre-activation) either from the dense pre-activation ``pre`` when the caller has it (cuBLAS
 gate: one cheap read) or recomputing it from ``x`` and ``w_first`` (fused gate kernel). Inactive
-units of such a tile cost arithmetic but no memory traffic (their loads are masked off). Every
+units of such a tile cost arithmetic but no memory traffic (their loads are masked off). From
+``TWO_PASS_MIN_M`` tokens on, the exact path runs in a second launch with wider programs, so an
+overflowed row does not become the serial tail of the narrow, tuned first launch. Every
 overflowed tile and every row with one is counted in :class:`OverflowCounters`, on the device,
 with no host synchronisation.
 
@@ -79,6 +81,7 @@ def _ffn_from_twell_kernel(
     d, f, SLOTS, N_TILES, TILE,
     D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr,
     GATED: tl.constexpr, HAS_PRE: tl.constexpr, TRACK: tl.constexpr, ONLY_OVER: tl.constexpr,
+    SKIP_OVER: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
@@ -100,7 +103,7 @@ def _ffn_from_twell_kernel(
     ones = tl.full([BE], 1, dtype=tl.int32)
 
     acc = tl.zeros([D], dtype=tl.float32)
-    if ONLY_OVER:  # the stored entries were done by the row-block or split kernels
+    if ONLY_OVER:  # the stored entries were done by the row-block kernel
         n_entries = 0
     for e0 in range(0, n_entries, BE):
         e = e0 + tl.arange(0, BE)
@@ -124,6 +127,8 @@ def _ffn_from_twell_kernel(
             tl.atomic_add(uc_ptr + unit, ones, mask=valid)
 
     n_over = tl.sum(over.to(tl.int32), axis=0)
+    if SKIP_OVER:  # a second launch (ONLY_OVER, wider steps) does the overflowed tiles
+        n_over = 0
     if n_over > 0:
         # Exact path: the whole tile, BE units at a time.
         tl.atomic_add(ovf_ptr, n_over.to(tl.int64))
@@ -257,38 +262,16 @@ def _check_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.T
 
 # Tuned (entries per step, warps) per padded d, from the H200 variant sweep
 # (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements.
-TUNED: dict[int, tuple[int, int]] = {2048: (2, 2), 4096: (4, 8)}
+TUNED: dict[int, tuple[int, int]] = {2048: (4, 4), 4096: (4, 8)}
 
+
+# From this many tokens on, overflowed tiles go to a second launch with (units per step,
+# warps) = EXACT_CONFIG instead of the narrow programs of the first.
+TWO_PASS_MIN_M = 4096
+EXACT_CONFIG: tuple[int, int] = (8, 8)
 
 # Row-block kernel (BM tokens, BE entries, BK columns of d per step, warps).
 ROWS_CONFIG: tuple[int, int, int, int] = (16, 64, 128, 4)
-
-
-# Split kernels: (up entries per step, up warps, down tokens per program, down entries per
-# step, down columns per slice, down warps).
-SPLIT_CONFIG: tuple[int, int, int, int, int, int] = (4, 4, 16, 8, 16, 4)
-
-
-def _run_split(x, g, w_up, w_down_t, out, unit_counts, row_nnz, config) -> None:
-    from .split import down_kernel, up_kernel
-
-    M, d = x.shape
-    be_up, nw_up, bt, be, ds, nw = config
-    if w_up is not None:
-        h = torch.empty_like(g.values)
-        up_kernel[(M,)](
-            x, x.stride(0), g.counts, g.values, g.cols, h, w_up, w_up.stride(0), M, d, g.slots,
-            D=triton.next_power_of_2(d), BE=be_up, num_warps=nw_up,
-        )
-    else:
-        h = g.values
-    n_tb = triton.cdiv(M, bt)
-    track = unit_counts is not None
-    down_kernel[(n_tb * triton.cdiv(d, ds),)](
-        g.counts, h, g.cols, w_down_t, w_down_t.stride(0), out, out.stride(0),
-        unit_counts if track else g.counts, row_nnz if track else g.counts,
-        M, d, g.slots, n_tb, BT=bt, BE=be, DS=ds, TRACK=track, num_warps=nw,
-    )
 
 
 def default_config(d: int) -> tuple[int, int]:
@@ -314,7 +297,6 @@ def ffn_from_twell(
     block_e: Optional[int] = None,
     num_warps: Optional[int] = None,
     kernel: str = "auto",
-    split_config: Optional[tuple[int, int, int, int, int, int]] = None,
 ) -> torch.Tensor:
     """``y [M, d]`` from a TwELL: gated up/down when ``w_up`` is given, else the down projection.
 
@@ -406,12 +388,11 @@ def ffn_from_twell(
     ovf = counters.buffer
     if ovf.dtype != torch.int64 or tuple(ovf.shape) != (2,) or ovf.device != x.device or not ovf.is_contiguous():
         raise ValueError("counters.buffer must be a [2] int64 tensor on x's device (OverflowCounters.zeros)")
-    if kernel not in ("auto", "rows", "token", "split"):
-        raise ValueError(f"kernel must be 'auto', 'rows', 'token' or 'split', got {kernel!r}")
-    if kernel in ("rows", "split") and g.n_tiles != 1:
-        raise ValueError(f"kernel={kernel!r} needs a one-tile TwELL (tile >= f), got {g.n_tiles} tiles")
+    if kernel not in ("auto", "rows", "token"):
+        raise ValueError(f"kernel must be 'auto', 'rows' or 'token', got {kernel!r}")
+    if kernel == "rows" and g.n_tiles != 1:
+        raise ValueError(f"kernel='rows' needs a one-tile TwELL (tile >= f), got {g.n_tiles} tiles")
     rows_kernel = kernel == "rows"
-    split_kernel = kernel == "split"
     if M == 0:
         return out
     D = triton.next_power_of_2(max(d, 1))
@@ -439,19 +420,29 @@ def ffn_from_twell(
                 BM=bm, BE=be, BK=bk, KSTEPS=triton.cdiv(d, bk), GATED=gated, TRACK=unit_counts is not None,
                 PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps or nw_rows,
             )
-        if split_kernel:
-            _run_split(x, g, w_up, w_down_t, out, unit_counts, row_nnz, split_config or SPLIT_CONFIG)
-        _ffn_from_twell_kernel[(M,)](
-            x, x.stride(0),
-            g.counts, g.values, g.cols,
-            w_up if gated else dummy, (w_up if gated else dummy).stride(0),
-            w_down_t, w_down_t.stride(0),
-            w_first if w_first is not None else dummy, (w_first if w_first is not None else dummy).stride(0),
-            pre if pre is not None else x, pre.stride(0) if pre is not None else 0,
-            out, out.stride(0),
-            ovf, unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
-            d, f, g.slots, g.n_tiles, g.tile,
-            D=D, BE=BE, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
-            TRACK=unit_counts is not None, ONLY_OVER=rows_kernel or split_kernel, num_warps=nw,
-        )
+        def token_kernel(only_over, skip_over, be, warps):
+            _ffn_from_twell_kernel[(M,)](
+                x, x.stride(0),
+                g.counts, g.values, g.cols,
+                w_up if gated else dummy, (w_up if gated else dummy).stride(0),
+                w_down_t, w_down_t.stride(0),
+                w_first if w_first is not None else dummy, (w_first if w_first is not None else dummy).stride(0),
+                pre if pre is not None else x, pre.stride(0) if pre is not None else 0,
+                out, out.stride(0),
+                ovf, unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
+                d, f, g.slots, g.n_tiles, g.tile,
+                D=D, BE=be, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
+                TRACK=unit_counts is not None, ONLY_OVER=only_over, SKIP_OVER=skip_over, num_warps=warps,
+            )
+
+        if rows_kernel:
+            token_kernel(True, False, BE, nw)
+        elif M >= TWO_PASS_MIN_M:
+            # The exact path walks a whole tile; in the tuned narrow programs an overflowed
+            # row of 5632 units takes 2816 steps, the tail of the launch. A second, wide
+            # launch takes those tiles (its other programs stop after reading the counts).
+            token_kernel(False, True, BE, nw)
+            token_kernel(True, False, *EXACT_CONFIG)
+        else:
+            token_kernel(False, False, BE, nw)
     return out
