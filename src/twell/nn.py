@@ -81,7 +81,7 @@ class _SparseFFN(nn.Module):
             )
 
     def _record(self, first: torch.Tensor, h: Optional[torch.Tensor]) -> None:
-        """first: ``[M, f]`` output of the ReLU (its non-zeros are the call's pattern);
+        """first: ``[M, f]`` output of the ReLU, or its pre-activation (``first > 0`` is the call's pattern);
         h: ``[M, f]`` hidden (for the L1 term)."""
         self.l1 = reference.l1_penalty(h) if (h is not None and self.training and torch.is_grad_enabled()) else None
         if not self.track_stats:
@@ -159,8 +159,6 @@ def _kernel_path(module: "_SparseFFN", x: torch.Tensor) -> Optional["_KernelPath
     parameter nor the input requiring grad in eval mode). Anything else keeps the dense path
     untouched, so CPU training never reaches this."""
     mode = module.kernel_mode
-    if mode == "dense":
-        return None
     if not (x.is_cuda or (mode == "twell" and triton_interpreting())):
         return None
     w = module.down_proj.weight
@@ -200,12 +198,13 @@ class _KernelPath:
     (benchmarks/NOTES_inference.md); set ``module.kernel_max_density`` to override the
     threshold, or ``module.kernel_mode`` to ``"dense"`` / ``"twell"`` to force a path.
 
-    The dense path taken here (inference only) is the module's own math with the product done in
-    place, and the ``[M, f]`` pattern is only formed when ``track_stats`` is on.
+    The dense path taken here (inference only) is the module's own math with ``relu(gate) * up``
+    fused into one pass (:func:`twell.kernels.elementwise.relu_mul_`), and the ``[M, f]``
+    pattern is only formed when ``track_stats`` is on. ``kernel_mode = "dense"`` takes it too.
     """
 
     # Break-even density measured on the H200 (d 2048, f 5632, bf16): see NOTES_inference.md.
-    DEFAULT_MAX_DENSITY = 0.0093
+    DEFAULT_MAX_DENSITY = 0.0102
     RMS_WEIGHT = 0.1
     TAIL_WEIGHT = 850.0
 
@@ -236,6 +235,8 @@ class _KernelPath:
         return base + self.TAIL_WEIGHT * top / max(M, 1)
 
     def use_kernels(self, f: int, M: int) -> bool:
+        if self._mode == "dense":
+            return False
         self._poll()
         if self._mode == "twell":
             return True
@@ -270,11 +271,15 @@ class _KernelPath:
     def gated_dense(self, module: "SparseGatedMLP", x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x2 = x.reshape(-1, module.hidden_size)
+        from .kernels.elementwise import relu_mul_
+
         with torch.no_grad():
-            g = torch.relu(module.gate_proj(x2))  # not in place: hooks may hold gate_proj's output
-            self._sample(g)
-            module._record(g, None)  # statistics before g becomes the hidden (no L1: no gradient)
-            y = module.down_proj(g.mul_(module.up_proj(x2)))
+            a = module.gate_proj(x2)  # the pre-activation: a > 0 is the ReLU pattern
+            self._sample(a)
+            module._record(a, None)  # statistics (no L1: no gradient)
+            u = module.up_proj(x2)
+            # relu(a) * u in one pass, into u (a stays as gate_proj returned it, for any hook)
+            y = module.down_proj(relu_mul_(u, a) if u.is_contiguous() and a.is_contiguous() else torch.relu(a) * u)
         return y.reshape(shape)
 
     def mlp_dense(self, module: "SparseMLP", x: torch.Tensor) -> torch.Tensor:
