@@ -12,5 +12,5 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY=python3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUTDIR/gpu_tests.log"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUTDIR/gpu_tests.log"
-timeout "${TEST_TIMEOUT:-150}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_pack.py tests/test_kernels_updown.py 2>&1 | tail -30 | tee -a "$OUTDIR/gpu_tests.log"
+timeout "${TEST_TIMEOUT:-150}" $PY -m pytest -q -m gpu -p no:cacheprovider tests/test_kernels_pack.py tests/test_kernels_updown.py tests/test_kernels_elementwise.py 2>&1 | tail -30 | tee -a "$OUTDIR/gpu_tests.log"
 timeout "${BENCH_TIMEOUT:-420}" $PY -m twell.bench.cli inference --out "$OUTDIR" ${BENCH_ARGS:---variants --rep 60} 2>&1 | tee "$OUTDIR/bench.log" | tail -70

@@ -43,7 +43,8 @@ def write_results(records: list[dict], path_json: str) -> None:
     with open(os.path.splitext(path_json)[0] + ".csv", "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=keys)
         w.writeheader()
-        w.writerows(records)
+        # lists (the timing rounds) as space-separated numbers in one cell
+        w.writerows({k: " ".join(f"{x:.4g}" for x in v) if isinstance(v, list) else v for k, v in r.items()} for r in records)
 
 
 def plot_speedup(records: list[dict], path_png: str) -> None:
@@ -119,9 +120,9 @@ def bench_main(argv=None) -> None:
         var = run_variants(log=log)
         with open(os.path.join(args.out, f"inference_variants_{tag}.json"), "w") as fh:
             json.dump(var, fh, indent=1)
-        best_pack = best_config(var, "pack")
+        best_pack = best_config(var, "pack_bits")
         if best_pack is not None:
-            gate_pack.PACK_CONFIG = best_pack
+            gate_pack.PACK_BITS_CONFIG = best_pack
         best_token = best_config(var, "updown_token")
         if best_token is not None:
             updown.TUNED[2048] = best_token

@@ -4,7 +4,9 @@ For every (M, d, f, k, distribution) it records, in one flat dict:
 
 - ``dense_ms``: the dense bf16 PyTorch gated MLP (three cuBLAS matmuls, ReLU, product);
 - ``twell_ms``: :class:`twell.SparseGatedMLP` as shipped (``kernel_mode="auto"``: it picks
-  kernels or dense from the sparsity of its previous calls), ``track_stats=False``;
+  kernels or dense from the sparsity of its previous calls), ``track_stats=False``; the two
+  are timed in alternation, ``ROUNDS`` times each (``dense_ms_rounds``, ``twell_ms_rounds``),
+  and each is the median of its rounds;
 - ``kernels_ms``: the TwELL kernels forced (:func:`twell.ops.twell_gated_mlp`, prepared weights);
 - ``gate_ms`` (cuBLAS gate alone), ``pack_ms`` (pack pass alone), ``gate_pack_ms`` (both),
   ``updown_ms`` (fused up/down from TwELL alone);
@@ -22,12 +24,16 @@ from __future__ import annotations
 
 import datetime
 import math
+import statistics
 import time
 from typing import Callable, Iterable, Optional
 
 import torch
 
 from .synthetic import make_ffn
+
+# dense / twell alternations per grid record
+ROUNDS = 3
 
 __all__ = ["bench_ms", "errors", "run_grid", "run_variants", "best_config", "break_even_density", "machine_info"]
 
@@ -129,7 +135,7 @@ def run_grid(
                     x, wg, wu, wd = s.x, s.w_gate, s.w_up, s.w_down
                     tile = default_tile(f)
                     rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=tile, compression=DEFAULT_COMPRESSION,
-                               pack_config="x".join(map(str, gate_pack.PACK_CONFIG)),
+                               pack_config="bits " + "x".join(map(str, gate_pack.PACK_BITS_CONFIG)),
                                token_config="x".join(map(str, updown.default_config(d))),
                                max_density=_KernelPath.DEFAULT_MAX_DENSITY)
                     ref = reference_fp32(x, wg, wu, wd)
@@ -137,7 +143,6 @@ def run_grid(
                         y_dense = dense_gated(x, wg, wu, wd)
                         rec["dense_rel_err"], rec["dense_max_row_err"] = errors(y_dense, ref)
                         del y_dense
-                        rec["dense_ms"] = bench_ms(lambda: dense_gated(x, wg, wu, wd), rep=rep)
 
                         mod = SparseGatedMLP(d, f, device=device, dtype=torch.bfloat16).eval()
                         mod.gate_proj.weight.copy_(wg)
@@ -153,17 +158,15 @@ def run_grid(
                         rec["twell_cost"] = state.cost(M) if state is not None else None
                         rec["rel_err"], rec["max_row_err"] = errors(y_mod, ref)
                         del y_mod
-                        rec["twell_ms"] = bench_ms(lambda: mod(x), rep=rep)
-                        # the module's plain forward (no kernel-path bookkeeping), to tell the
-                        # cost of the dispatcher's dense branch from noise
-                        mod.kernel_mode = "dense"
-                        rec["module_dense_ms"] = bench_ms(lambda: mod(x), rep=rep)
-                        mod.kernel_mode = "auto"
-                        # dense again after twell, so that drift of the GPU's clocks over the
-                        # record weighs on both sides: dense_ms is the mean of the two
-                        rec["dense_ms_before"] = rec["dense_ms"]
-                        rec["dense_ms_after"] = bench_ms(lambda: dense_gated(x, wg, wu, wd), rep=rep)
-                        rec["dense_ms"] = (rec["dense_ms_before"] + rec["dense_ms_after"]) / 2
+                        # dense and twell timed in alternation, ROUNDS times each, so that drift
+                        # of the GPU's clocks weighs on both; each is the median of its rounds
+                        runs = {"dense": [], "twell": []}
+                        for _ in range(ROUNDS):
+                            runs["dense"].append(bench_ms(lambda: dense_gated(x, wg, wu, wd), rep=rep))
+                            runs["twell"].append(bench_ms(lambda: mod(x), rep=rep))
+                        for name, ms in runs.items():
+                            rec[f"{name}_ms"] = statistics.median(ms)
+                            rec[f"{name}_ms_rounds"] = ms
 
                         pre = torch.mm(x, wg.T)
                         g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
@@ -216,8 +219,8 @@ def run_grid(
 def run_variants(
     M: int = 131072, d: int = 2048, f: int = 5632, log: Callable[[str], None] = print, device: str = "cuda", extras: bool = False
 ) -> list[dict]:
-    """Design variants at one shape: the pack pass (rows per program, warps; one tile per row vs
-    256-column tiles), the up/down kernels (one program per token with several step sizes and
+    """Design variants at one shape: the pack pass (scan as shipped before; bits: rows per
+    program, columns per step, warps; one tile per row vs 256-column tiles), the up/down kernels (one program per token with several step sizes and
     warps; token blocks on tensor cores), and the ceilings (device copy, cuBLAS bf16 rate).
     ``extras`` adds the skewed and heavy cases and the losing designs (row-block kernel,
     256-column tiles)."""
@@ -244,9 +247,9 @@ def run_variants(
     del a
 
     row_tile = 8192 if f > 4096 else 1 << max(4, (f - 1).bit_length())
-    pack_configs = [(4, 256, 4), (8, 256, 4), (8, 256, 2), (4, 256, 2), (16, 256, 4), (8, 128, 4)]
+    bits_configs = [(8, 256, 2), (4, 256, 2), (16, 256, 4), (32, 256, 4), (8, 256, 4)]
     token_configs = [(2, 4), (4, 4), (4, 8), (2, 2), (4, 2), (8, 4)]
-    saved_pack, saved_tuned = gate_pack.PACK_CONFIG, dict(updown.TUNED)
+    saved_bits, saved_tuned = gate_pack.PACK_BITS_CONFIG, dict(updown.TUNED)
     cases = [(29, "even"), (56, "even"), (8, "even")] + ([(29, "skewed"), (29, "heavy")] if extras else [])
     for k, dist in cases:
         s = make_ffn(M, d, f, k, dist, dtype=torch.bfloat16, device=device, seed=7)
@@ -258,11 +261,12 @@ def run_variants(
         pre = torch.mm(x, wg.T)
         c = OverflowCounters.zeros(x.device)
         sweep = dist == "even" and k in (29, 56)
-        for cfg in pack_configs if sweep else [saved_pack]:
-            gate_pack.PACK_CONFIG = cfg
-            ms = bench_ms(lambda: pack_relu(pre, row_tile, 8))
-            add(variant="pack", tile=row_tile, C=8, cfg="x".join(map(str, cfg)), k=k, dist=dist, ms=ms, GBps=pre.numel() * 2 / ms / 1e6)
-        gate_pack.PACK_CONFIG = saved_pack
+        cfg = gate_pack.PACK_CONFIG
+        ms = bench_ms(lambda: pack_relu(pre, row_tile, 8, method="scan", config=cfg))
+        add(variant="pack_scan", tile=row_tile, C=8, cfg="x".join(map(str, cfg)), k=k, dist=dist, ms=ms, GBps=pre.numel() * 2 / ms / 1e6)
+        for cfg in bits_configs if sweep else [saved_bits]:
+            ms = bench_ms(lambda: pack_relu(pre, row_tile, 8, method="bits", config=cfg))
+            add(variant="pack_bits", tile=row_tile, C=8, cfg="x".join(map(str, cfg)), k=k, dist=dist, ms=ms, GBps=pre.numel() * 2 / ms / 1e6)
         g = pack_relu(pre, row_tile, 8)
         pairs = float(g.counts.clamp(max=g.slots).sum())
         for be, nw in token_configs if sweep else [saved_tuned.get(2048, (8, 4))]:
@@ -274,7 +278,7 @@ def run_variants(
             ms = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="rows"))
             add(variant="updown_rows", tile=row_tile, C=8, cfg="16x32x128x4", k=k, dist=dist, ms=ms, pair_GBps=pairs * 4 * d / ms / 1e6)
             g256 = pack_relu(pre, 256, 4)
-            add(variant="pack", tile=256, C=4, cfg="x".join(map(str, saved_pack)), k=k, dist=dist, ms=bench_ms(lambda: pack_relu(pre, 256, 4)))
+            add(variant="pack_bits", tile=256, C=4, cfg="x".join(map(str, saved_bits)), k=k, dist=dist, ms=bench_ms(lambda: pack_relu(pre, 256, 4)))
             ms = bench_ms(lambda: ffn_from_twell(x, g256, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="token"))
             add(variant="updown_token", tile=256, C=4, cfg="8x4", k=k, dist=dist, ms=ms, pair_GBps=pairs * 4 * d / ms / 1e6)
             del g256
@@ -304,14 +308,14 @@ def break_even_density(variants: list[dict], f: int = 5632) -> Optional[float]:
     for v in variants:
         if v.get("dist") != "even" or "ms" not in v or v.get("C") != 8:
             continue
-        if v.get("variant") in ("pack", "updown_token"):
+        if v.get("variant") in ("pack_bits", "updown_token"):
             p = pts.setdefault(v["k"], {})
             p[v["variant"]] = min(p.get(v["variant"], 1e9), v["ms"])
     ks = sorted(k for k, p in pts.items() if len(p) == 2)
     if not dense or not gate or len(ks) < 2:
         return None
     target = 0.9 * sum(dense) / len(dense)
-    t = [gate[0] + pts[k]["pack"] + pts[k]["updown_token"] for k in ks]
+    t = [gate[0] + pts[k]["pack_bits"] + pts[k]["updown_token"] for k in ks]
     for (k0, t0), (k1, t1) in zip(zip(ks, t), zip(ks[1:], t[1:])):
         if t1 >= target:
             if t0 >= target:
