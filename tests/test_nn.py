@@ -138,3 +138,23 @@ def test_bad_inputs(module):
     with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast casts: no error
         assert module(torch.randn(3, 8, dtype=torch.bfloat16)).shape == (3, 8)
 
+
+
+def test_dispatcher_hysteresis():
+    """Near the threshold a layer keeps its branch: on the kernels it stays up to 5% past the
+    threshold, on dense it needs the threshold itself (the two branches estimate differently)."""
+    from twell.nn import _KernelPath
+
+    p = _KernelPath()
+    f, M = 1000, 1 << 30  # M large: no tail term
+    limit = p.DEFAULT_MAX_DENSITY * f
+    p.estimate = (limit * 1.03, 0.0)
+    assert not p.use_kernels(f, M)  # from dense, 3% over: stays dense
+    p.estimate = (limit * 0.99, 0.0)
+    assert p.use_kernels(f, M)
+    p.estimate = (limit * 1.03, 0.0)
+    assert p.use_kernels(f, M)  # on the kernels, 3% over: stays
+    p.estimate = (limit * 1.06, 0.0)
+    assert not p.use_kernels(f, M)
+    p.estimate = (limit * 1.03, 0.0)
+    assert not p.use_kernels(f, M)

@@ -186,7 +186,8 @@ class _KernelPath:
     copied to pinned host memory without blocking, and a later call reads them once its CUDA
     event has completed (``event.query()``). Until a first estimate arrives, and whenever it
     says the layer is too dense, the dense path runs. A call of ``M`` tokens takes the kernels
-    while ``cost <= kernel_max_density * f``, in active units per token::
+    while ``cost <= kernel_max_density * f`` (5% more once on them: ``HYSTERESIS``), in active
+    units per token::
 
         cost = mean + 0.1 * (rms - mean) + 850 * max / M + overflowed tiles per token * min(tile, f) / 8
 
@@ -207,6 +208,7 @@ class _KernelPath:
     DEFAULT_MAX_DENSITY = 0.0102
     RMS_WEIGHT = 0.1
     TAIL_WEIGHT = 850.0
+    HYSTERESIS = 1.05  # a layer on the kernels keeps them up to 5% past the threshold
 
     def __init__(self) -> None:
         self.estimate: Optional[tuple[float, float]] = None  # (cost without the tail, max row)
@@ -218,6 +220,7 @@ class _KernelPath:
         self.counters = None  # OverflowCounters, accumulated over the layer's kernel calls
         self._mode = "auto"
         self._max_density = self.DEFAULT_MAX_DENSITY
+        self._on_kernels = False  # the previous auto decision
 
     # -- decision -------------------------------------------------------------------------------
 
@@ -241,7 +244,13 @@ class _KernelPath:
         if self._mode == "twell":
             return True
         c = self.cost(M)
-        return c is not None and c <= self._max_density * f
+        if c is None:
+            return False
+        # Hysteresis: the dense branch estimates from sampled rows, the kernel branch from all of
+        # them (a larger maximum), so near the threshold the two would hand over every call.
+        limit = self._max_density * f * (self.HYSTERESIS if self._on_kernels else 1.0)
+        self._on_kernels = c <= limit
+        return self._on_kernels
 
     def _publish(self, per_row: torch.Tensor, over_per_token: torch.Tensor) -> None:
         """per_row: ``[n]`` active units of (a sample of) the call's rows."""
