@@ -278,10 +278,10 @@ class _KernelPath:
         self._publish((g[:4096] > 0).sum(dim=1), torch.zeros((), device=g.device))
 
     def gated_dense(self, module: "SparseGatedMLP", x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, module.hidden_size)
         from .kernels.elementwise import relu_mul_
 
+        shape = x.shape
+        x2 = x.reshape(-1, module.hidden_size)
         with torch.no_grad():
             a = module.gate_proj(x2)  # the pre-activation: a > 0 is the ReLU pattern
             self._sample(a)

@@ -220,8 +220,9 @@ def run_variants(
     M: int = 131072, d: int = 2048, f: int = 5632, log: Callable[[str], None] = print, device: str = "cuda", extras: bool = False
 ) -> list[dict]:
     """Design variants at one shape: the pack pass (scan as shipped before; bits: rows per
-    program, columns per step, warps; one tile per row vs 256-column tiles), the up/down kernels (one program per token with several step sizes and
-    warps; token blocks on tensor cores), and the ceilings (device copy, cuBLAS bf16 rate).
+    program, columns per step, warps; one tile per row vs 256-column tiles), the up/down
+    kernels (one program per token with several step sizes and warps; token blocks on tensor
+    cores), and the ceilings (device copy, cuBLAS bf16 rate).
     ``extras`` adds the skewed and heavy cases and the losing designs (row-block kernel,
     256-column tiles)."""
     from ..kernels import OverflowCounters, ffn_from_twell, gate_pack, pack_relu, updown

@@ -27,6 +27,7 @@ consumers recompute them). Entries are in ascending column order within a tile.
 from __future__ import annotations
 
 import math
+from typing import Optional
 
 import torch
 import triton
@@ -195,7 +196,9 @@ PACK_CONFIG: tuple[int, int, int] = (4, 256, 2)
 PACK_BITS_CONFIG: tuple[int, int, int] = (8, 256, 2)
 
 
-def pack_relu(a: torch.Tensor, tile: int = 256, compression: int = 4, method: str = "auto", config=None) -> TwELL:
+def pack_relu(
+    a: torch.Tensor, tile: int = 256, compression: int = 4, method: str = "auto", config: Optional[tuple[int, int, int]] = None
+) -> TwELL:
     """Pack ``relu(a)`` into TwELL with one pass over ``a``.
 
     Args:
