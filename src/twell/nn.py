@@ -319,8 +319,10 @@ class _KernelPath:
         M, f = x2.shape[0], module.intermediate_size
         if self.counters is None or self.counters.buffer.device != x.device:
             self.counters = OverflowCounters.zeros(x.device)
+        # a new estimate only when none is in flight: skip its small launches otherwise
+        probe = M > 0 and self._mode != "dense" and self._event is None
         with torch.no_grad():
-            before = self.counters.tiles.clone() if M else None
+            before = self.counters.tiles.clone() if probe else None
             pre = torch.mm(x2, first.T)  # cuBLAS gate (measured faster than a fused Triton gate)
             self._tile = min(default_tile(f), f)
             g = pack_relu(pre, default_tile(f), DEFAULT_COMPRESSION)
@@ -330,7 +332,6 @@ class _KernelPath:
             y = ffn_from_twell(x2, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz)
             module.l1 = None
             if M:
-                over = (self.counters.tiles - before).float() / M
                 if track:
                     per_token = nnz.long()
                     unit_counts = uc.long()
@@ -339,10 +340,8 @@ class _KernelPath:
                     )
                     module.fire_counts += unit_counts
                     module.tokens_seen += M
-                else:
-                    per_token = g.counts.sum(dim=1)
-                if self._mode != "dense":
-                    self._publish(per_token, over)
+                if probe:
+                    self._publish(per_token if track else g.counts.sum(dim=1), (self.counters.tiles - before).float() / M)
             elif track:
                 z = torch.zeros((), dtype=torch.int64, device=x.device)
                 module.stats = SparsityStats(torch.zeros((), device=x.device), z, torch.zeros(f, dtype=torch.int64, device=x.device), 0)

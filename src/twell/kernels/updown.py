@@ -170,6 +170,19 @@ def _ffn_from_twell_kernel(
 
 
 @triton.jit
+def _block_entries(ch, incl, excl, r_local, n_entries, col_ptr, row0, SLOTS, BE: tl.constexpr):
+    # Chunk ch of a token block's concatenated entries: entry e belongs to the first token whose
+    # inclusive prefix count exceeds e. Returns (e, valid, token in block, TwELL offset, unit).
+    e = ch * BE + tl.arange(0, BE)
+    valid = e < n_entries
+    tok = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
+    slot = e - tl.sum(tl.where(r_local[None, :] == tok[:, None], excl[None, :], 0), axis=1)
+    off = (row0 + tok).to(tl.int64) * SLOTS + slot
+    unit = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int64)
+    return e, valid, tok, off, unit
+
+
+@triton.jit
 def _ffn_rows_dot_kernel(
     x_ptr, stride_xm,
     cnt_ptr, val_ptr, col_ptr,
@@ -202,12 +215,7 @@ def _ffn_rows_dot_kernel(
         for it in range(0, n_chunks * KSTEPS):
             ch = it // KSTEPS
             kk = it % KSTEPS
-            e = ch * BE + tl.arange(0, BE)
-            valid = e < n_entries
-            tok = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
-            slot = e - tl.sum(tl.where(r_local[None, :] == tok[:, None], excl[None, :], 0), axis=1)
-            off = (pid * BM + tok).to(tl.int64) * SLOTS + slot
-            unit = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int64)
+            e, valid, tok, off, unit = _block_entries(ch, incl, excl, r_local, n_entries, col_ptr, pid * BM, SLOTS, BE)
             kd = kk * BK + ks
             kmask = kd < d
             wu = tl.load(wu_ptr + unit[:, None] * stride_wu + kd[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
@@ -224,12 +232,7 @@ def _ffn_rows_dot_kernel(
     for it in range(0, KSTEPS * n_chunks2):
         dk = it // n_chunks2
         ch = it % n_chunks2
-        e = ch * BE + tl.arange(0, BE)
-        valid = e < n_entries
-        tok = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
-        slot = e - tl.sum(tl.where(r_local[None, :] == tok[:, None], excl[None, :], 0), axis=1)
-        off = (pid * BM + tok).to(tl.int64) * SLOTS + slot
-        unit = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int64)
+        e, valid, tok, off, unit = _block_entries(ch, incl, excl, r_local, n_entries, col_ptr, pid * BM, SLOTS, BE)
         if GATED:
             h = tl.load(h_ptr + off, mask=valid, other=0.0)
         else:
