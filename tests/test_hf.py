@@ -50,7 +50,11 @@ def test_sparsify_equals_the_relu_model(config_cls, model_cls):
     after = dict(model.named_parameters())
     assert set(after) == set(weights_before)
     assert all(torch.equal(after[n], w) for n, w in weights_before.items())
-    # statistics are there after a forward
+    # in eval mode statistics are kept only when asked for
+    assert all(m.stats is None for m in mlps)
+    for m in mlps:
+        m.track_stats = True
+    model(ids)
     assert all(m.stats.tokens == 22 for m in mlps)
 
 

@@ -167,8 +167,8 @@ def test_tiny_batches(M):
 
 
 def test_module_kernel_path_sees_new_weights():
-    """The kernel path caches a weight layout; loading new weights (or editing them through
-    .data and calling refresh_kernel_weights) must not leave it stale."""
+    """The kernel path reads the module's weights as they are at each call: loading new
+    weights, or editing them through .data, is never served from a stale copy."""
     torch.manual_seed(3)
     m = twell.SparseGatedMLP(40, 100).eval()
     m.kernel_mode = "twell"
@@ -182,8 +182,10 @@ def test_module_kernel_path_sees_new_weights():
         m.load_state_dict({k: torch.randn_like(v) for k, v in m.state_dict().items()})
         assert rel_err(m(x), dense()) < 1e-5
         m.down_proj.weight.data.copy_(torch.randn(40, 100))
-        m.refresh_kernel_weights()
         assert rel_err(m(x), dense()) < 1e-5
+        m.down_proj.weight = torch.nn.Parameter(torch.randn(40, 100))  # a new, contiguous weight
+        assert rel_err(m(x), dense()) < 1e-5 and m.last_path == "decode"
+        assert m.down_proj.weight.t().is_contiguous()  # laid out for the kernels again
 
 
 def test_module_under_autocast_takes_the_dense_path():
@@ -191,21 +193,24 @@ def test_module_under_autocast_takes_the_dense_path():
     m.kernel_mode = "twell"
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         y = m(torch.randn(5, 40))
-    assert y.dtype == torch.bfloat16 and "_kernel_path_state" not in m.__dict__
+    assert y.dtype == torch.bfloat16 and m.last_path is None
 
 
 @pytest.mark.parametrize("cls", [twell.SparseGatedMLP, twell.SparseMLP])
-def test_module_kernel_path_matches_dense(cls):
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_module_kernel_path_matches_dense(cls, mode):
     torch.manual_seed(0)
     m = cls(40, 100).eval()
+    m.track_stats = True
     x = torch.randn(2, 7, 40)
     with torch.no_grad():
         y_dense = m(x)
         s_dense = m.stats
-        assert "_kernel_path_state" not in m.__dict__  # CPU auto: dense path untouched
-        m.kernel_mode = "twell"
+        assert m.last_path is None  # CPU auto: dense path untouched
+        m.kernel_mode = mode
         y_k = m(x)
         s_k = m.stats
+        assert m.last_path == mode
     assert rel_err(y_k, y_dense) < 1e-5
     assert torch.equal(s_k.unit_counts, s_dense.unit_counts)
     assert float(s_k.active_mean) == pytest.approx(float(s_dense.active_mean))
@@ -222,18 +227,16 @@ def test_module_kernel_path_matches_dense(cls):
 def test_module_lean_dense_inference_path(cls, track):
     """The dense path taken on CUDA in inference (in-place product) returns what the
     training dense path returns, with the same statistics."""
-    from twell.nn import _KernelPath
-
     torch.manual_seed(1)
     m = cls(40, 100).eval()
     m.track_stats = track
-    x = torch.randn(3, 5, 40)
+    x = torch.randn(15, 40)
+    gated = cls is twell.SparseGatedMLP
+    w_first = m.gate_proj.weight if gated else m.up_proj.weight
     with torch.no_grad():
         y_ref = m(x)
         s_ref = m.stats
-        path = _KernelPath()
-        path._sync_knobs(m)
-        y = path.gated_dense(m, x) if cls is twell.SparseGatedMLP else path.mlp_dense(m, x)
+        y = m._twell_layer._dense(m, x, w_first, m.down_proj.weight, m.up_proj.weight if gated else None, track, False)
     assert torch.equal(y, y_ref) and m.l1 is None
     if track:
         assert torch.equal(m.stats.unit_counts, s_ref.unit_counts) and int(m.tokens_seen) == 30
@@ -288,6 +291,7 @@ def test_module_gpu_switches_to_kernels_without_sync():
     s = _gpu_case("even")
     s.x[7, 0] = 1.0  # no fully dense row here: the dispatcher would rightly keep cuBLAS
     m = twell.SparseGatedMLP(2048, 5632, device="cuda", dtype=torch.bfloat16).eval()
+    m.track_stats = True
     with torch.no_grad():
         m.gate_proj.weight.copy_(s.w_gate)
         m.up_proj.weight.copy_(s.w_up)
@@ -303,7 +307,7 @@ def test_module_gpu_switches_to_kernels_without_sync():
             finally:
                 torch.cuda.set_sync_debug_mode(0)
         side.synchronize()
-    assert m._kernel_path_state.use_kernels(5632, 4099)
+    assert m.last_path == "prefill"
     ref = reference_fp32(s.x, s.w_gate, s.w_up, s.w_down)
     assert errors(y1, ref)[0] < 1e-2 and errors(y0, ref)[0] < 1e-2
     assert torch.equal(m.stats.unit_counts, stats0.unit_counts)
@@ -311,10 +315,10 @@ def test_module_gpu_switches_to_kernels_without_sync():
     # a dense layer goes back to cuBLAS
     with torch.no_grad():
         m.gate_proj.weight[:, 0] = 5.0
-        for _ in range(3):
+        for _ in range(2 * m._twell_layer.PROBE_EVERY + 2):  # estimates are taken every PROBE_EVERY calls
             m(s.x)
             torch.cuda.synchronize()
-    assert not m._kernel_path_state.use_kernels(5632, 4099)
+    assert m.last_path == "dense"
 
 
 @pytest.mark.gpu

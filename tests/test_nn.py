@@ -115,6 +115,8 @@ def test_non_gated_matches_reference():
 
 def test_stats_can_be_turned_off_and_empty_batches_work():
     mlp = SparseGatedMLP(8, 16)
+    assert mlp.track_stats is None and mlp._tracking()  # default: on in training mode
+    assert not mlp.eval()._tracking() and mlp.train()._tracking()
     mlp.track_stats = False
     mlp(torch.randn(3, 8))
     assert mlp.stats is None
@@ -143,18 +145,20 @@ def test_bad_inputs(module):
 def test_dispatcher_hysteresis():
     """Near the threshold a layer keeps its branch: on the kernels it stays up to 5% past the
     threshold, on dense it needs the threshold itself (the two branches estimate differently)."""
-    from twell.nn import _KernelPath
+    from twell.dispatch import PREFILL_MIN_M
 
-    p = _KernelPath()
+    p = SparseGatedMLP(8, 16)._twell_layer
     f, M = 1000, 1 << 30  # M large: no tail term
+    assert M >= PREFILL_MIN_M
     limit = p.DEFAULT_MAX_DENSITY * f
+    choose = lambda: p.choose(M, f, "auto", None, False)  # noqa: E731
     p.estimate = (limit * 1.03, 0.0)
-    assert not p.use_kernels(f, M)  # from dense, 3% over: stays dense
+    assert choose() == "dense"  # from dense, 3% over: stays dense
     p.estimate = (limit * 0.99, 0.0)
-    assert p.use_kernels(f, M)
+    assert choose() == "prefill"
     p.estimate = (limit * 1.03, 0.0)
-    assert p.use_kernels(f, M)  # on the kernels, 3% over: stays
+    assert choose() == "prefill"  # on the kernels, 3% over: stays
     p.estimate = (limit * 1.06, 0.0)
-    assert not p.use_kernels(f, M)
+    assert choose() == "dense"
     p.estimate = (limit * 1.03, 0.0)
-    assert not p.use_kernels(f, M)
+    assert choose() == "dense"

@@ -11,7 +11,13 @@ Both modules keep ``nn.Linear`` weights under the Hugging Face names and layouts
 - ``fire_counts`` / ``tokens_seen``: firings per unit accumulated since
   :meth:`reset_fire_counts`, for dead-unit tracking (:meth:`dead_units`).
 
-None of these forces a host synchronisation: they are tensors on the module's device.
+Statistics are kept in training mode; in eval mode only when ``track_stats = True`` (serving
+should not pay for counts nobody reads). None of these forces a host synchronisation: they are
+tensors on the module's device.
+
+In eval mode ``down_proj.weight`` is stored as the transpose of a contiguous ``[f, d]`` matrix
+(see :meth:`_SparseFFN.train`): the same ``[d, f]`` tensor to every caller, laid out so that the
+inference kernels read a unit's down column as one row, with no second copy of the weights.
 """
 
 from __future__ import annotations
@@ -45,17 +51,24 @@ class SparsityStats:
     tokens: int
 
 
+_HALF = (torch.float16, torch.bfloat16)
+
+
 class _SparseFFN(nn.Module):
-    """What the gated and the non-gated modules share: L1, statistics, dead units."""
+    """What the gated and the non-gated modules share: L1, statistics, dead units, and the
+    inference path (:mod:`twell.dispatch`)."""
 
     hidden_size: int
     intermediate_size: int
 
     def _init_tracking(self, device) -> None:
-        self.track_stats = True
-        # CUDA inference path: "auto" picks TwELL kernels or dense cuBLAS from measured
-        # sparsity, "dense" / "twell" force one; kernel_max_density (None: the measured default)
-        # is the break-even share of active units (see _KernelPath).
+        # None: statistics in training mode only (nobody reads them while serving); True/False
+        # force them on or off
+        self.track_stats: Optional[bool] = None
+        # Inference path on CUDA (see twell.dispatch): "auto" picks decode kernels, prefill
+        # kernels or dense cuBLAS per call; "dense", "twell", "decode", "prefill" force one.
+        # kernel_max_density (None: the measured default) is the prefill kernels' break-even
+        # share of active units.
         self.kernel_mode = "auto"
         self.kernel_max_density: Optional[float] = None
         self.l1: Optional[torch.Tensor] = None
@@ -63,6 +76,65 @@ class _SparseFFN(nn.Module):
         f = self.intermediate_size
         self.register_buffer("fire_counts", torch.zeros(f, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
+        self._new_layer_state()
+
+    # -- the per-layer inference state: not copied or pickled, rebuilt for each module ---------
+
+    def _new_layer_state(self) -> None:
+        from .dispatch import LayerState
+
+        state = LayerState(self)
+        self.__dict__["_twell_layer"] = state
+        self.__dict__["_twell_key"] = state.key  # what the compiled graph passes to the custom op
+
+    def __getstate__(self):
+        state = dict(self.__dict__)
+        state.pop("_twell_layer", None)
+        state.pop("_twell_key", None)
+        return state
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self._new_layer_state()
+
+    @property
+    def last_path(self) -> Optional[str]:
+        """The inference path of the last kernel-eligible call: "dense", "decode" or "prefill"."""
+        return self._twell_layer.last_path
+
+    @property
+    def overflow_counters(self):
+        """:class:`twell.kernels.OverflowCounters` of this layer's prefill calls (None before the
+        first): (row, tile) pairs and rows that took the exact path."""
+        return self._twell_layer.counters
+
+    def _tracking(self) -> bool:
+        t = self.track_stats
+        return self.training if t is None else bool(t)
+
+    # -- weight layout --------------------------------------------------------------------------
+
+    def train(self, mode: bool = True):
+        """As ``nn.Module.train``; in eval mode ``down_proj.weight`` is kept as the transpose of a
+        contiguous ``[f, d]`` tensor (same values, same ``[d, f]`` shape, strides ``(1, d)``), so
+        that the inference kernels read a unit's down column as one contiguous row with no
+        second copy of the weights; back in training mode it is made contiguous again."""
+        super().train(mode)
+        self._set_kernel_layout(not mode)
+        return self
+
+    @torch.no_grad()
+    def _set_kernel_layout(self, kernel: bool) -> None:
+        w = self.down_proj.weight
+        # only plain local tensors: FSDP's sharded DTensors (and their unsharded views) are FSDP's
+        if type(w.data) is not torch.Tensor or w.dim() != 2:
+            return
+        if kernel and not w.t().is_contiguous():
+            w.data = w.data.t().contiguous().t()
+        elif not kernel and not w.is_contiguous():
+            w.data = w.data.contiguous()
+
+    # -- checks, statistics ---------------------------------------------------------------------
 
     def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
@@ -80,43 +152,70 @@ class _SparseFFN(nn.Module):
                 "(or run under torch.autocast)"
             )
 
+    def _inference_ok(self, x: torch.Tensor) -> bool:
+        """True when this call may take the inference path (:mod:`twell.dispatch`): fp16/bf16 on
+        CUDA (or any dtype under the Triton interpreter with a kernel path forced, for tests), no
+        bias, no autocast, and no gradient needed (grad mode off, or in eval mode with neither
+        the input nor a weight requiring grad)."""
+        if x.is_cuda:
+            if x.dtype not in _HALF:
+                return False
+        elif self.kernel_mode in ("auto", "dense") or not triton_interpreting():
+            return False
+        if torch.is_grad_enabled() and (self.training or x.requires_grad or self._weights_require_grad()):
+            return False
+        if torch.is_autocast_enabled(x.device.type):
+            return False  # autocast recasts the matmuls; the dense path follows its rules
+        return self.down_proj.bias is None and self.down_proj.weight.dtype == x.dtype
+
+    def _weights_require_grad(self) -> bool:
+        raise NotImplementedError
+
+    def _infer(self, x: torch.Tensor, w_first: torch.Tensor, w_up: Optional[torch.Tensor]) -> torch.Tensor:
+        # kept lean: at one token per call this Python is most of the call's cost
+        shape = x.shape
+        x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
+        if x2.stride(-1) != 1:
+            x2 = x2.contiguous()
+        w_down = self.down_proj.weight
+        if torch.compiler.is_compiling():
+            # the same LayerState.run, behind a custom op the compiled graph calls per call
+            from . import library  # noqa: F401  (registers torch.ops.twell)
+
+            y = torch.ops.twell.ffn_infer(x2, w_first, w_down, w_up, self._twell_key)
+        else:
+            self.l1 = None
+            y = self._twell_layer.run(x2, w_first, w_down, w_up)
+        return y if x.dim() == 2 else y.reshape(shape)
+
     def _record(self, first: torch.Tensor, h: Optional[torch.Tensor]) -> None:
         """first: ``[M, f]`` output of the ReLU, or its pre-activation (``first > 0`` is the call's pattern);
         h: ``[M, f]`` hidden (for the L1 term)."""
         self.l1 = reference.l1_penalty(h) if (h is not None and self.training and torch.is_grad_enabled()) else None
-        if not self.track_stats:
+        if not self._tracking():
             return  # no pass over [M, f] for statistics nobody asked for
         with torch.no_grad():
             active = first > 0
-            per_token = active.sum(dim=1)
-            unit_counts = active.sum(dim=0, dtype=torch.int64)
-            M = active.shape[0]
-            self.stats = SparsityStats(
-                active_mean=per_token.float().mean() if M else torch.zeros((), device=active.device),
-                active_max=per_token.max() if M else torch.zeros((), dtype=torch.int64, device=active.device),
-                unit_counts=unit_counts,
-                tokens=M,
-            )
-            self.fire_counts += unit_counts
-            self.tokens_seen += M
+            self._record_counts(active.sum(dim=1), active.sum(dim=0, dtype=torch.int64))
+
+    def _record_counts(self, per_token: torch.Tensor, unit_counts: torch.Tensor) -> None:
+        """per_token: ``[M]`` active units of each token; unit_counts: ``[f]`` tokens each unit fired for."""
+        M = per_token.shape[0]
+        unit_counts = unit_counts.long()
+        dev = unit_counts.device
+        self.stats = SparsityStats(
+            active_mean=per_token.float().mean() if M else torch.zeros((), device=dev),
+            active_max=per_token.long().max() if M else torch.zeros((), dtype=torch.int64, device=dev),
+            unit_counts=unit_counts,
+            tokens=M,
+        )
+        self.fire_counts += unit_counts
+        self.tokens_seen += M
 
     def reset_fire_counts(self) -> None:
         """Start a new window for dead-unit tracking."""
         self.fire_counts.zero_()
         self.tokens_seen.zero_()
-
-    def refresh_kernel_weights(self) -> None:
-        """Drop the kernel path's cached weight layouts (rebuilt at the next CUDA inference call).
-
-        The cache notices in-place updates that go through autograd's version counter (optimizer
-        steps, ``load_state_dict``, ``copy_`` on the parameter); call this after editing a
-        weight through ``.data``, which that counter does not see.
-        """
-        self.__dict__.pop("_kernel_path_state", None)
-
-    def _load_from_state_dict(self, *args, **kwargs):
-        self.refresh_kernel_weights()
-        super()._load_from_state_dict(*args, **kwargs)
 
     def dead_units(self) -> torch.Tensor:
         """``[f]`` bool: units that did not fire for any token since the last reset."""
@@ -141,225 +240,10 @@ class _SparseFFN(nn.Module):
         w = self._first_projection().weight
         noise = torch.randn(w.shape, generator=generator, device=w.device, dtype=torch.float32).to(w.dtype) * std
         w.copy_(torch.where(dead.unsqueeze(1), keep * w + (1.0 - keep) * noise, w))
-        self.refresh_kernel_weights()
         return dead
 
     def _first_projection(self) -> nn.Linear:
         raise NotImplementedError
-
-
-# --- kernel path (inference on CUDA) ----------------------------------------------------------
-
-
-def _kernel_path(module: "_SparseFFN", x: torch.Tensor) -> Optional["_KernelPath"]:
-    """The layer's :class:`_KernelPath` if this call may run the TwELL kernels, else None.
-
-    Eligible: CUDA input (or the Triton interpreter with ``kernel_mode = "twell"``, for tests),
-    fp16/bf16 of the weights' dtype, no bias, and no gradient needed (grad mode off, or no
-    parameter nor the input requiring grad in eval mode). Anything else keeps the dense path
-    untouched, so CPU training never reaches this."""
-    mode = module.kernel_mode
-    if not (x.is_cuda or (mode == "twell" and triton_interpreting())):
-        return None
-    w = module.down_proj.weight
-    if any(p.dtype != x.dtype for p in module.parameters()) or w.device != x.device or module.down_proj.bias is not None:
-        return None
-    if x.is_cuda and x.dtype not in (torch.float16, torch.bfloat16):
-        return None
-    if torch.is_grad_enabled() and (module.training or x.requires_grad or any(p.requires_grad for p in module.parameters())):
-        return None
-    if torch.is_autocast_enabled(x.device.type):
-        return None  # autocast recasts the cuBLAS gate; the dense path follows its rules
-    path = module.__dict__.get("_kernel_path_state")
-    if path is None:
-        path = _KernelPath()
-        module.__dict__["_kernel_path_state"] = path
-    path._sync_knobs(module)
-    return path
-
-
-class _KernelPath:
-    """Per-layer state of the inference path on CUDA: weight layout cache, sparsity estimate.
-
-    Choosing kernels or dense never syncs: after each call the layer's row statistics (mean,
-    root mean square and maximum of active units per token, overflowed tiles per token) are
-    copied to pinned host memory without blocking, and a later call reads them once its CUDA
-    event has completed (``event.query()``). Until a first estimate arrives, and whenever it
-    says the layer is too dense, the dense path runs. A call of ``M`` tokens takes the kernels
-    while ``cost <= kernel_max_density * f`` (5% more once on them: ``HYSTERESIS``), in active
-    units per token::
-
-        cost = mean + 0.1 * (rms - mean) + 850 * max / M + overflowed tiles per token * min(tile, f) / 8
-
-    The up/down kernel runs one program per token, so its time is at least the longest row's
-    (about 1 us per entry on the H200, against about 1.2 ns per entry of throughput: the
-    ``850 * max / M`` term), and a heavy-tailed layer loses more than its mean says (the rms
-    term); an overflowed tile is recomputed exactly at about an eighth of a dense pass over its
-    units. The threshold and the weights come from the H200 benchmark
-    (benchmarks/NOTES_inference.md); set ``module.kernel_max_density`` to override the
-    threshold, or ``module.kernel_mode`` to ``"dense"`` / ``"twell"`` to force a path.
-
-    The dense path taken here (inference only) is the module's own math with ``relu(gate) * up``
-    fused into one pass (:func:`twell.kernels.elementwise.relu_mul_`), and the ``[M, f]``
-    pattern is only formed when ``track_stats`` is on. ``kernel_mode = "dense"`` takes it too.
-    """
-
-    # Break-even density measured on the H200 (d 2048, f 5632, bf16): see NOTES_inference.md.
-    DEFAULT_MAX_DENSITY = 0.0102
-    RMS_WEIGHT = 0.1
-    TAIL_WEIGHT = 850.0
-    HYSTERESIS = 1.05  # a layer on the kernels keeps them up to 5% past the threshold
-
-    def __init__(self) -> None:
-        self.estimate: Optional[tuple[float, float]] = None  # (cost without the tail, max row)
-        self._tile = 256
-        self._host: Optional[torch.Tensor] = None
-        self._event = None
-        self._weights = None
-        self._weights_key = None
-        self.counters = None  # OverflowCounters, accumulated over the layer's kernel calls
-        self._mode = "auto"
-        self._max_density = self.DEFAULT_MAX_DENSITY
-        self._on_kernels = False  # the previous auto decision
-
-    # -- decision -------------------------------------------------------------------------------
-
-    def _poll(self) -> None:
-        if self._event is not None and self._event.query():
-            mean, rms, top, over = (float(v) for v in self._host.tolist())
-            self.estimate = (mean + self.RMS_WEIGHT * max(0.0, rms - mean) + over * self._tile / 8, top)
-            self._event = None
-
-    def cost(self, M: int) -> Optional[float]:
-        """Estimated kernel cost of a call of ``M`` tokens, in active units per token."""
-        if self.estimate is None:
-            return None
-        base, top = self.estimate
-        return base + self.TAIL_WEIGHT * top / max(M, 1)
-
-    def use_kernels(self, f: int, M: int) -> bool:
-        if self._mode == "dense":
-            return False
-        self._poll()
-        if self._mode == "twell":
-            return True
-        c = self.cost(M)
-        if c is None:
-            return False
-        # Hysteresis: the dense branch estimates from sampled rows, the kernel branch from all of
-        # them (a larger maximum), so near the threshold the two would hand over every call.
-        limit = self._max_density * f * (self.HYSTERESIS if self._on_kernels else 1.0)
-        self._on_kernels = c <= limit
-        return self._on_kernels
-
-    def _publish(self, per_row: torch.Tensor, over_per_token: torch.Tensor) -> None:
-        """per_row: ``[n]`` active units of (a sample of) the call's rows."""
-        if self._event is not None or not per_row.is_cuda or per_row.numel() == 0:
-            return  # one probe in flight at a time
-        if self._host is None:
-            self._host = torch.empty(4, dtype=torch.float32, pin_memory=True)
-        p = per_row.float()
-        stats = torch.stack([p.mean(), p.square().mean().sqrt(), p.max(), over_per_token.float()])
-        self._host.copy_(stats, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
-
-    def _sync_knobs(self, module) -> None:
-        self._mode = module.kernel_mode
-        self._max_density = module.kernel_max_density or self.DEFAULT_MAX_DENSITY
-
-    # -- dense inference ------------------------------------------------------------------------
-
-    def _sample(self, g: torch.Tensor) -> None:
-        """Publish the active units of up to 4096 rows of the ReLU output ``g``, when a new
-        estimate is wanted (one probe in flight at a time)."""
-        if self._mode == "dense" or self._event is not None or not g.is_cuda or g.shape[0] == 0:
-            return
-        self._publish((g[:4096] > 0).sum(dim=1), torch.zeros((), device=g.device))
-
-    def gated_dense(self, module: "SparseGatedMLP", x: torch.Tensor) -> torch.Tensor:
-        from .kernels.elementwise import relu_mul_
-
-        shape = x.shape
-        x2 = x.reshape(-1, module.hidden_size)
-        with torch.no_grad():
-            a = module.gate_proj(x2)  # the pre-activation: a > 0 is the ReLU pattern
-            self._sample(a)
-            module._record(a, None)  # statistics (no L1: no gradient)
-            u = module.up_proj(x2)
-            # relu(a) * u in one pass, into u (a stays as gate_proj returned it, for any hook)
-            y = module.down_proj(relu_mul_(u, a) if u.is_contiguous() and a.is_contiguous() else torch.relu(a) * u)
-        return y.reshape(shape)
-
-    def mlp_dense(self, module: "SparseMLP", x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        x2 = x.reshape(-1, module.hidden_size)
-        with torch.no_grad():
-            h = torch.relu(module.up_proj(x2))
-            self._sample(h)
-            module._record(h, None)
-            y = module.down_proj(h)
-        return y.reshape(shape)
-
-    # -- kernels --------------------------------------------------------------------------------
-
-    def _cached(self, key, build):
-        if self._weights_key != key:
-            self._weights = build()
-            self._weights_key = key
-        return self._weights
-
-    def _run(self, module: "_SparseFFN", x: torch.Tensor, first: torch.Tensor, w_up, w_down_t) -> torch.Tensor:
-        from .kernels import OverflowCounters, ffn_from_twell, pack_relu
-        from .ops import DEFAULT_COMPRESSION, default_tile
-
-        shape = x.shape
-        x2 = x.reshape(-1, module.hidden_size)
-        x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-        M, f = x2.shape[0], module.intermediate_size
-        if self.counters is None or self.counters.buffer.device != x.device:
-            self.counters = OverflowCounters.zeros(x.device)
-        # a new estimate only when none is in flight: skip its small launches otherwise
-        probe = M > 0 and self._mode != "dense" and self._event is None
-        with torch.no_grad():
-            before = self.counters.tiles.clone() if probe else None
-            pre = torch.mm(x2, first.T)  # cuBLAS gate (measured faster than a fused Triton gate)
-            self._tile = min(default_tile(f), f)
-            g = pack_relu(pre, default_tile(f), DEFAULT_COMPRESSION)
-            track = module.track_stats
-            uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
-            nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
-            y = ffn_from_twell(x2, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz)
-            module.l1 = None
-            if M:
-                if track:
-                    per_token = nnz.long()
-                    unit_counts = uc.long()
-                    module.stats = SparsityStats(
-                        active_mean=per_token.float().mean(), active_max=per_token.max(), unit_counts=unit_counts, tokens=M
-                    )
-                    module.fire_counts += unit_counts
-                    module.tokens_seen += M
-                if probe:
-                    self._publish(per_token if track else g.counts.sum(dim=1), (self.counters.tiles - before).float() / M)
-            elif track:
-                z = torch.zeros((), dtype=torch.int64, device=x.device)
-                module.stats = SparsityStats(torch.zeros((), device=x.device), z, torch.zeros(f, dtype=torch.int64, device=x.device), 0)
-        return y.reshape(shape)
-
-    def gated_forward(self, module: "SparseGatedMLP", x: torch.Tensor) -> torch.Tensor:
-        from .ops import prepare_gated_weights
-
-        up, down = module.up_proj.weight, module.down_proj.weight
-        key = (up.data_ptr(), up._version, down.data_ptr(), down._version, up.dtype, up.device)
-        w = self._cached(key, lambda: prepare_gated_weights(up.detach(), down.detach()))
-        return self._run(module, x, module.gate_proj.weight.detach(), w.up, w.down_t)
-
-    def mlp_forward(self, module: "SparseMLP", x: torch.Tensor) -> torch.Tensor:
-        down = module.down_proj.weight
-        key = (down.data_ptr(), down._version, down.dtype, down.device)
-        w_down_t = self._cached(key, lambda: down.detach().T.contiguous())
-        return self._run(module, x, module.up_proj.weight.detach(), None, w_down_t)
 
 
 class SparseGatedMLP(_SparseFFN):
@@ -396,16 +280,17 @@ class SparseGatedMLP(_SparseFFN):
     def _first_projection(self) -> nn.Linear:
         return self.gate_proj
 
+    def _weights_require_grad(self) -> bool:
+        return self.gate_proj.weight.requires_grad or self.up_proj.weight.requires_grad or self.down_proj.weight.requires_grad
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., d]``. On CUDA, when no gradient is needed and there is no bias,
-        runs the TwELL kernels if this layer's measured sparsity makes them pay, else dense
-        cuBLAS (see :class:`_KernelPath`; ``self.kernel_mode = "dense" | "twell" | "auto"``)."""
+        takes the inference path: decode kernels for small batches, TwELL prefill kernels where
+        this layer's measured sparsity makes them pay, else dense cuBLAS (:mod:`twell.dispatch`;
+        ``self.kernel_mode``). Otherwise the dense PyTorch math, with the L1 term and statistics."""
         self._check_input(x)
-        path = _kernel_path(self, x)
-        if path is not None:  # CUDA inference
-            if path.use_kernels(self.intermediate_size, x.numel() // self.hidden_size):
-                return path.gated_forward(self, x)
-            return path.gated_dense(self, x)
+        if self._inference_ok(x):
+            return self._infer(x, self.gate_proj.weight, self.up_proj.weight)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         g = torch.relu(self.gate_proj(x2))
@@ -435,15 +320,14 @@ class SparseMLP(_SparseFFN):
     def _first_projection(self) -> nn.Linear:
         return self.up_proj
 
+    def _weights_require_grad(self) -> bool:
+        return self.up_proj.weight.requires_grad or self.down_proj.weight.requires_grad
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``[..., d] -> [..., d]``; picks TwELL kernels or dense cuBLAS as
-        :meth:`SparseGatedMLP.forward` does."""
+        """``[..., d] -> [..., d]``; picks its path as :meth:`SparseGatedMLP.forward` does."""
         self._check_input(x)
-        path = _kernel_path(self, x)
-        if path is not None:  # CUDA inference
-            if path.use_kernels(self.intermediate_size, x.numel() // self.hidden_size):
-                return path.mlp_forward(self, x)
-            return path.mlp_dense(self, x)
+        if self._inference_ok(x):
+            return self._infer(x, self.up_proj.weight, None)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         h = torch.relu(self.up_proj(x2))

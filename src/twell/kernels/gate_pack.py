@@ -234,16 +234,17 @@ def pack_relu(
     BM, BN, nw = config or (PACK_BITS_CONFIG if method == "bits" else PACK_CONFIG)
     BN = min(tile, BN)
     grid = (triton.cdiv(M, BM), out.n_tiles)
-    with on_device_of(a):
-        if method == "scan":
+    if method == "scan":
+        with on_device_of(a):
             _pack_relu_kernel[grid](
                 a, a.stride(0), out.values, out.cols, out.counts, M, f, out.slots, out.n_tiles,
                 TILE=tile, BM=BM, BN=BN, num_warps=nw,
             )
-        else:
-            BN = min(BN, 1024)
-            w_row = triton.cdiv(f, 32) if out.n_tiles == 1 else out.n_tiles * (tile // 32)
-            words = torch.empty(M, w_row, dtype=torch.int32, device=a.device)
+    else:
+        BN = min(BN, 1024)
+        w_row = triton.cdiv(f, 32) if out.n_tiles == 1 else out.n_tiles * (tile // 32)
+        words = torch.empty(M, w_row, dtype=torch.int32, device=a.device)
+        with on_device_of(a):
             _pack_relu_bits_kernel[grid](
                 a, a.stride(0), out.values, out.cols, out.counts, words, M, f, out.slots, out.n_tiles, w_row,
                 TILE=tile, BM=BM, BN=BN, NS=max(1, tile // 1024), num_warps=nw,

@@ -478,6 +478,17 @@ def evaluate_lm(model, val_data: PackedSequences, batch_size: int, batches: int,
     if not modules:
         raise ValueError("the model has no twell sparse MLPs: call twell.sparsify(model) first")
     model.eval()
+    tracking = [m.track_stats for m in modules]
+    for m in modules:  # eval mode keeps no statistics unless asked
+        m.track_stats = True
+    try:
+        return _evaluate(model, modules, val_data, batch_size, batches, device, precision, world, rank)
+    finally:
+        for m, t in zip(modules, tracking):
+            m.track_stats = t
+
+
+def _evaluate(model, modules, val_data, batch_size, batches, device, precision, world, rank) -> dict:
     device = torch.device(device)
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)

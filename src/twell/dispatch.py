@@ -1,0 +1,288 @@
+"""Per-layer choice of the inference path of twell's FFN modules, and the paths themselves.
+
+Three paths compute the same function (up to rounding) for every input:
+
+``"decode"`` (small batches, ``M <= DECODE_MAX_M`` tokens per call)
+    :func:`twell.kernels.ffn_decode`: the gate read whole, then the up and down rows of the
+    batch's active units only. It never reads more weight bytes than dense, so it needs no
+    sparsity estimate.
+``"prefill"`` (large batches)
+    cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the fused up/down kernel
+    (:func:`twell.kernels.ffn_from_twell`); overflowed rows take the exact path.
+``"dense"``
+    cuBLAS gate and up, ``relu(gate) * up`` fused into one Triton pass, cuBLAS down.
+
+How a layer chooses (``module.kernel_mode = "auto"``, the default):
+
+- ``M <= DECODE_MAX_M`` inside a CUDA graph capture: decode, if the layer's measured sparsity
+  says that the share of units active for some token of the batch is at most
+  ``DECODE_MAX_UNION`` (without a measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
+  capture small batches run dense: there the host's time to issue a call (three cuBLAS calls
+  against a cuBLAS call and two or three Triton launches, each about 14 us on the H200 machine
+  here) decides, not the GPU's, and dense issues least.
+- ``M >= PREFILL_MIN_M`` and the layer's measured sparsity makes the prefill kernels pay
+  (see :meth:`LayerState.cost`): prefill.
+- Otherwise dense.
+
+The sparsity estimate never costs a host synchronisation: every ``PROBE_EVERY`` calls a
+layer copies a few statistics of the call (row counts on the dense and prefill paths, the share
+of units active in the batch on the decode path) to pinned host memory without blocking, and a
+later call reads them once their CUDA event has completed.
+
+Inside a CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``)
+nothing is probed or polled: each layer's path is the one its state gives at capture time
+(decode below ``DECODE_MAX_M`` always; above it, prefill only if an estimate taken in eager
+calls before the capture says so), and a replay runs that path whatever the data.
+
+``kernel_mode`` may force a path: ``"dense"``, ``"decode"``, ``"prefill"``, or ``"twell"``
+(decode or prefill by ``M``, whatever the sparsity).
+
+The modules call :meth:`LayerState.run` directly in eager mode. Under ``torch.compile`` they
+call the custom op ``torch.ops.twell.ffn_infer`` (registered in :mod:`twell.library`), whose
+implementation is the same :meth:`LayerState.run`, so the choice stays per call there too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["LayerState", "layer_state", "DECODE_MAX_M", "DECODE_MAX_UNION", "DECODE_BLIND_M", "PREFILL_MIN_M", "MODES"]
+
+MODES = ("auto", "dense", "twell", "decode", "prefill")
+
+# At and below this many tokens per call the decode kernels may run, while the expected share of
+# units active in a chunk of the batch stays at or below DECODE_MAX_UNION; with no estimate yet,
+# only up to DECODE_BLIND_M tokens. From the H200 sweep (benchmarks/NOTES_decode.md): decode
+# breaks even with dense at a share of about 0.04 to 0.05 (M = 1 to 16), 0.03 keeps a margin.
+DECODE_MAX_M = 64
+DECODE_MAX_UNION = 0.03
+DECODE_BLIND_M = 4
+# Below this many tokens per call, "auto" never takes the prefill kernels: their fixed costs
+# (four launches, the pack's scratch) exceed what sparsity saves.
+PREFILL_MIN_M = 4096
+
+_LAYERS: "weakref.WeakValueDictionary[int, LayerState]" = weakref.WeakValueDictionary()
+_IDS = itertools.count()
+
+
+def layer_state(key: int) -> "LayerState":
+    """The :class:`LayerState` registered under ``key`` (the custom op finds its layer so)."""
+    try:
+        return _LAYERS[key]
+    except KeyError:
+        raise RuntimeError(f"twell: no layer is registered under key {key}; was its module deleted?") from None
+
+
+class LayerState:
+    """Per-layer state of the inference path: the sparsity estimate and the overflow counters.
+
+    The prefill kernels take a call of ``M`` tokens while ``cost(M) <= max_density * f``
+    (5% more once on them: ``HYSTERESIS``), in active units per token::
+
+        cost = mean + 0.1 * (rms - mean) + 850 * max / M + overflowed tiles per token * min(tile, f) / 8
+
+    The up/down kernel runs one program per token, so its time is at least the longest row's
+    (about 1 us per entry on the H200, against about 1.2 ns per entry of throughput: the
+    ``850 * max / M`` term), and a heavy-tailed layer loses more than its mean says (the rms
+    term); an overflowed tile is recomputed exactly at about an eighth of a dense pass over its
+    units. The threshold and the weights come from the H200 benchmark
+    (benchmarks/NOTES_inference.md).
+    """
+
+    DEFAULT_MAX_DENSITY = 0.0102
+    RMS_WEIGHT = 0.1
+    TAIL_WEIGHT = 850.0
+    HYSTERESIS = 1.05
+    PROBE_EVERY = 8  # calls between two estimates (each costs a few small launches)
+    SMALL_M = 1024  # up to here the dense path multiplies with PyTorch ops, above with relu_mul_
+
+    def __init__(self, module) -> None:
+        self.key = next(_IDS)
+        _LAYERS[self.key] = self
+        self._module = weakref.ref(module)
+        self.estimate: Optional[tuple[float, float]] = None  # prefill: (cost without the tail, max row)
+        self.k_est: Optional[float] = None  # mean active units per token, from any path's probe
+        self.counters = None  # OverflowCounters of the prefill path, accumulated over calls
+        self.last_path: Optional[str] = None
+        self._tile = 256
+        self._f = 1
+        self._host: Optional[torch.Tensor] = None
+        self._event = None
+        self._kind = ""
+        self._calls = 0
+        self._on_kernels = False
+
+    @property
+    def module(self):
+        m = self._module()
+        if m is None:
+            raise RuntimeError("twell: the module of this layer state was deleted")
+        return m
+
+    # -- decision -------------------------------------------------------------------------------
+
+    def _poll(self) -> None:
+        if self._event is not None and self._event.query():
+            a, b, c, e = (float(v) for v in self._host.tolist())
+            if self._kind == "rows":  # mean, rms, max of active units per row; overflowed tiles per row
+                self.estimate = (a + self.RMS_WEIGHT * max(0.0, b - a) + e * self._tile / 8, c)
+                self.k_est = a
+            else:  # "union": share of the units active in a chunk of b tokens
+                a = min(max(a, 0.0), 1.0)
+                self.k_est = self._f * (1.0 - (1.0 - a) ** (1.0 / max(b, 1.0))) if a < 1.0 else float(self._f)
+            self._event = None
+
+    def cost(self, M: int) -> Optional[float]:
+        """Estimated prefill-kernel cost of a call of ``M`` tokens, in active units per token."""
+        if self.estimate is None:
+            return None
+        base, top = self.estimate
+        return base + self.TAIL_WEIGHT * top / max(M, 1)
+
+    def union_share(self, M: int, f: int) -> Optional[float]:
+        """Expected share of the units active for some token of a decode chunk of ``M`` tokens, if
+        units fired independently at the estimated rate (skewed real layers have fewer)."""
+        if self.k_est is None:
+            return None
+        from .kernels.decode import decode_config
+
+        chunk = min(M, decode_config(M)[0])
+        return 1.0 - (1.0 - min(self.k_est / max(f, 1), 1.0)) ** chunk
+
+    def choose(self, M: int, f: int, mode: str, max_density: Optional[float], capturing: bool) -> str:
+        """``"dense"``, ``"decode"`` or ``"prefill"`` for a call of ``M`` tokens."""
+        if mode == "auto":
+            if not capturing:
+                self._poll()
+            if M <= DECODE_MAX_M:
+                if not capturing:
+                    return "dense"
+                u = self.union_share(M, f)
+                return "decode" if (M <= DECODE_BLIND_M if u is None else u <= DECODE_MAX_UNION) else "dense"
+            if M < PREFILL_MIN_M:
+                return "dense"
+            c = self.cost(M)
+            if c is None:
+                return "dense"
+            limit = (max_density or self.DEFAULT_MAX_DENSITY) * f * (self.HYSTERESIS if self._on_kernels else 1.0)
+            self._on_kernels = c <= limit
+            return "prefill" if self._on_kernels else "dense"
+        if mode == "twell":
+            return "decode" if M <= DECODE_MAX_M else "prefill"
+        if mode in ("dense", "decode", "prefill"):
+            return mode
+        raise ValueError(f"kernel_mode must be one of {MODES}, got {mode!r}")
+
+    def _want_probe(self, mode: str, capturing: bool) -> bool:
+        """A new estimate is taken every PROBE_EVERY calls, one in flight at a time, never in a capture."""
+        if mode != "auto" or capturing or self._event is not None:
+            return False
+        self._calls += 1
+        return self._calls % self.PROBE_EVERY == 1 or self.k_est is None
+
+    def _publish(self, kind: str, values: torch.Tensor) -> None:
+        """Copy ``values`` ([4] float32 on the GPU) to pinned host memory without blocking."""
+        if not values.is_cuda:
+            return
+        if self._host is None:
+            self._host = torch.empty(4, dtype=torch.float32, pin_memory=True)
+        self._host.copy_(values, non_blocking=True)
+        self._kind = kind
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def _publish_rows(self, per_row: torch.Tensor, over_per_token: torch.Tensor) -> None:
+        """per_row: ``[n]`` active units of (a sample of) the call's rows."""
+        if per_row.numel():
+            p = per_row.float()
+            self._publish("rows", torch.stack([p.mean(), p.square().mean().sqrt(), p.max(), over_per_token.float()]))
+
+    # -- the paths ------------------------------------------------------------------------------
+
+    def run(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor]) -> torch.Tensor:
+        """The FFN of ``x [M, d]`` (unit-stride rows) with ``w_first``/``w_up [f, d]``,
+        ``w_down [d, f]``: gated (``relu(x w_first^T) * (x w_up^T)``) when ``w_up`` is given.
+        Records the module's statistics when it tracks them. Returns ``y [M, d]``."""
+        m = self.module
+        M, f = x.shape[0], w_first.shape[0]
+        self._f = f
+        mode = m.kernel_mode
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        path = self.choose(M, f, mode, m.kernel_max_density, capturing)
+        w_down_t = w_down.t()
+        if path != "dense" and not w_down_t.is_contiguous():
+            # kernels need down columns as contiguous rows: the module keeps w_down so in eval
+            # mode (see _SparseFFN.train); a weight replaced since is laid out again here, outside
+            # captures and compiled graphs, else this call runs dense rather than copy a weight
+            if not m.training and not capturing and not torch.compiler.is_compiling():
+                m._set_kernel_layout(True)
+                w_down = m.down_proj.weight
+                w_down_t = w_down.t()
+            if not w_down_t.is_contiguous():
+                path = "dense"
+        self.last_path = path
+        track = m._tracking()
+        probe = M > 0 and self._want_probe(mode, capturing)
+        if path == "decode":
+            return self._decode(m, x, w_first, w_down_t, w_up, track, probe)
+        if path == "prefill":
+            return self._prefill(m, x, w_first, w_down_t, w_up, track, probe)
+        return self._dense(m, x, w_first, w_down, w_up, track, probe)
+
+    def _decode(self, m, x, w_first, w_down_t, w_up, track, probe):
+        from .kernels.decode import decode_launch
+
+        M, f = x.shape[0], w_first.shape[0]
+        uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
+        nnz = torch.zeros(M, dtype=torch.int32, device=x.device) if track else None
+        y, counts, chunk = decode_launch(x, w_first, w_down_t, w_up, uc, nnz, with_counts=True)
+        if track:
+            m._record_counts(nnz, uc)
+        if probe and counts.numel():
+            # the share of units active per chunk of `chunk` tokens, averaged over the chunks
+            n_chunks = -(-M // chunk)
+            share = counts.sum(dtype=torch.float32) / (n_chunks * f)
+            self._publish("union", torch.stack([share, share.new_full((), min(M, chunk)), share, share]))
+        return y
+
+    def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe):
+        from .kernels import OverflowCounters, ffn_from_twell, pack_relu
+        from .ops import DEFAULT_COMPRESSION, default_tile
+
+        M, f = x.shape[0], w_first.shape[0]
+        if self.counters is None or self.counters.buffer.device != x.device:
+            self.counters = OverflowCounters.zeros(x.device)
+        before = self.counters.tiles.clone() if probe else None
+        pre = torch.mm(x, w_first.t())  # cuBLAS gate (measured faster than a fused Triton gate)
+        tile = default_tile(f)
+        self._tile = min(tile, f)
+        g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
+        uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
+        nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
+        y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz)
+        if track:
+            m._record_counts(nnz, uc)
+        if probe:
+            self._publish_rows(nnz if track else g.counts.sum(dim=1), (self.counters.tiles - before).float() / M)
+        return y
+
+    def _dense(self, m, x, w_first, w_down, w_up, track, probe):
+        from .kernels.elementwise import relu_mul_
+
+        a = torch.mm(x, w_first.t())  # the pre-activation: a > 0 is the ReLU pattern
+        if probe and a.shape[0]:
+            self._publish_rows((a[:4096] > 0).sum(dim=1), torch.zeros((), device=a.device))
+        if track:
+            m._record(a, None)
+        if w_up is None:
+            h = torch.relu(a)
+        elif a.shape[0] <= self.SMALL_M:
+            # two in-place PyTorch ops issue faster than a Triton launch; the traffic is small here
+            h = torch.mm(x, w_up.t()).mul_(a.relu_())
+        else:
+            h = relu_mul_(torch.mm(x, w_up.t()), a)  # one pass over [M, f] instead of two
+        return torch.mm(h, w_down.t())

@@ -1,0 +1,139 @@
+"""Decode kernels (small batches) against the PyTorch references: Triton interpreter on the CPU
+in fp32/fp16 over odd shapes, adversarial patterns, strided inputs and every block shape in use;
+GPU tests in bf16 at real shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import gate_case, rel_err
+from twell import reference as R
+from twell.kernels import decode
+from twell.kernels.decode import ffn_decode
+
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
+# M, d, f and a block configuration (BM, BU, BK, warps, BD, BE, warps, shares); None: the default
+CASES = [
+    (1, 40, 100, None),
+    (5, 72, 70, (16, 16, 32, 4, 32, 16, 4, 3)),  # 3 shares of the entries, a partial last one
+    (21, 24, 37, (16, 16, 16, 4, 16, 16, 4, 2)),  # two token chunks, f not a multiple of BU
+    (40, 40, 100, (32, 32, 32, 4, 16, 32, 4, 4)),
+    (70, 24, 37, None),  # more tokens than the largest chunk
+]
+
+
+def _counts(x, w_first):
+    active = (x.double() @ w_first.double().T) > 0
+    return active.sum(0), active.sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,d,f,config", CASES)
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_matches_reference(dtype, M, d, f, config, gated):
+    x, wg, wu, wd = gate_case(M, d, f, dtype, seed=M + d + f)
+    if gated:
+        ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+        w_first, w_up = wg, wu
+    else:
+        ref = R.mlp(x.double(), wg.double(), wd.double())
+        w_first, w_up = wg, None
+    uc = torch.zeros(f, dtype=torch.int32)
+    nnz = torch.zeros(M, dtype=torch.int32)
+    y = ffn_decode(x, w_first, wd.T.contiguous(), w_up=w_up, unit_counts=uc, row_nnz=nnz, config=config)
+    assert y.shape == (M, d) and y.dtype == dtype
+    assert rel_err(y, ref) < TOL[dtype]
+    units, rows = _counts(x, w_first)
+    assert torch.equal(uc.long(), units) and torch.equal(nnz.long(), rows)
+    if M > 3:
+        assert torch.all(y[1] == 0)  # the all-zero row
+        assert rows[2] >= f - 1  # the dense row (all units but the hot one, which it turns off)
+
+
+def test_every_config_in_use_is_exact():
+    """Each tuned block shape (they differ in chunking and in shares) on a case it serves."""
+    for top, config in decode.DECODE_CONFIGS.items():
+        M = max(1, min(top, 20))
+        x, wg, wu, wd = gate_case(M, 48, 90, torch.float32, seed=top)
+        small = (min(config[0], 32), 16, 32, 4, 16, 16, 4, config[7])  # interpreter-sized blocks, same shares
+        y = ffn_decode(x, wg, wd.T.contiguous(), w_up=wu, config=small)
+        assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 1e-5, top
+
+
+def test_strided_and_mixed_layout_inputs():
+    """Rows with strides larger than d, and different strides for every weight: a kernel that
+    used one tensor's stride for another, or the row length for a stride, fails here."""
+    M, d, f = 9, 24, 50
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=3)
+    xs = torch.full((M, d + 5), float("nan"))[:, 2 : 2 + d]
+    xs.copy_(x)
+    big = torch.full((3 * f, d + 11), float("nan"))
+    wg_s = big[0::3, 1 : 1 + d]
+    wu_s = torch.full((f, 2 * d), float("nan"))[:, d:]
+    wdt_s = torch.full((f, d + 3), float("nan"))[:, :d]
+    wg_s.copy_(wg)
+    wu_s.copy_(wu)
+    wdt_s.copy_(wd.T)
+    assert len({wg_s.stride(0), wu_s.stride(0), wdt_s.stride(0), xs.stride(0), d}) == 5
+    out = torch.full((M, d + 7), float("nan"))[:, :d]
+    y = ffn_decode(xs, wg_s, wdt_s, w_up=wu_s, out=out, config=(16, 16, 16, 4, 16, 16, 4, 2))
+    assert y.data_ptr() == out.data_ptr()
+    assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 1e-5
+
+
+@pytest.mark.parametrize("M", [0, 1])
+def test_empty_and_single_token(M):
+    x, wg, wu, wd = gate_case(M, 24, 37, torch.float32, seed=4)
+    y = ffn_decode(x, wg, wd.T.contiguous(), w_up=wu)
+    assert y.shape == (M, 24)
+    if M:
+        assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 1e-5
+
+
+def test_no_active_unit_gives_zeros():
+    x, wg, wu, wd = gate_case(6, 24, 37, torch.float32, seed=5, adversarial=False)
+    wg[:, 0] = -100.0  # x[:, 0] = 1: every pre-activation is about -100
+    y = ffn_decode(x, wg, wd.T.contiguous(), w_up=wu)
+    assert torch.equal(y, torch.zeros_like(y))
+
+
+def test_validation():
+    x, wg, wu, wd = gate_case(5, 24, 37, torch.float32)
+    wdt = wd.T.contiguous()
+    with pytest.raises(ValueError, match="w_down_t must be"):
+        ffn_decode(x, wg, wd, w_up=wu)
+    with pytest.raises(ValueError, match="unit-stride"):
+        ffn_decode(x, wg, wd.T, w_up=wu)
+    with pytest.raises(TypeError, match="must match x"):
+        ffn_decode(x.half(), wg.half(), wdt, w_up=wu.half())
+    with pytest.raises(ValueError, match="together"):
+        ffn_decode(x, wg, wdt, unit_counts=torch.zeros(37, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"row_nnz must be a contiguous \[5\]"):
+        ffn_decode(x, wg, wdt, unit_counts=torch.zeros(37, dtype=torch.int32), row_nnz=torch.zeros(4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="out must be"):
+        ffn_decode(x, wg, wdt, out=torch.empty(5, 23))
+    with pytest.raises(TypeError, match="dtype"):
+        ffn_decode(x.long(), wg, wdt)
+
+
+# --- GPU, bf16, real shapes --------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 16, 64, 100])
+@pytest.mark.parametrize("k", [29, 280])
+def test_decode_gpu_bf16(M, k):
+    from twell.bench.inference import dense_gated, errors, reference_fp32
+    from twell.bench.synthetic import make_ffn
+
+    s = make_ffn(4096, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=M)
+    x = s.x[:M].clone()
+    if M > 8:
+        x[3] = 0  # an all-zero row
+        x[5, 0] = -50.0  # a fully dense row
+    ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
+    _, dense_row = errors(dense_gated(x, s.w_gate, s.w_up, s.w_down), ref)
+    y = ffn_decode(x, s.w_gate, s.w_down.T.contiguous(), w_up=s.w_up)
+    rel, row = errors(y, ref)
+    assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)

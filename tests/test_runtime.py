@@ -1,0 +1,340 @@
+"""The inference runtime: path choice, weight layout, statistics off in eval, torch.compile and
+the custom op (CPU: Triton interpreter), CUDA graphs and compiled kernels (GPU)."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import twell
+from sparsity import rel_err
+from twell import SparseGatedMLP, SparseMLP
+from twell import reference as R
+from twell.dispatch import DECODE_BLIND_M, DECODE_MAX_M, PREFILL_MIN_M, LayerState
+
+
+def _dense(m, x):
+    w = [p.double() for p in (m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight)]
+    return R.gated_mlp(x.reshape(-1, m.hidden_size).double(), *w).reshape(x.shape)
+
+
+# --- path choice -------------------------------------------------------------------------------
+
+
+def test_choice_by_batch_size_and_sparsity():
+    s = SparseGatedMLP(8, 16)._twell_layer
+    f = 5632
+    choose = lambda M, mode="auto", density=None: s.choose(M, f, mode, density, False)  # noqa: E731
+    in_graph = lambda M: s.choose(M, f, "auto", None, True)  # noqa: E731
+    # eager small batches: dense issues the fewest launches; in a graph, decode where it pays
+    assert choose(1) == choose(DECODE_MAX_M) == "dense"
+    assert in_graph(1) == in_graph(DECODE_BLIND_M) == "decode"  # no estimate yet: only tiny batches
+    assert in_graph(DECODE_BLIND_M + 1) == "dense"
+    assert in_graph(DECODE_MAX_M + 1) == "dense"
+    s.k_est = 8.0  # 16 tokens share about 2% of the units
+    assert in_graph(16) == "decode" and in_graph(DECODE_MAX_M) == "dense"
+    s.k_est = 280.0  # 5% of the units for a single token: decode would read too many rows
+    assert in_graph(1) == "dense"
+    assert choose(PREFILL_MIN_M) == "dense"  # no prefill estimate yet
+    s.estimate = (29.0, 60.0)
+    assert choose(PREFILL_MIN_M - 1) == "dense"
+    assert choose(1 << 17) == "prefill"
+    s.estimate = (300.0, 600.0)
+    assert choose(1 << 17) == "dense"
+    # forced modes
+    assert choose(1 << 17, "twell") == "prefill" and choose(3, "twell") == "decode"
+    assert choose(3, "prefill") == "prefill" and choose(1 << 17, "decode") == "decode" and choose(3, "dense") == "dense"
+    with pytest.raises(ValueError, match="kernel_mode must be one of"):
+        choose(3, "fast")
+
+
+def test_kernel_max_density_is_obeyed():
+    """The knob moves the threshold both ways, and the module passes its own value."""
+    s = SparseGatedMLP(8, 16)._twell_layer
+    f, M = 1000, 1 << 30
+    s.estimate = (50.0, 0.0)  # 5% of the units
+    assert s.choose(M, f, "auto", None, False) == "dense"  # default threshold: about 1%
+    assert s.choose(M, f, "auto", 0.06, False) == "prefill"
+    s2 = SparseGatedMLP(8, 16)._twell_layer
+    s2.estimate = (5.0, 0.0)  # 0.5%
+    assert s2.choose(M, f, "auto", None, False) == "prefill"
+    assert s2.choose(M, f, "auto", 0.004, False) == "dense"
+
+
+def test_module_passes_its_knobs(monkeypatch):
+    m = SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "prefill"
+    m.kernel_max_density = 0.123
+    seen = {}
+    real = LayerState.choose
+
+    def spy(self, M, f, mode, max_density, capturing):
+        seen.update(M=M, f=f, mode=mode, max_density=max_density, capturing=capturing)
+        return real(self, M, f, mode, max_density, capturing)
+
+    monkeypatch.setattr(LayerState, "choose", spy)
+    with torch.no_grad():
+        m(torch.randn(3, 4, 40))
+    assert seen == dict(M=12, f=100, mode="prefill", max_density=0.123, capturing=False)
+
+
+def test_no_probe_and_no_poll_inside_a_capture():
+    s = SparseGatedMLP(8, 16)._twell_layer
+
+    class Event:
+        def query(self):
+            raise AssertionError("polled during a capture")
+
+    s._event = Event()
+    assert not s._want_probe("auto", capturing=True)
+    s.estimate = (1.0, 1.0)
+    assert s.choose(1 << 20, 5632, "auto", None, True) == "prefill"  # decided from the estimate it has
+    s._event = None
+    assert not s._want_probe("auto", capturing=True)
+    assert not s._want_probe("dense", capturing=False)
+
+
+def test_estimate_from_a_decode_probe():
+    """A decode probe reports the share of units active in a chunk; the layer turns it back into
+    active units per token (units firing independently)."""
+    s = SparseGatedMLP(8, 16)._twell_layer
+    s._f = 5632
+
+    class Done:
+        def query(self):
+            return True
+
+    k, chunk = 29.0, 16
+    share = 1 - (1 - k / 5632) ** chunk
+    s._host, s._event, s._kind = torch.tensor([share, chunk, 0.0, 0.0]), Done(), "union"
+    s._poll()
+    assert s.k_est == pytest.approx(k, rel=1e-6) and s.estimate is None
+    assert s.union_share(16, 5632) == pytest.approx(share, rel=1e-6)
+
+
+def test_probes_are_spaced():
+    s = SparseGatedMLP(8, 16)._twell_layer
+    s.k_est = 1.0
+    taken = [s._want_probe("auto", False) for _ in range(3 * s.PROBE_EVERY)]
+    assert sum(taken) == 3
+
+
+# --- statistics, layout, copies ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_eval_keeps_no_statistics_unless_asked(cls):
+    m = cls(16, 40)
+    x = torch.randn(5, 16)
+    m(x)
+    assert m.stats is not None and int(m.tokens_seen) == 5  # training: on
+    m.eval().stats = None
+    with torch.no_grad():
+        m(x)
+    assert m.stats is None and int(m.tokens_seen) == 5
+    m.track_stats = True
+    with torch.no_grad():
+        m(x)
+    assert m.stats.tokens == 5 and int(m.tokens_seen) == 10
+    m.train().track_stats = False
+    m(x)
+    assert int(m.tokens_seen) == 10
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_eval_lays_out_down_for_the_kernels_with_one_copy(cls):
+    torch.manual_seed(0)
+    m = cls(16, 40)
+    w = m.down_proj.weight
+    values = w.detach().clone()
+    m.eval()
+    assert m.down_proj.weight is w and w.shape == (16, 40)  # same Parameter, same shape
+    assert w.stride() == (1, 16) and w.t().is_contiguous()
+    assert torch.equal(w, values)
+    sd = m.state_dict()
+    assert torch.equal(sd["down_proj.weight"], values)
+    # loading keeps the layout
+    new = torch.randn(16, 40)
+    m.load_state_dict({**sd, "down_proj.weight": new})
+    assert torch.equal(m.down_proj.weight, new) and m.down_proj.weight.stride() == (1, 16)
+    # training mode: contiguous again, and an optimizer step works after the round trip
+    m.train()
+    assert m.down_proj.weight.is_contiguous() and torch.equal(m.down_proj.weight, new)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    m(torch.randn(4, 16)).square().sum().backward()
+    opt.step()
+    m.eval()
+    m.train()
+    m(torch.randn(4, 16)).square().sum().backward()
+    opt.step()
+    assert m.down_proj.weight.grad.shape == (16, 40)
+
+
+def test_sparsified_model_saves_and_reloads_in_eval(tmp_path):
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,
+                      hidden_act="relu", max_position_embeddings=64)
+    model = twell.sparsify(LlamaForCausalLM(cfg).eval())
+    mlp = model.model.layers[0].mlp
+    assert isinstance(mlp, SparseGatedMLP) and mlp.down_proj.weight.t().is_contiguous()
+    ids = torch.randint(0, 97, (2, 9))
+    with torch.no_grad():
+        logits = model(ids).logits
+    model.save_pretrained(tmp_path)
+    reloaded = LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    with torch.no_grad():
+        assert rel_err(reloaded(ids).logits, logits) < 1e-6
+
+
+def test_copies_get_their_own_state():
+    m = SparseGatedMLP(16, 40).eval()
+    m._twell_layer.estimate = (1.0, 2.0)
+    for other in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
+        assert other._twell_key != m._twell_key
+        assert other._twell_layer.module is other and other._twell_layer.estimate is None
+        assert twell.dispatch.layer_state(other._twell_key) is other._twell_layer
+    assert twell.dispatch.layer_state(m._twell_key) is m._twell_layer
+
+
+# --- torch.compile and the custom op (interpreter) ---------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_compile_fullgraph_runs_the_kernels(mode):
+    torch.manual_seed(2)
+    m = SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = mode
+    x = torch.randn(2, 7, 40)
+    with torch.no_grad():
+        compiled = torch.compile(m, fullgraph=True)
+        y = compiled(x)
+    assert m.last_path == mode
+    assert rel_err(y, _dense(m, x)) < 1e-5
+
+
+def test_custom_op_passes_opcheck():
+    from twell import library  # noqa: F401
+
+    torch.manual_seed(3)
+    m = SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "decode"
+    x = torch.randn(5, 40)
+    args = (x, m.gate_proj.weight.detach(), m.down_proj.weight.detach(), m.up_proj.weight.detach(), m._twell_key)
+    torch.library.opcheck(torch.ops.twell.ffn_infer.default, args)
+    y = torch.ops.twell.ffn_infer(*args)
+    assert rel_err(y, _dense(m, x)) < 1e-5
+    with pytest.raises(RuntimeError, match="no layer is registered"):
+        torch.ops.twell.ffn_infer(*args[:4], 10**9)
+
+
+# --- GPU ---------------------------------------------------------------------------------------
+
+
+def _gpu_stack(layers=2, k=29, d=2048, f=5632, seed=0, M=8192):
+    from twell.bench.synthetic import make_ffn
+
+    mods, xs = [], None
+    for i in range(layers):
+        s = make_ffn(M, d, f, k, "even", dtype=torch.bfloat16, device="cuda", seed=seed + i)
+        m = SparseGatedMLP(d, f, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad():
+            m.gate_proj.weight.copy_(s.w_gate)
+            m.up_proj.weight.copy_(s.w_up)
+            m.down_proj.weight.copy_(s.w_down)
+        mods.append(m)
+        xs = s.x if xs is None else xs
+    return torch.nn.Sequential(*mods).eval(), xs
+
+
+class _Residual(torch.nn.Module):
+    """x + mlp(x) per layer, so that each layer sees the previous layer's (sparse-gated) input."""
+
+    def __init__(self, stack):
+        super().__init__()
+        self.stack = stack
+
+    def forward(self, x):
+        for m in self.stack:
+            x = x + m(x)
+        return x
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64, 1024, 8192])
+def test_cuda_graph_replay_equals_eager(M):
+    stack, xs = _gpu_stack()
+    model = _Residual(stack)
+    x = xs[:M].clone()
+    with torch.no_grad():
+        for _ in range(3):  # eager calls: estimates arrive
+            model(x)
+            torch.cuda.synchronize()
+        eager = model(x)
+        paths = [m.last_path for m in stack]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            model(x)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = model(x)
+        x.copy_(xs[:M])
+        g.replay()
+        torch.cuda.synchronize()
+    assert paths[0] == ("dense" if M < PREFILL_MIN_M else "prefill")  # eager
+    # in the graph: decode for the single token (k = 29 of 5632), else as eager
+    assert stack[0].last_path == ("decode" if M == 1 else paths[0])
+    assert rel_err(out, eager) < 1e-2
+
+
+@pytest.mark.gpu
+def test_no_host_sync_at_any_batch_size():
+    stack, xs = _gpu_stack(layers=1)
+    with torch.no_grad():
+        for M in (1, 64, 1024, 8192):
+            stack(xs[:M])
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                for _ in range(10):
+                    stack(xs[:M])
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4, 8192])
+def test_compiled_model_runs_the_kernels(M):
+    stack, xs = _gpu_stack()
+    model = _Residual(stack)
+    x = xs[:M]
+    with torch.no_grad():
+        for _ in range(3):
+            eager = model(x)
+            torch.cuda.synchronize()
+        compiled = torch.compile(model, fullgraph=True)
+        for _ in range(3):
+            y = compiled(x)
+            torch.cuda.synchronize()
+    assert stack[0].last_path == ("dense" if M <= DECODE_MAX_M else "prefill")  # no capture: small batches dense
+    assert rel_err(y, eager) < 1e-2
+
+
+@pytest.mark.gpu
+def test_reduce_overhead_compile_matches_eager():
+    stack, xs = _gpu_stack()
+    model = _Residual(stack)
+    x = xs[:2].clone()
+    with torch.no_grad():
+        eager = model(x)
+        compiled = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+        for _ in range(4):
+            y = compiled(x).clone()
+        torch.cuda.synchronize()
+    assert rel_err(y, eager) < 1e-2 and stack[0].last_path == "decode"  # recorded in a capture
