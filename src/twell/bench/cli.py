@@ -1,12 +1,21 @@
 """``twell bench``: benchmark twell's kernels against dense PyTorch on this GPU.
 
     twell bench inference [--out DIR] [--quick] [--variants] [--no-grid]
+    twell bench batch [--out DIR] [--quick]
+    twell bench decode [--out DIR]
 
 ``inference`` times the inference FFN (issue 3's grid: d 2048, f 5632, bf16,
 M in {16384, 131072}, k in {8, ..., 5632}, three unit distributions, plus d 4096, f 11008) and
 writes ``inference_mlp_<gpu>.json`` (flat records), the same as CSV, and a PNG plot of speedup
 against k (dense = 1) into ``--out``. ``--variants`` also times the design variants (gate
 kernels, up/down tuning) into ``inference_variants_<gpu>.json``.
+
+``batch`` times the module as users run it (default settings) at every batch size from one token
+to 131072, eager and in CUDA graphs, with host time and peak memory, and a compiled stack
+against a compiled dense one: ``inference_batch_<gpu>.{json,csv,png}``.
+
+``decode`` times small batches in CUDA graphs (M 1 to 256, k 8/29/56, even and skewed units):
+``decode_<gpu>.{json,csv,png}``.
 """
 
 from __future__ import annotations
@@ -96,7 +105,7 @@ def _table(records: list[dict]) -> str:
 
 def bench_main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["inference"], help="which benchmark")
+    parser.add_argument("what", choices=["inference", "batch", "decode"], help="which benchmark")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the result files")
     parser.add_argument("--quick", action="store_true", help="a small grid (M 16384, k 29/56/280, even)")
     parser.add_argument("--variants", action="store_true", help="also time the design variants")
@@ -109,13 +118,16 @@ def bench_main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("twell bench needs a CUDA GPU")
     from ..kernels import gate_pack, updown
-    from ..nn import _KernelPath
+    from ..dispatch import LayerState as _KernelPath
     from .inference import best_config, break_even_density, run_grid, run_variants
 
     os.makedirs(args.out, exist_ok=True)
     tag = _gpu_tag()
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.time()
+    if args.what in ("batch", "decode"):
+        _runtime_bench(args, tag, log, t0)
+        return
     if args.variants:
         var = run_variants(log=log)
         with open(os.path.join(args.out, f"inference_variants_{tag}.json"), "w") as fh:
@@ -148,6 +160,60 @@ def bench_main(argv=None) -> None:
     plot_speedup(records, os.path.splitext(path)[0] + ".png")
     log(f"grid done in {time.time() - t0:.0f}s; wrote {path}")
     log(_table(records))
+
+
+def _runtime_bench(args, tag: str, log, t0: float) -> None:
+    from .runtime import batch_grid, compile_compare, decode_grid
+
+    if args.what == "batch":
+        Ms = (1, 16, 4096) if args.quick else (1, 4, 16, 64, 256, 1024, 4096, 16384, 131072)
+        records = batch_grid(Ms=Ms, log=log)
+        comp = compile_compare(log=log)
+        path = os.path.join(args.out, f"inference_batch_{tag}.json")
+        with open(path, "w") as fh:
+            json.dump({"records": records, "compile": comp}, fh, indent=1)
+        write_results(records, os.path.splitext(path)[0] + "_records.json")
+        os.remove(os.path.splitext(path)[0] + "_records.json")
+        plot_batch(records, os.path.splitext(path)[0] + ".png", "M", ("speedup", "graph_speedup"), "tokens per call M")
+    else:
+        records = decode_grid(log=log)
+        path = os.path.join(args.out, f"decode_{tag}.json")
+        with open(path, "w") as fh:
+            json.dump({"mlp": records, "model": []}, fh, indent=1)
+        write_results(records, os.path.splitext(path)[0] + "_mlp.json")
+        os.remove(os.path.splitext(path)[0] + "_mlp.json")
+        plot_batch(records, os.path.splitext(path)[0] + ".png", "M", ("speedup", "decode_speedup"), "tokens per call M")
+    log(f"done in {time.time() - t0:.0f}s; wrote {path}")
+
+
+def plot_batch(records: list[dict], path_png: str, xkey: str, fields: tuple[str, str], xlabel: str) -> None:
+    """Speedup over dense against ``xkey`` (log-log), one line per (k, distribution); one panel per field."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(fields), figsize=(6.5 * len(fields), 4.8), sharey=True)
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["k"], r["distribution"]), []).append(r)
+    for ax, field in zip(axes, fields):
+        for (k, dist), rs in sorted(groups.items()):
+            rs = sorted(rs, key=lambda r: r[xkey])
+            ax.plot([r[xkey] for r in rs], [r[field] for r in rs], "--" if dist != "even" else "-", marker="o", ms=3, label=f"k={k} {dist}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel(xlabel)
+        ax.set_title(field.replace("_", " "), fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_ylabel("speedup over the dense PyTorch MLP (dense = 1)")
+    axes[0].legend(fontsize=7)
+    gpu = records[0].get("gpu", "") if records else ""
+    fig.suptitle(f"twell SparseGatedMLP, default settings, d=2048 f=5632 bf16, {gpu}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

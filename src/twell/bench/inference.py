@@ -118,7 +118,7 @@ def run_grid(
     from .. import SparseGatedMLP
     from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
     from ..kernels import gate_pack, updown
-    from ..nn import _KernelPath
+    from ..dispatch import LayerState as _KernelPath
     from ..ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights, twell_gated_mlp
 
     info = machine_info()

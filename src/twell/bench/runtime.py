@@ -1,0 +1,198 @@
+"""The inference runtime as users run it: every batch size, default settings, eager and in CUDA
+graphs, host time and peak memory beside GPU time (``twell bench batch``), and small batches in
+CUDA graphs (``twell bench decode``).
+
+Dense is :class:`DenseMLP`, the three-``nn.Linear`` PyTorch MLP (what Hugging Face's LlamaMLP
+computes with a ReLU gate); twell is :class:`twell.SparseGatedMLP` in eval mode with default
+settings. Both hold the same weights, one copy each, and run side by side in one process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+from torch import nn
+
+from .inference import errors, machine_info, reference_fp32
+from .synthetic import make_ffn
+from .timing import eager_ms, graph_ms, host_us
+
+__all__ = ["DenseMLP", "batch_grid", "compile_compare", "decode_grid"]
+
+D, F = 2048, 5632
+
+
+class DenseMLP(nn.Module):
+    """``down(relu(gate(x)) * up(x))`` with three ``nn.Linear``: the dense baseline."""
+
+    def __init__(self, d: int, f: int, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=False, device=device, dtype=dtype)
+        self.gate_proj, self.up_proj, self.down_proj = nn.Linear(d, f, **kw), nn.Linear(d, f, **kw), nn.Linear(f, d, **kw)
+
+    def forward(self, x):
+        return self.down_proj(torch.relu(self.gate_proj(x)) * self.up_proj(x))
+
+
+def _pair(s) -> tuple[nn.Module, nn.Module]:
+    from .. import SparseGatedMLP
+
+    d, f = s.w_gate.shape[1], s.w_gate.shape[0]
+    dense = DenseMLP(d, f, device="cuda", dtype=torch.bfloat16).eval()
+    twell = SparseGatedMLP(d, f, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for m in (dense, twell):
+            m.gate_proj.weight.copy_(s.w_gate)
+            m.up_proj.weight.copy_(s.w_up)
+            m.down_proj.weight.copy_(s.w_down)
+    return dense, twell.eval()
+
+
+def _peak(fn: Callable[[], object], weights: int) -> int:
+    """Weight bytes plus the most memory allocated above what was allocated before the call."""
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return weights + int(torch.cuda.max_memory_allocated() - base)
+
+
+def _warm(twell, x, calls: int = 3) -> None:
+    for _ in range(calls):  # the layer's first estimate arrives after a call completes
+        twell(x)
+        torch.cuda.synchronize()
+
+
+def batch_grid(Ms=(1, 4, 16, 64, 256, 1024, 4096, 16384, 131072), ks=(29, 280), dists=("even", "heavy"),
+               log: Callable[[str], None] = print) -> list[dict]:
+    """Issue 8's grid: one record per (M, k, distribution); see ``twell bench batch --help``."""
+    info = machine_info()
+    out = []
+    for k in ks:
+        for dist in dists:
+            s = make_ffn(max(Ms), D, F, k, dist, dtype=torch.bfloat16, device="cuda", seed=k + 11)
+            dense, twell = _pair(s)
+            weights = 3 * D * F * 2
+            for M in Ms:
+                t0 = time.time()
+                x = s.x[:M].contiguous()
+                with torch.no_grad():
+                    _warm(twell, x)
+                    rec = dict(M=M, k=k, distribution=dist, d=D, f=F)
+                    rec["k_measured"] = float(((x.float() @ s.w_gate.float().T) > 0).sum(dim=1).float().mean()) if M <= 16384 else None
+                    rec["dense_ms"] = eager_ms(lambda: dense(x))
+                    rec["twell_ms"] = eager_ms(lambda: twell(x))
+                    rec["path"] = twell.last_path
+                    rec["dense_graph_ms"] = graph_ms(lambda: dense(x))
+                    rec["twell_graph_ms"] = graph_ms(lambda: twell(x))
+                    rec["graph_path"] = twell.last_path
+                    calls, rounds = (20, 7) if M <= 16384 else (3, 3)
+                    rec["host_us"] = host_us(lambda: twell(x), calls=calls, rounds=rounds)
+                    rec["dense_host_us"] = host_us(lambda: dense(x), calls=calls, rounds=rounds)
+                    ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
+                    rec["rel_err"], rec["max_row_err"] = errors(twell(x), ref)
+                    rec["dense_rel_err"], rec["dense_max_row_err"] = errors(dense(x), ref)
+                    del ref
+                    rec["peak_bytes"] = _peak(lambda: twell(x), weights)
+                    rec["dense_peak_bytes"] = _peak(lambda: dense(x), weights)
+                rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
+                rec["graph_speedup"] = rec["dense_graph_ms"] / rec["twell_graph_ms"]
+                rec.update(info)
+                out.append(rec)
+                log(f"M={M:6d} k={k:3d} {dist:6s} eager {rec['dense_ms']:.4f}/{rec['twell_ms']:.4f} x{rec['speedup']:.2f} ({rec['path']}) "
+                    f"graph {rec['dense_graph_ms']:.4f}/{rec['twell_graph_ms']:.4f} x{rec['graph_speedup']:.2f} ({rec['graph_path']}) "
+                    f"host {rec['host_us']:.0f}/{rec['dense_host_us']:.0f} us err {rec['rel_err']:.1e} "
+                    f"row {rec['max_row_err']:.1e}/{rec['dense_max_row_err']:.1e} "
+                    f"peak {rec['peak_bytes'] / 2**20:.0f}/{rec['dense_peak_bytes'] / 2**20:.0f} MiB [{time.time() - t0:.1f}s]")
+            del s, dense, twell
+            torch.cuda.empty_cache()
+    return out
+
+
+def compile_compare(M: int = 16384, layers: int = 4, k: int = 29, log: Callable[[str], None] = print) -> list[dict]:
+    """A residual stack of ``layers`` MLPs, dense and twell, eager and ``torch.compile``d
+    (default mode, ``fullgraph=True``): milliseconds per forward."""
+    import torch._dynamo
+
+    out = []
+    pairs = [_pair(make_ffn(M, D, F, k, "even", dtype=torch.bfloat16, device="cuda", seed=100 + i)) for i in range(layers)]
+    x = make_ffn(M, D, F, k, "even", dtype=torch.bfloat16, device="cuda", seed=100).x
+
+    class Stack(nn.Module):
+        def __init__(self, mlps):
+            super().__init__()
+            self.mlps = nn.ModuleList(mlps)
+
+        def forward(self, h):
+            for m in self.mlps:
+                h = h + m(h)
+            return h
+
+    with torch.no_grad():
+        for name, idx in (("dense", 0), ("twell", 1)):
+            model = Stack([p[idx] for p in pairs]).eval()
+            for m in model.mlps:
+                _warm(m, x, 1)
+            eager = model(x)
+            ms = eager_ms(lambda: model(x))
+            t0 = time.time()
+            compiled = torch.compile(model, fullgraph=True)
+            y = compiled(x)
+            torch.cuda.synchronize()
+            compile_s = time.time() - t0
+            cms = eager_ms(lambda: compiled(x))
+            rec = dict(variant=name, M=M, layers=layers, k=k, eager_ms=ms, compiled_ms=cms, compile_s=compile_s,
+                       compiled_rel_to_eager=float((y.float() - eager.float()).norm() / eager.float().norm()),
+                       paths=[getattr(m, "last_path", None) for m in model.mlps])
+            out.append(rec)
+            log(f"{name}: eager {ms:.3f} ms, compiled {cms:.3f} ms (compile {compile_s:.0f} s), paths {rec['paths']}")
+            torch._dynamo.reset()
+    dense, tw = out
+    for r in out:
+        r["eager_speedup"] = dense["eager_ms"] / tw["eager_ms"]
+        r["compiled_speedup"] = dense["compiled_ms"] / tw["compiled_ms"]
+    return out
+
+
+def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed"), log: Callable[[str], None] = print) -> list[dict]:
+    """Issue 9's MLP records: both sides captured in CUDA graphs (twell with default settings
+    after eager warm-up calls, and with the decode kernels forced)."""
+    info = machine_info()
+    out = []
+    for k in ks:
+        for dist in dists:
+            s = make_ffn(4096, D, F, k, dist, dtype=torch.bfloat16, device="cuda", seed=k + 23)
+            dense, twell = _pair(s)
+            for M in Ms:
+                x = s.x[:M].contiguous()
+                with torch.no_grad():
+                    _warm(twell, x)
+                    rec = dict(M=M, k=k, distribution=dist, d=D, f=F)
+                    union = int(((x.float() @ s.w_gate.float().T) > 0).any(dim=0).sum())
+                    rec["union"] = union
+                    rec["dense_graph_us"] = 1e3 * graph_ms(lambda: dense(x))
+                    rec["twell_graph_us"] = 1e3 * graph_ms(lambda: twell(x))
+                    rec["path"] = twell.last_path
+                    twell.kernel_mode = "decode"
+                    rec["decode_graph_us"] = 1e3 * graph_ms(lambda: twell(x))
+                    ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
+                    rec["decode_rel_err"], rec["decode_max_row_err"] = errors(twell(x), ref)
+                    twell.kernel_mode = "auto"
+                    rec["rel_err"], rec["max_row_err"] = errors(twell(x), ref)
+                    rec["dense_rel_err"], rec["dense_max_row_err"] = errors(dense(x), ref)
+                # bytes the decode path must read: the whole gate, and an up row and a down column per active unit
+                need = (F * D + 2 * union * D) * 2
+                rec["GBps"] = need / (rec["decode_graph_us"] * 1e3)
+                rec["speedup"] = rec["dense_graph_us"] / rec["twell_graph_us"]
+                rec["decode_speedup"] = rec["dense_graph_us"] / rec["decode_graph_us"]
+                rec.update(info)
+                out.append(rec)
+                log(f"M={M:4d} k={k:3d} {dist:6s} union {union:5d} dense {rec['dense_graph_us']:6.1f} us twell {rec['twell_graph_us']:6.1f} "
+                    f"x{rec['speedup']:.2f} ({rec['path']}) decode forced {rec['decode_graph_us']:6.1f} x{rec['decode_speedup']:.2f} "
+                    f"{rec['GBps']:.0f} GB/s err {rec['rel_err']:.1e} row {rec['max_row_err']:.1e}/{rec['dense_max_row_err']:.1e}")
+            del s, dense, twell
+            torch.cuda.empty_cache()
+    return out

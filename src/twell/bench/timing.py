@@ -1,0 +1,77 @@
+"""How twell's benchmarks time things on a GPU: eager, inside CUDA graphs, host time, peak memory.
+
+- :func:`eager_ms`: median of ``triton.testing.do_bench`` (CUDA events around each call, L2
+  flushed before each, so weights come from HBM as they would after another layer ran). When the
+  host is slower than the GPU (small batches), the events also catch the GPU waiting for it: that
+  is what a user's eager loop sees.
+- :func:`graph_ms`: the same call captured once in a CUDA graph (after warm-up on a side stream,
+  as ``torch.cuda.graph`` wants) and its replays timed the same way: the GPU time alone.
+- :func:`host_us`: CPU time to issue one call, from the wall time of issuing a burst of calls
+  without synchronising (short enough that the launch queue never fills and blocks).
+- :func:`peak_bytes`: the largest ``torch.cuda.max_memory_allocated`` over one call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+
+__all__ = ["eager_ms", "graph_ms", "host_us", "peak_bytes", "capture"]
+
+
+def eager_ms(fn: Callable[[], object], rep: int = 100, min_reps: int = 10) -> float:
+    from .inference import bench_ms
+
+    return bench_ms(fn, rep=rep, min_reps=min_reps)
+
+
+def capture(fn: Callable[[], object], warmup: int = 3) -> torch.cuda.CUDAGraph:
+    """``fn`` warmed up on a side stream, then captured in a CUDA graph (returned)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    return graph
+
+
+def graph_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 3) -> float:
+    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph."""
+    graph = capture(fn, warmup)
+    try:
+        return eager_ms(graph.replay, rep=rep)
+    finally:
+        del graph
+
+
+def host_us(fn: Callable[[], object], calls: int = 20, rounds: int = 7) -> float:
+    """Median over ``rounds`` of the microseconds per call spent issuing ``calls`` calls."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    out = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        out.append((time.perf_counter() - t0) / calls * 1e6)
+        torch.cuda.synchronize()
+    return statistics.median(out)
+
+
+def peak_bytes(fn: Callable[[], object]) -> int:
+    """Peak bytes allocated on the current device while ``fn`` runs (weights included)."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return int(torch.cuda.max_memory_allocated())
