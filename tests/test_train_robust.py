@@ -346,3 +346,13 @@ def test_no_documents_names_the_file_types_read(tmp_path):
     (tmp_path / "table.csv").write_text("a,b\n1,2\n")
     with pytest.raises(SystemExit, match=r"found no documents; twell reads \.md \.py \.rst \.txt files .*\.jsonl .*\.parquet"):
         main(["train", *FAST, "--data", str(tmp_path), "--out", str(tmp_path / "run")])
+
+
+def test_readme_gives_the_cpu_torch_command_and_ci_keeps_its_pin():
+    """The README's CPU install uses PyTorch's CPU wheel index; .ci/run keeps the plain pin that
+    the CI machine's pip configuration serves as the CPU build."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    assert "pip install torch --index-url https://download.pytorch.org/whl/cpu" in (root / "README.md").read_text()
+    assert 'python -m pip install -q "torch==2.13.0"' in (root / ".ci" / "run").read_text()
