@@ -77,3 +77,17 @@ def test_resume_between_log_steps_logs_what_an_uninterrupted_run_logs(tmp_path):
     for key in a:
         if key != "tokens_per_s":
             assert a[key] == b[0][key], key
+
+
+def test_resume_with_other_batch_settings_restores_the_data_position(tmp_path):
+    """The checkpoint's data position is restored, not recomputed from step x batch: after 2
+    steps of 4 sequences, a run resumed with 2 micro-batches of 3 (6 a step) starts at sample 8
+    (step x new batch would say 12) and then reads samples 8-13."""
+    Trainer(config(tmp_path, steps=2, log_every=1, eval_every=2, batch_size=4)).fit()
+    cfg = config(tmp_path, steps=3, log_every=1, eval_every=3, batch_size=3, grad_accum=2)
+    resumed = Trainer(cfg, resume=cfg.out)
+    assert resumed.step == 2 and resumed.global_batch == 6 and resumed.samples_seen == 8
+    data = resumed.train_data
+    assert torch.equal(resumed.micro_batch(0), data.batch(8, 3)) and torch.equal(resumed.micro_batch(1), data.batch(11, 3))
+    resumed.fit()
+    assert resumed.samples_seen == 14 and read_history(tmp_path / "run" / "log.csv")[-1]["tokens"] == 14 * 32

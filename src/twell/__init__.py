@@ -3,25 +3,41 @@
 ReLU-gated FFNs trained with an L1 penalty keep a few dozen of thousands of hidden units
 active per token; twell stores those activations in sparse formats (TwELL for inference, a
 hybrid ELL + dense backup for training) and runs the FFN from them.
+
+The names below load their module (and torch) on first use, so that the ``twell`` command
+answers ``--help`` and argument errors without waiting for torch to import.
 """
 
-from .format import Hybrid, TwELL, pack_hybrid, pack_twell, unpack_hybrid, unpack_twell
-from .hf import sparsify
-from .nn import SparseGatedMLP, SparseMLP, SparsityStats, l1_loss, sparse_modules
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "TwELL",
-    "Hybrid",
-    "pack_twell",
-    "unpack_twell",
-    "pack_hybrid",
-    "unpack_hybrid",
-    "SparseGatedMLP",
-    "SparseMLP",
-    "SparsityStats",
-    "l1_loss",
-    "sparse_modules",
-    "sparsify",
-]
+# public name -> the submodule that defines it
+_EXPORTS = {
+    "TwELL": "format",
+    "Hybrid": "format",
+    "pack_twell": "format",
+    "unpack_twell": "format",
+    "pack_hybrid": "format",
+    "unpack_hybrid": "format",
+    "SparseGatedMLP": "nn",
+    "SparseMLP": "nn",
+    "SparsityStats": "nn",
+    "l1_loss": "nn",
+    "sparse_modules": "nn",
+    "sparsify": "hf",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module 'twell' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

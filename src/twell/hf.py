@@ -13,7 +13,16 @@ from torch import nn
 
 from .nn import SparseGatedMLP
 
-__all__ = ["sparsify", "is_gated_mlp", "convert"]
+__all__ = ["sparsify", "is_gated_mlp", "convert", "activation_note"]
+
+
+def activation_note(act: Optional[str]) -> Optional[str]:
+    """A plain sentence for a model whose MLP activation (``config.hidden_act``) is ``act``,
+    when that is not ReLU; None for ReLU (or unknown)."""
+    if act is None or act == "relu":
+        return None
+    return (f"its MLPs use {act}, not ReLU; twell's sparse MLPs compute ReLU in its place, which is a "
+            f"different function: the model needs sparse training or fine-tuning (twell train) before its outputs mean anything")
 
 
 def is_gated_mlp(module: nn.Module) -> bool:
@@ -117,6 +126,7 @@ def convert(src: str, dst: str, dtype: Optional[str] = None) -> nn.Module:
 def convert_main(argv=None) -> None:
     """``twell convert SRC DST``: the command-line form of :func:`convert`."""
     import argparse
+    import sys
 
     parser = argparse.ArgumentParser(
         prog="twell convert",
@@ -127,6 +137,11 @@ def convert_main(argv=None) -> None:
     parser.add_argument("dst", help="output folder")
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load and save in this dtype")
     args = parser.parse_args(argv)
+    from transformers import AutoConfig
+
+    note = activation_note(getattr(AutoConfig.from_pretrained(args.src), "hidden_act", None))
+    if note:
+        print(f"note: {args.src}: {note}; {args.dst} is saved with hidden_act relu", file=sys.stderr)
     model = convert(args.src, args.dst, args.dtype)
     n = sum(1 for m in model.modules() if isinstance(m, SparseGatedMLP))
     print(f"converted {n} MLPs of {type(model).__name__}; saved to {args.dst}")

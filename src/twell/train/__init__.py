@@ -4,14 +4,41 @@
   models with twell's sparse MLPs.
 - :mod:`twell.train.data`: corpora (stdlib sources, local files, HF datasets), tokenizers,
   packed sequences.
-- :mod:`twell.train.trainer`: the loop (:class:`TrainConfig`, :class:`Trainer`, :func:`train`).
+- :mod:`twell.train.config`: the run's settings (:class:`TrainConfig`), checked without torch.
+- :mod:`twell.train.trainer`: the loop (:class:`Trainer`, :func:`train`).
 - :mod:`twell.train.stats`: per-layer sparsity statistics and dead units (Eq. 6).
 - :mod:`twell.train.checkpoint`, :mod:`twell.train.report`: checkpoints, logs, summary, plot.
+
+The names below load their module on first use (see ``twell/__init__.py``).
 """
 
-from .data import ByteTokenizer, HFTokenizer, PackedSequences, build_streams, load_tokenizer
-from .model import PRESETS, build_model, make_config
-from .trainer import TrainConfig, Trainer, evaluate_lm, train
+import importlib
 
-__all__ = ["TrainConfig", "Trainer", "train", "evaluate_lm", "PRESETS", "make_config", "build_model",
-           "ByteTokenizer", "HFTokenizer", "PackedSequences", "build_streams", "load_tokenizer"]
+_EXPORTS = {
+    "TrainConfig": "config",
+    "Trainer": "trainer",
+    "train": "trainer",
+    "evaluate_lm": "trainer",
+    "PRESETS": "model",
+    "make_config": "model",
+    "build_model": "model",
+    "ByteTokenizer": "data",
+    "HFTokenizer": "data",
+    "PackedSequences": "data",
+    "build_streams": "data",
+    "load_tokenizer": "data",
+}
+
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'twell.train' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)

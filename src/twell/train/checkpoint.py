@@ -11,35 +11,66 @@
                                        step, samples consumed (the data position), scheduler
       train_config.json                the run's settings (eval and --resume read them)
       twell_tokenizer.json (+ HF tokenizer files)
+
+A checkpoint is written into a hidden temporary folder beside it (``.step_000300.tmp``), its
+files flushed to disk, and then renamed into place: a kill or power loss during the write
+leaves the previous checkpoints as they were and no ``step_*`` folder that is half written.
+:func:`latest_checkpoint` still checks every file (older versions wrote in place) and falls
+back to the newest complete checkpoint.
+
+The folder-level functions here import neither torch nor safetensors' torch bindings, so that
+``twell train --resume`` can find a checkpoint and read its settings before torch loads.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from safetensors.torch import load_file, save_file
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["save_optimizer", "load_optimizer", "save_tensors_with_meta", "load_tensors_with_meta",
-           "load_model_weights", "latest_checkpoint"]
+__all__ = ["save_optimizer", "load_optimizer", "save_tensors_with_meta", "load_tensors_with_meta", "read_meta",
+           "load_model_weights", "latest_checkpoint", "step_checkpoints", "missing_files", "temporary_folder",
+           "commit", "prune", "remove_partial_writes"]
+
+# Every file --resume needs, besides the model weights (model.safetensors, or shards and their index).
+REQUIRED = ("config.json", "optimizer.safetensors", "trainer_state.safetensors", "train_config.json")
+_STEP = re.compile(r"step_(\d+)")
 
 
-def save_tensors_with_meta(path: Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def save_tensors_with_meta(path: Path, tensors: dict[str, "torch.Tensor"], meta: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
     save_file({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, str(path), metadata={"json": json.dumps(meta)})
 
 
-def load_tensors_with_meta(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def load_tensors_with_meta(path: Path) -> tuple[dict[str, "torch.Tensor"], dict[str, Any]]:
     from safetensors import safe_open
+    from safetensors.torch import load_file
 
     with safe_open(str(path), framework="pt") as fh:
         meta = json.loads(fh.metadata()["json"])
     return load_file(str(path)), meta
 
 
+def read_meta(path: Path) -> dict[str, Any]:
+    """The metadata of a file :func:`save_tensors_with_meta` wrote, without loading its tensors
+    (nor torch)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="np") as fh:
+        return json.loads(fh.metadata()["json"])
+
+
 def save_optimizer(path: Path, osd: dict) -> None:
     """Save a full optimizer state dict keyed by parameter names (``get_state_dict`` layout)."""
+    import torch
+
     tensors, scalars = {}, {}
     for name, slots in osd["state"].items():
         for slot, value in slots.items():
@@ -60,8 +91,10 @@ def load_optimizer(path: Path) -> dict:
     return {"state": state, "param_groups": groups}
 
 
-def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
+def load_model_weights(directory: Path) -> dict[str, "torch.Tensor"]:
     """The state dict that save_pretrained wrote in ``directory`` (one file or shards)."""
+    from safetensors.torch import load_file
+
     directory = Path(directory)
     single = directory / "model.safetensors"
     if single.is_file():
@@ -75,13 +108,132 @@ def load_model_weights(directory: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def latest_checkpoint(path: Path) -> Path:
-    """``path`` itself if it is a checkpoint, else its newest ``checkpoints/step_*`` (or ``step_*``)."""
+# --- finding checkpoints -----------------------------------------------------------------------
+
+
+def _readable_safetensors(path: Path) -> bool:
+    """Whether ``path`` is a whole safetensors file (its header parses and covers the file)."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(path), framework="np"):  # numpy: reads the header without importing torch
+            return True
+    except (SafetensorError, OSError):
+        return False
+
+
+def missing_files(directory: Path) -> list[str]:
+    """What ``directory`` lacks to be a complete checkpoint: names of absent or truncated files
+    (empty for a complete one)."""
+    directory = Path(directory)
+    weights = ["model.safetensors"]
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weights = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError):
+            return [index.name]
+    missing = []
+    for name in [*REQUIRED, *weights]:
+        path = directory / name
+        if not path.is_file() or (name.endswith(".safetensors") and not _readable_safetensors(path)):
+            missing.append(name)
+    return missing
+
+
+def _step(folder: Path) -> int:
+    return int(_STEP.fullmatch(folder.name).group(1))
+
+
+def _steps_in(folder: Path) -> list[Path]:
+    return [p for p in Path(folder).glob("step_*") if p.is_dir() and _STEP.fullmatch(p.name)]
+
+
+def step_checkpoints(run: Path) -> list[Path]:
+    """The ``step_*`` folders of a run folder (under ``checkpoints/``, or directly in it), oldest first."""
+    run = Path(run)
+    return sorted(_steps_in(run / "checkpoints") + _steps_in(run), key=_step)
+
+
+def latest_checkpoint(path: Path, skipped: list | None = None) -> Path:
+    """``path`` itself if it is a checkpoint folder, else the newest complete checkpoint of the
+    run folder ``path``. Newer incomplete ones (an older version's interrupted write) are passed
+    over and appended to ``skipped`` as ``(folder, missing file names)``."""
     path = Path(path)
-    if (path / "trainer_state.safetensors").is_file():
+    if _STEP.fullmatch(path.name) or any((path / name).is_file() for name in REQUIRED[1:]):
+        missing = missing_files(path)
+        if missing:
+            raise FileNotFoundError(f"{path} is an incomplete checkpoint (missing or truncated: {', '.join(missing)})")
         return path
-    steps = sorted(path.glob("checkpoints/step_*")) + sorted(path.glob("step_*"))
-    steps = [p for p in steps if (p / "trainer_state.safetensors").is_file()]
-    if not steps:
-        raise FileNotFoundError(f"no checkpoint in {path} (expected trainer_state.safetensors or checkpoints/step_*)")
-    return max(steps, key=lambda p: int(p.name.split("_")[-1]))
+    for candidate in reversed(step_checkpoints(path)):
+        missing = missing_files(candidate)
+        if not missing:
+            return candidate
+        if skipped is not None:
+            skipped.append((candidate, missing))
+    if skipped:
+        raise FileNotFoundError(f"no complete checkpoint in {path}: {len(skipped)} incomplete step_* folder(s)")
+    raise FileNotFoundError(f"no checkpoint in {path} (expected trainer_state.safetensors or checkpoints/step_*)")
+
+
+# --- writing checkpoints -----------------------------------------------------------------------
+
+
+def temporary_folder(final: Path) -> Path:
+    """An empty hidden folder beside ``final`` to write the checkpoint into (see :func:`commit`)."""
+    final = Path(final)
+    tmp = final.parent / f".{final.name}.tmp"
+    if tmp.exists():  # left by a write that was killed
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def commit(tmp: Path, final: Path) -> Path:
+    """Flush the checkpoint written in ``tmp`` to disk and rename it to ``final`` (one atomic
+    rename, so ``final`` is either absent or whole; an existing ``final`` is replaced)."""
+    tmp, final = Path(tmp), Path(final)
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            _fsync(f)
+    _fsync(tmp)
+    if final.exists():  # rename cannot replace a non-empty folder: move the old one aside first
+        old = final.parent / f".{final.name}.old"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, final)
+    _fsync(final.parent)  # the rename itself survives a power loss
+    return final
+
+
+def remove_partial_writes(folder: Path) -> None:
+    """Delete the temporary folders that killed writes left in ``folder``."""
+    for p in Path(folder).glob(".step_*.tmp"):
+        shutil.rmtree(p, ignore_errors=True)
+
+
+def prune(folder: Path, keep: int, current_step: int) -> list[Path]:
+    """Delete the step checkpoints in ``folder`` older than the newest ``keep`` up to
+    ``current_step`` (the one just written counts); returns what was deleted.
+
+    Checkpoints of later steps (left by another run resumed from an earlier step into the same
+    folder) are not touched, nor is anything when ``keep`` is 0."""
+    if keep < 1:
+        return []
+    ours = sorted((p for p in _steps_in(folder) if _step(p) <= current_step), key=_step)
+    doomed = ours[:-keep]
+    for p in doomed:
+        shutil.rmtree(p, ignore_errors=True)
+    return doomed

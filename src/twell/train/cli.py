@@ -1,16 +1,22 @@
-"""``twell train`` and ``twell eval``."""
+"""``twell train`` and ``twell eval``.
+
+Both parse and check their arguments, and find the checkpoint they are given, before torch and
+transformers are imported (seconds), so that ``--help`` and argument errors answer at once.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
 
+from .config import TrainConfig
 from .model import PRESETS
 
-__all__ = ["train_main", "eval_main", "train_parser"]
+__all__ = ["train_main", "eval_main", "train_parser", "eval_parser"]
 
 LOSS_HELP = """\
 loss = cross_entropy + lambda * l1_loss, where
@@ -20,7 +26,7 @@ The sum over units is the convention of the paper's published training code (its
 writes a mean, with which 2e-5 would be f times weaker); lambda = 2e-5 is the paper's setting.
 
 With no arguments: the tiny preset on the Python standard library's sources (no download),
-about 5 minutes on a 2-core CPU; it ends with a summary and runs/twell/training.png.
+5 to 8 minutes on a 2-core CPU; it ends with a summary and runs/twell/training.png.
 
 Examples:
   twell train
@@ -28,14 +34,15 @@ Examples:
   twell train --data corpus/*.jsonl --tokenizer HuggingFaceTB/SmolLM-135M --preset 0.5b
   torchrun --nproc_per_node 8 -m twell train --preset 1b --grad-checkpointing [--fsdp]
   twell train --resume runs/twell        (continues exactly from the newest checkpoint)
+
+Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the end of the step under way and prints the
+command that resumes it. A step whose loss or gradient is NaN or Inf is skipped with a warning.
 """
 
 
 def train_parser() -> argparse.ArgumentParser:
     """Every option defaults to SUPPRESS, so that on --resume only the options given on the
     command line override the checkpoint's settings. The defaults shown come from TrainConfig."""
-    from .trainer import TrainConfig
-
     d = TrainConfig()
     p = argparse.ArgumentParser(prog="twell train", description="Train a sparse language model: Llama-style, "
                                 "ReLU-gated MLPs, L1 penalty on their hidden activations.", epilog=LOSS_HELP,
@@ -64,6 +71,8 @@ def train_parser() -> argparse.ArgumentParser:
     o.add_argument("--weight-decay", type=float, help=f"AdamW weight decay on matrices, the tied embedding/output "
                    f"matrix included (default {d.weight_decay})")
     o.add_argument("--grad-clip", type=float, help=f"clip the gradient norm to this, 0 = off (default {d.grad_clip})")
+    o.add_argument("--max-bad-steps", type=int, help="a step whose loss or gradient is NaN or Inf is skipped with a "
+                   f"warning; after this many in a row the run stops, saving the last good state (default {d.max_bad_steps})")
     o.add_argument("--seed", type=int, help=f"initialisation and data order (default {d.seed})")
     s = p.add_argument_group("sparsity")
     s.add_argument("--l1", type=float, help=f"lambda, the L1 coefficient, sum-over-units convention (default {d.l1:g})")
@@ -77,7 +86,12 @@ def train_parser() -> argparse.ArgumentParser:
     r.add_argument("--log-every", type=int, help=f"steps between log lines/statistics (default {d.log_every})")
     r.add_argument("--eval-every", type=int, help="steps between validation passes (default steps/6)")
     r.add_argument("--val-batches", type=int, help=f"validation micro-batches per pass and process (default {d.val_batches})")
-    r.add_argument("--save-every", type=int, help="steps between checkpoints (default: only the last step)")
+    r.add_argument("--save-every", type=int, help="steps between checkpoints (default: only by --save-minutes, and "
+                   "at the end); Ctrl-C (SIGINT) and SIGTERM also save one, at the end of the step under way")
+    r.add_argument("--save-minutes", type=float, help="also save a checkpoint when this much wall time has passed since "
+                   f"the last one: what a hard kill can lose (default {d.save_minutes:g}; 0: off)")
+    r.add_argument("--keep", type=int, help=f"keep the newest N step checkpoints in OUT/checkpoints, deleting older "
+                   f"ones; the newest, at the end the final one, is always kept (default {d.keep}; 0: keep all)")
     r.add_argument("--resume", help="a checkpoint folder, or a run's --out folder (its newest checkpoint); "
                    "the checkpoint's settings apply, except options given on the command line (--lr, "
                    "--weight-decay and the schedule's --steps/--warmup/--min-lr-ratio included)")
@@ -90,9 +104,7 @@ def train_parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config_from(args: dict, base: dict):
-    from .trainer import TrainConfig
-
+def _config_from(args: dict, base: dict) -> TrainConfig:
     names = {f.name for f in fields(TrainConfig)}
     merged = {**base, **{k: v for k, v in args.items() if k in names}}
     if "betas" in merged:
@@ -100,10 +112,12 @@ def _config_from(args: dict, base: dict):
     return TrainConfig(**merged)
 
 
+def _is_main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def train_main(argv=None) -> dict:
     """Entry point of ``twell train`` (also under torchrun). Returns the summary dict."""
-    from .trainer import train
-
     args = vars(train_parser().parse_args(sys.argv[1:] if argv is None else argv))
     resume = args.pop("resume", None)
     base = {}
@@ -117,58 +131,92 @@ def train_main(argv=None) -> dict:
         base = json.loads(saved.read_text())
     try:
         cfg = _config_from(args, base)
+        cfg.resolved()  # every value checked before the trainer (torch, transformers) is imported
+    except ValueError as err:
+        raise SystemExit(f"twell train: {err}")
+
+    from .trainer import RunStopped, train
+
+    try:
         return train(cfg, resume=resume)
+    except RunStopped as stop:  # saved: say where and how to resume, no traceback
+        if _is_main_process():
+            print(f"twell train: {stop}", file=sys.stderr, flush=True)
+        raise SystemExit(stop.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before the loop started, or a second one to quit at once
+        if _is_main_process():
+            print("twell train: interrupted; nothing saved since the last checkpoint", file=sys.stderr, flush=True)
+        raise SystemExit(130)
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise SystemExit(f"twell train: {err}")
 
 
-def eval_main(argv=None) -> dict:
-    """Entry point of ``twell eval CHECKPOINT``: validation loss, perplexity and sparsity."""
-    import torch
-    from transformers import LlamaForCausalLM
-
-    from ..hf import sparsify
-    from .data import PackedSequences, build_streams, load_tokenizer
-    from .trainer import TrainConfig, evaluate_lm
-
+def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="twell eval", description="Validation loss, perplexity and sparsity of a "
-                                "checkpoint (a folder that twell train wrote, or any save_pretrained Llama with hidden_act relu).")
+                                "checkpoint (a folder that twell train wrote, or any save_pretrained Llama; a model whose "
+                                "activation is not ReLU is evaluated with ReLU in its place, and the output says so). "
+                                "By default it reads the windows that the training run's validation passes read, so "
+                                "its loss is the one the run's summary reports for the same checkpoint.")
     p.add_argument("checkpoint", help="checkpoint folder, or a run's --out folder (its newest checkpoint)")
     p.add_argument("--data", nargs="+", help="corpus (default: the one the checkpoint was trained on)")
     p.add_argument("--tokenizer", help="default: the checkpoint's")
-    p.add_argument("--val-fraction", type=float)
-    p.add_argument("--seq-len", type=int)
-    p.add_argument("--batch-size", type=int)
-    p.add_argument("--val-batches", type=int, default=16, help="micro-batches to evaluate (default 16)")
+    p.add_argument("--val-fraction", type=float, help="default: the checkpoint's")
+    p.add_argument("--seq-len", type=int, help="default: the checkpoint's")
+    p.add_argument("--batch-size", type=int, help="default: the checkpoint's")
+    p.add_argument("--val-batches", type=int, help="micro-batches to evaluate (default: as many as the training run's "
+                   "validation read, its --val-batches x processes; 8 for a folder twell train did not write)")
     p.add_argument("--device", help="default: cuda if available")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    return p
 
+
+def eval_main(argv=None) -> dict:
+    """Entry point of ``twell eval CHECKPOINT``: validation loss, perplexity and sparsity."""
+    a = eval_parser().parse_args(sys.argv[1:] if argv is None else argv)
     for key in ("seq_len", "batch_size", "val_batches"):
         value = getattr(a, key)
         if value is not None and value < (2 if key == "seq_len" else 1):
             raise SystemExit(f"twell eval: --{key.replace('_', '-')} must be >= {2 if key == 'seq_len' else 1}, got {value}")
-    if a.device and a.device.startswith("cuda") and not torch.cuda.is_available():
-        raise SystemExit(f"twell eval: device {a.device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
+    if a.device and a.device.startswith("cuda"):
+        import torch
 
-    from .checkpoint import latest_checkpoint
+        if not torch.cuda.is_available():
+            raise SystemExit(f"twell eval: device {a.device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
+
+    from .checkpoint import latest_checkpoint, read_meta
 
     path = Path(a.checkpoint)
     try:
         path = latest_checkpoint(path)
-    except FileNotFoundError:
+    except FileNotFoundError as err:
         if not (path / "config.json").is_file():
-            raise SystemExit(f"twell eval: {path} is neither a twell checkpoint nor a save_pretrained folder")
+            raise SystemExit(f"twell eval: {err}; nor is it a save_pretrained folder (no config.json)")
     saved = json.loads((path / "train_config.json").read_text()) if (path / "train_config.json").is_file() else {}
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in {f.name for f in fields(TrainConfig)}})
     for key in ("data", "val_fraction", "seq_len", "batch_size"):
         if getattr(a, key) is not None:
             setattr(cfg, key, getattr(a, key))
+    # By default the windows the run's validation passes read: val_batches micro-batches on each process.
+    state = path / "trainer_state.safetensors"
+    world = int(read_meta(state).get("world_size", 1)) if state.is_file() else 1
+    batches = a.val_batches or (cfg.val_batches * world if saved else TrainConfig().val_batches)
+    hidden_act = json.loads((path / "config.json").read_text()).get("hidden_act")
+
+    import torch
+    from transformers import LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    from ..hf import activation_note, sparsify
+    from .data import PackedSequences, build_streams, load_tokenizer
+    from .report import describe_validation
+    from .trainer import evaluate_lm
+
+    note = activation_note(hidden_act)
+    if note:  # on stderr, so that --json output stays parseable
+        print(f"note: {path}: {note}; it is evaluated with ReLU, not as it was trained", file=sys.stderr)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok_spec = a.tokenizer or (str(path) if (path / "twell_tokenizer.json").is_file() else cfg.tokenizer)
     tokenizer = load_tokenizer(tok_spec)
-    from transformers.utils import logging as hf_logging
-
     hf_logging.disable_progress_bar()  # keep the report to what twell prints
     model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
     sparsify(model)
@@ -180,17 +228,19 @@ def eval_main(argv=None) -> dict:
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise SystemExit(f"twell eval: {err}")
     precision = "bf16" if device.type == "cuda" else "fp32"
-    ev = evaluate_lm(model, val_data, cfg.batch_size, a.val_batches, device, precision)
+    ev = evaluate_lm(model, val_data, cfg.batch_size, batches, device, precision)
     f = model.config.intermediate_size
     L = len(ev["active_mean"])
     result = {"checkpoint": str(path), "val_loss": ev["val_loss"], "ppl": ev["ppl"], "tokens": ev["tokens"],
+              "windows": ev["windows"], "seq_len": seq_len, "hidden_act": hidden_act, "evaluated_act": "relu",
               "active_per_token": sum(ev["active_mean"]) / L, "active_per_token_by_layer": ev["active_mean"],
               "active_max_by_layer": ev["active_max"], "dead_frac_val_by_layer": ev["dead_frac"],
               "intermediate_size": f, "sparsity": 1 - sum(ev["active_mean"]) / L / f}
     if a.json:
         print(json.dumps(result, indent=1))
     else:
-        print(f"{path}: validation loss {ev['val_loss']:.4f} nats/token, perplexity {ev['ppl']:.3f} over {ev['tokens']:,} tokens")
+        print(f"{path}: " + describe_validation(ev["val_loss"], ev["ppl"], ev["tokens"], ev["windows"], seq_len,
+                                                  tokenizer.name == "bytes"))
         print(f"active units per token {result['active_per_token']:.1f} of {f} ({100 * result['sparsity']:.2f}% sparse)")
         print(f"{'layer':>5} {'active/token':>12} {'max':>6} {'dead (validation)':>18}")
         for i, (am, mx, dv) in enumerate(zip(ev["active_mean"], ev["active_max"], ev["dead_frac"])):

@@ -232,7 +232,8 @@ def build_streams(specs: list[str], tokenizer, val_fraction: float = 0.02, text_
             eos = np.array([tokenizer.eos_id], dtype=ids.dtype)
         parts[is_validation(key, val_fraction)] += [ids, eos]
     if not parts[False] and not parts[True]:
-        raise ValueError(f"--data {specs}: found no documents")
+        raise ValueError(f"--data {' '.join(specs)}: found no documents; twell reads {' '.join(sorted(TEXT_SUFFIXES))} "
+                         "files (a document per file), .jsonl (a document per line) and .parquet (a document per row)")
     train = np.concatenate(parts[False]) if parts[False] else np.zeros(0, np.uint16)
     val = np.concatenate(parts[True]) if parts[True] else np.zeros(0, np.uint16)
     if len(val) == 0 or len(train) == 0:

@@ -19,12 +19,11 @@ the tokenizer's size rounded up to a multiple of 64.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
-
-from ..hf import sparsify
+if TYPE_CHECKING:  # torch and transformers load in the functions: the preset table is read before them
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
 
 __all__ = ["Preset", "PRESETS", "make_config", "build_model", "count_params"]
 
@@ -59,6 +58,8 @@ def make_config(preset: str, tokenizer_vocab: int, **overrides) -> LlamaConfig:
     ``overrides`` (``hidden_size``, ``intermediate_size``, ``num_layers``, ``num_heads``,
     ``context``; None means keep) change the preset's shape.
     """
+    from transformers import LlamaConfig
+
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     p = PRESETS[preset]
@@ -93,6 +94,11 @@ def build_model(config: LlamaConfig, seed: int = 0, device=None) -> LlamaForCaus
     The initialisation depends only on ``seed`` (the global RNG is seeded here), so every
     process of a distributed run starts from the same weights.
     """
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from ..hf import sparsify
+
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config)
     sparsify(model)

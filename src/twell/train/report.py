@@ -10,17 +10,34 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
-__all__ = ["RunLogger", "format_summary", "plot_history", "read_history"]
+__all__ = ["RunLogger", "format_summary", "plot_history", "read_history", "describe_validation"]
 
 CSV_NAME = "log.csv"
 
 
+def _number(text: str):
+    """A CSV cell as the number it was written from: ``"40960"`` -> int, ``"1.5"`` -> float, so
+    that a log rewritten on ``--resume`` keeps its integer columns integers."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
 def read_history(path: Path) -> list[dict]:
-    """The rows of a run's CSV log as dicts of floats (empty cells -> absent)."""
+    """The rows of a run's CSV log as dicts of numbers (empty cells -> absent)."""
     if not Path(path).is_file():
         return []
     with open(path, newline="") as fh:
-        return [{k: float(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(fh)]
+        return [{k: _number(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(fh)]
+
+
+def describe_validation(val_loss: float, ppl: float, tokens: int, windows: int, seq_len: int, bytes_: bool) -> str:
+    """What a validation loss is and what it was measured on, in one line (``twell train``'s
+    summary and ``twell eval`` print the same)."""
+    bits = f", {val_loss / math.log(2):.3f} bits per byte" if bytes_ else ""
+    return (f"validation loss {val_loss:.4f} nats/token (perplexity {ppl:.3f}{bits}) on {tokens:,} tokens: "
+            f"the first {windows:,} windows of {seq_len} tokens of the validation split")
 
 
 class RunLogger:
@@ -44,7 +61,7 @@ class RunLogger:
         self.out.mkdir(parents=True, exist_ok=True)
         kept = [r for r in read_history(self.out / CSV_NAME) if r["step"] <= t.step] if t.step else []
         t.history = kept + t.history
-        self._rewrite(kept)
+        self._write_all(kept)
         try:
             from torch.utils.tensorboard import SummaryWriter
 
@@ -71,44 +88,60 @@ class RunLogger:
         if self.bar is not None:
             self.bar.update(1)
 
-    def _rewrite(self, rows: list[dict]) -> None:
+    def _write_all(self, rows: list[dict]) -> None:
+        """Write the CSV log anew with ``rows`` (columns: ``self.columns``, else the first row's)."""
         path = self.out / CSV_NAME
         if not rows:
             if path.exists():
                 path.unlink()
             return
-        self.columns = list(rows[0]) + ["val_loss"] * ("val_loss" not in rows[0])
+        if self.columns is None:
+            self.columns = [k for k in rows[0] if k != "val_loss"] + ["val_loss"]
         with open(path, "w", newline="") as fh:
-            w = csv.DictWriter(fh, fieldnames=self.columns)
+            w = csv.DictWriter(fh, fieldnames=self.columns, restval="", extrasaction="ignore")
             w.writeheader()
-            for r in rows:
-                w.writerow(r)
+            w.writerows(rows)
 
     def log(self, row: dict) -> None:
+        """Append ``row`` (already the last of the trainer's history) to the CSV log, TensorBoard
+        and the progress bar."""
         if not self.enabled:
             return
-        path = self.out / CSV_NAME
-        if self.columns is None:
-            self.columns = [k for k in row if k != "val_loss"] + ["val_loss"]
-            with open(path, "w", newline="") as fh:
-                csv.DictWriter(fh, fieldnames=self.columns).writeheader()
-        with open(path, "a", newline="") as fh:
-            csv.DictWriter(fh, fieldnames=self.columns).writerow({k: row.get(k, "") for k in self.columns})
+        new = [k for k in row if k not in (self.columns or [])]
+        if new:  # the first row, or columns an older version's log (resumed) did not have
+            old = [k for k in (self.columns or []) if k != "val_loss"]
+            self.columns = old + [k for k in new if k != "val_loss"] + ["val_loss"]
+            self._write_all(self.t.history)
+        else:
+            with open(self.out / CSV_NAME, "a", newline="") as fh:
+                csv.DictWriter(fh, fieldnames=self.columns, restval="").writerow(row)
         if self.tb is not None:
             for k, v in row.items():
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self.tb.add_scalar(k if "_L" not in k else f"layers/{k}", v, row["step"])
         f = self.t.config.intermediate_size
+        # The throughput shown is the run's average so far, the figure the summary ends with
+        # (log.csv's tokens_per_s column has each row's own interval).
+        speed = self.t.throughput or 0.0
         if self.bar is not None:
             self.bar.set_postfix_str(
                 f"loss {row['ce']:.3f} | active {row['active_mean']:.1f}/{f} ({100 * (1 - row['active_mean'] / f):.1f}% sparse)"
-                f" | {row['tokens_per_s']:,.0f} tok/s", refresh=False)
+                f" | {speed:,.0f} tok/s", refresh=False)
         if "val_loss" in row:
             dead = row["dead_frac"]
             tqdm.write(
                 f"step {row['step']:>6} | loss {row['ce']:.4f} | val {row['val_loss']:.4f} | active/token "
                 f"{row['active_mean']:.1f} of {f} ({100 * (1 - row['active_mean'] / f):.2f}% sparse), max {row['active_max']}"
-                f" | dead {'-' if math.isnan(dead) else f'{100 * dead:.1f}%'} | {row['tokens_per_s']:,.0f} tok/s")
+                f" | dead {'-' if math.isnan(dead) else f'{100 * dead:.1f}%'} | {speed:,.0f} tok/s")
+
+    def close(self) -> None:
+        """Close the progress bar and TensorBoard (also when the run stops early)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
 
     def finish(self, final: dict) -> dict:
         """Write the summary (printed, and summary.json) and the plot; returns the summary."""
@@ -116,10 +149,7 @@ class RunLogger:
         summary = make_summary(t, final)
         if not self.enabled:
             return summary
-        if self.bar is not None:
-            self.bar.close()
-        if self.tb is not None:
-            self.tb.close()
+        self.close()
         if t.cfg.plot and t.history:
             summary["plot"] = str(plot_history(t.history, self.out / "training.png", t.config.intermediate_size,
                                                title=f"twell train: {t.cfg.preset}, lambda {t.cfg.l1:g}"))
@@ -136,7 +166,8 @@ def make_summary(t, final: dict) -> dict:
     return {
         "preset": t.cfg.preset, "params": t.n_params, "steps": t.step, "tokens": t.samples_seen * t.cfg.seq_len,
         "lambda": t.cfg.l1, "reinit": t.cfg.reinit, "intermediate_size": f,
-        "val_loss": final["val_loss"], "ppl": final["ppl"],
+        "val_loss": final["val_loss"], "ppl": final["ppl"], "val_tokens": final["tokens"],
+        "val_windows": final["windows"], "seq_len": t.cfg.seq_len,
         "bits_per_byte": final["val_loss"] / math.log(2) if t.tokenizer.name == "bytes" else None,
         "active_per_token": sum(final["active_mean"]) / L,
         "active_per_token_by_layer": final["active_mean"], "active_max_by_layer": final["active_max"],
@@ -145,15 +176,12 @@ def make_summary(t, final: dict) -> dict:
         "dead_frac": (sum(dead_window) / L) if dead_window else None,
         "dead_window_tokens": t.cfg.dead_window * t.tokens_per_step,
         "reinit_unit_steps": int(t.dead.reinit_count) if t.cfg.reinit else None,
-        "tokens_per_s": _mean_throughput(t.history),
+        "skipped_steps": t.skipped,
+        # this process's steps only: validation, checkpoints and the steps before a resume left out
+        "tokens_per_s": t.throughput,
         "checkpoint": str(Path(t.cfg.out) / "checkpoints" / f"step_{t.step:06d}"),
         "log": str(Path(t.cfg.out) / CSV_NAME),
     }
-
-
-def _mean_throughput(history: list[dict]) -> Optional[float]:
-    vals = [r["tokens_per_s"] for r in history[1:] if "tokens_per_s" in r] or [r["tokens_per_s"] for r in history if "tokens_per_s" in r]
-    return sum(vals) / len(vals) if vals else None
 
 
 def format_summary(s: dict) -> str:
@@ -162,8 +190,8 @@ def format_summary(s: dict) -> str:
         "",
         f"== summary: {s['preset']}, {s['steps']} steps, {s['tokens']:,} tokens, lambda {s['lambda']:g}"
         + (", reinit on" if s.get("reinit") else ""),
-        f"validation loss {s['val_loss']:.4f}, perplexity {s['ppl']:.3f}"
-        + (f", {s['bits_per_byte']:.3f} bits per byte" if s.get("bits_per_byte") else ""),
+        describe_validation(s["val_loss"], s["ppl"], s["val_tokens"], s["val_windows"], s["seq_len"],
+                            s.get("bits_per_byte") is not None),
         f"active units per token: {s['active_per_token']:.1f} of {f} on average "
         f"({100 * (1 - s['active_per_token'] / f):.2f}% sparse)",
         f"{'layer':>5} {'active/token':>12} {'max':>6} {'dead (train window)':>20} {'dead (validation)':>18}",
@@ -175,8 +203,11 @@ def format_summary(s: dict) -> str:
     if s.get("dead_window_tokens"):
         lines.append(f"dead (train window): fired for none of the last {s['dead_window_tokens']:,} training tokens; "
                      "dead (validation): for none of the validation tokens")
+    if s.get("skipped_steps"):
+        lines.append(f"skipped steps (NaN or Inf loss or gradient): {s['skipped_steps']}")
     if s.get("tokens_per_s"):
-        lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s")
+        lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s (this run's training steps; validation and "
+                     "checkpoints not counted)")
     for key in ("checkpoint", "log", "plot"):
         if s.get(key):
             lines.append(f"{key}: {s[key]}")

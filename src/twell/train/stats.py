@@ -50,6 +50,16 @@ class IntervalStats:
             self.l1_sum += torch.stack([m.l1.detach() for m in modules]).double() * M
         self.tokens += M
 
+    def snapshot(self) -> tuple:
+        """The sums as they are now, for :meth:`restore` (dropping a skipped step's statistics)."""
+        return self.active_sum.clone(), self.l1_sum.clone(), self.active_max.clone(), self.tokens
+
+    def restore(self, snapshot: tuple) -> None:
+        active_sum, l1_sum, active_max, self.tokens = snapshot
+        self.active_sum.copy_(active_sum)
+        self.l1_sum.copy_(l1_sum)
+        self.active_max.copy_(active_max)
+
     def reduce(self) -> dict[str, list[float]]:
         """Per-layer means over all tokens of all ranks since the last reset (one sync), then reset."""
         sums = torch.cat([self.active_sum, self.l1_sum, torch.tensor([float(self.tokens)], device=self.device, dtype=torch.float64)])
@@ -119,6 +129,10 @@ class DeadUnits:
     @torch.no_grad()
     def observe(self, modules: Sequence[SparseGatedMLP]) -> None:
         self.pending += torch.stack([m.stats.unit_counts for m in modules])
+
+    def discard_step(self) -> None:
+        """Forget this step's firings (the step was skipped)."""
+        self.pending.zero_()
 
     @torch.no_grad()
     def end_step(self, modules: Sequence[SparseGatedMLP], step: int) -> None:

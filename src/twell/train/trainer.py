@@ -24,110 +24,52 @@ import gc
 import json
 import math
 import os
+import shlex
+import signal
+import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from tqdm.auto import tqdm
 
 from ..nn import l1_loss, sparse_modules
 from . import checkpoint as ckpt
+from .config import TrainConfig
 from .data import PackedSequences, build_streams, load_tokenizer
 from .model import PRESETS, build_model, count_params, make_config
 from .stats import DeadUnits, IntervalStats
 
-__all__ = ["TrainConfig", "Trainer", "train", "evaluate_lm", "shutdown_distributed"]
+__all__ = ["TrainConfig", "Trainer", "StepResult", "RunStopped", "train", "evaluate_lm", "shutdown_distributed"]
 
-# Learning rates that trained well here at each scale (the paper's 1.5B used 3e-4).
-DEFAULT_LR = {"tiny": 3e-3, "small": 1.5e-3}
+
+class RunStopped(RuntimeError):
+    """The run stopped before its last step with its state saved (a signal, or too many
+    non-finite steps in a row). ``str(err)`` is the one line to show the user: why, where the
+    checkpoint is and the command that resumes it; ``exit_code`` is the process's exit status."""
+
+    def __init__(self, message: str, exit_code: int, checkpoint: Path):
+        super().__init__(message)
+        self.exit_code, self.checkpoint = exit_code, checkpoint
 
 
 @dataclass
-class TrainConfig:
-    """Everything a run needs; the CLI fills it. None means "the preset's or a derived default"."""
+class StepResult:
+    """What :meth:`Trainer.train_step` did. ``ce``, ``l1``: the step's mean losses on this rank;
+    ``grad_norm``: the total gradient norm before clipping (device tensors). The flags are host
+    values, the same on every rank: ``applied`` (False: skipped, non-finite), ``stop`` (a signal
+    asked the run to stop), ``save`` (the wall-time save interval has passed)."""
 
-    preset: str = "tiny"
-    hidden_size: Optional[int] = None
-    intermediate_size: Optional[int] = None
-    num_layers: Optional[int] = None
-    num_heads: Optional[int] = None
-    data: list = field(default_factory=lambda: ["stdlib"])
-    tokenizer: str = "bytes"
-    text_field: str = "text"
-    val_fraction: float = 0.02
-    max_docs: Optional[int] = None
-    seq_len: Optional[int] = None
-    batch_size: int = 16
-    grad_accum: int = 1
-    steps: int = 1000
-    lr: Optional[float] = None
-    min_lr_ratio: float = 0.1
-    warmup: Optional[int] = None
-    weight_decay: float = 0.1  # on every matrix, the tied embedding/output matrix included; not on norms
-    betas: tuple = (0.9, 0.95)
-    grad_clip: float = 1.0
-    l1: float = 2e-5
-    l1_warmup: int = 0
-    dead_window: int = 25
-    reinit: bool = False
-    reinit_keep: float = 0.9
-    reinit_std: float = 0.02
-    log_every: int = 10
-    eval_every: Optional[int] = None
-    val_batches: int = 8
-    save_every: Optional[int] = None
-    out: str = "runs/twell"
-    seed: int = 0
-    device: Optional[str] = None
-    precision: Optional[str] = None
-    grad_checkpointing: bool = False
-    fsdp: bool = False
-    progress: bool = True
-    plot: bool = True
-
-    def resolved(self) -> "TrainConfig":
-        """A copy with every None default filled in, after checking the values."""
-        c = TrainConfig(**asdict(self))
-        if c.preset not in PRESETS:
-            raise ValueError(f"unknown preset {c.preset!r}; choose one of {', '.join(PRESETS)}")
-        # Counts and sizes first: the defaults below divide by some of them.
-        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len", "max_docs",
-                     "steps", "batch_size", "grad_accum", "log_every", "eval_every", "val_batches", "save_every",
-                     "dead_window"):
-            value = getattr(c, name)
-            if value is not None and value < 1:
-                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
-        if c.warmup is not None and c.warmup < 0:
-            raise ValueError(f"warmup must be >= 0 steps, got {c.warmup}")
-        if c.device is not None and c.device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device {c.device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
-        c.seq_len = c.seq_len or PRESETS[c.preset].context
-        c.lr = c.lr if c.lr is not None else DEFAULT_LR.get(c.preset, 3e-4)
-        c.warmup = c.warmup if c.warmup is not None else min(100, max(1, c.steps // 10))
-        # about 6 validation passes, on log steps
-        c.eval_every = c.eval_every if c.eval_every is not None else max(1, c.steps // 6 // c.log_every) * c.log_every
-        c.device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
-        c.precision = c.precision or ("bf16" if c.device.startswith("cuda") else "fp32")
-        c.betas = tuple(c.betas)
-        checks = [
-            (c.seq_len >= 2, f"seq_len must be >= 2, got {c.seq_len}"),
-            (c.lr > 0, f"lr must be > 0, got {c.lr}"),
-            (c.l1 >= 0, f"the L1 coefficient must be >= 0, got {c.l1}"),
-            (c.l1_warmup >= 0, f"l1 warm-up must be >= 0 steps, got {c.l1_warmup}"),
-            (0 <= c.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}"),
-            (c.grad_clip >= 0, f"grad clip must be >= 0 (0: off), got {c.grad_clip}"),
-            (0 < c.reinit_keep <= 1, f"reinit keep must be in (0, 1], got {c.reinit_keep}"),
-            (c.precision in ("bf16", "fp32"), f"precision must be bf16 or fp32, got {c.precision!r}"),
-            (not (c.precision == "bf16" and c.device == "cpu"), "bf16 autocast is for GPUs; use fp32 on the CPU"),
-            (not (c.fsdp and c.reinit), "--reinit with --fsdp is not supported (the gate rows are sharded)"),
-        ]
-        for ok, msg in checks:
-            if not ok:
-                raise ValueError(msg)
-        return c
+    ce: torch.Tensor
+    l1: torch.Tensor
+    grad_norm: torch.Tensor
+    applied: bool
+    stop: bool = False
+    save: bool = False
 
 
 def _lr_lambda(warmup: int, total: int, min_ratio: float):
@@ -180,14 +122,28 @@ class Trainer:
                               keep=cfg.reinit_keep, std=cfg.reinit_std, seed=cfg.seed)
         self.step = 0
         self.samples_seen = 0  # the data position: training samples consumed by all ranks
-        # Sums of this rank's step losses since the last log row (saved in checkpoints, so that a
-        # run resumed between two log steps logs what an uninterrupted run logs).
+        # Sums of this rank's step losses and gradient norms since the last log row (saved in
+        # checkpoints, so that a run resumed between two log steps logs what an uninterrupted run logs).
         self.ce_acc = torch.zeros((), device=self.device)
         self.l1_acc = torch.zeros((), device=self.device)
+        self.gn_acc = torch.zeros((), device=self.device)
         self.n_acc = 0
+        self.skipped = 0  # steps skipped for a non-finite loss or gradient, over the whole run
+        self.bad_streak = 0  # of them, the last ones in a row
         self.history: list[dict] = []
+        # Throughput of this process's run: tokens of its steps over the time spent in them
+        # (validation and checkpoints excluded); the progress bar and the summary show it.
+        self.train_seconds, self.session_tokens = 0.0, 0
+        self.stop_signal: Optional[int] = None  # set by SIGINT/SIGTERM during fit
+        self._saved: Optional[tuple[int, Path]] = None  # (step, folder) of the last checkpoint written or loaded
+        self._last_save_time = time.monotonic()
         if resume:
-            self.load_checkpoint(ckpt.latest_checkpoint(Path(resume)))
+            passed_over: list = []
+            path = ckpt.latest_checkpoint(Path(resume), passed_over)
+            for folder, missing in passed_over if self.main else []:
+                tqdm.write(f"note: {folder} is incomplete (missing or truncated: {', '.join(missing)}); "
+                           f"resuming from {path.name}")
+            self.load_checkpoint(path)
 
     # --- setup ---------------------------------------------------------------------------------
 
@@ -292,18 +248,47 @@ class Trainer:
             l1_sum += l1.detach().float()
         return ce_sum / cfg.grad_accum, l1_sum / cfg.grad_accum
 
-    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """One optimizer step: gradients, clipping, AdamW, schedule, dead units (Eq. 6)."""
+    def train_step(self) -> StepResult:
+        """One optimizer step: gradients, clipping, AdamW, schedule, dead units (Eq. 6).
+
+        A step whose loss or gradient is NaN or Inf (on any rank) is skipped: its gradients and
+        statistics are dropped, the weights, optimizer and schedule stay as they were, ``step``
+        does not advance, and its batch counts as consumed (the next step reads the next one).
+
+        Whether to apply the update has to be known on the host, so every step ends with one
+        host sync (as a loss scaler's does); the flags of :class:`StepResult` travel in it, reduced
+        over ranks, so that every rank skips, stops or saves at the same step.
+        """
+        interval_before = self.interval.snapshot()
         ce, l1 = self.forward_backward()
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        total_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        # Under FSDP the norm is a DTensor: clipping takes it as it is, the rest its value.
+        grad_norm = total_norm.full_tensor() if hasattr(total_norm, "full_tensor") else total_norm
+        finite = torch.isfinite(torch.stack([ce, l1.to(ce.dtype), grad_norm.to(ce.dtype)])).all()
+        save_due = self.cfg.save_minutes > 0 and time.monotonic() - self._last_save_time >= 60 * self.cfg.save_minutes
+        flags = torch.stack([~finite, torch.tensor(self.stop_signal is not None, device=self.device),
+                             torch.tensor(save_due, device=self.device)]).int()
+        if self.world > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad, stop, save = (bool(v) for v in flags.tolist())  # the step's one host sync
+        self.samples_seen += self.global_batch
+        if bad:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.interval.restore(interval_before)
+            self.dead.discard_step()
+            self.skipped += 1
+            self.bad_streak += 1
+            return StepResult(ce, l1, grad_norm, applied=False, stop=stop, save=save)
         if self.cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+            torch.nn.utils.clip_grads_with_norm_(params, self.cfg.grad_clip, total_norm)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        self.samples_seen += self.global_batch
+        self.bad_streak = 0
         self.dead.end_step(self.modules, self.step)
-        return ce, l1
+        return StepResult(ce, l1, grad_norm, applied=True, stop=stop, save=save)
 
     # --- validation ----------------------------------------------------------------------------
 
@@ -323,8 +308,11 @@ class Trainer:
         return get_state_dict(self.model, self.optimizer, options=opts)
 
     def save_checkpoint(self, directory: Optional[Path] = None) -> Path:
-        """Write a checkpoint (see :mod:`twell.train.checkpoint`); every rank must call it."""
-        directory = Path(directory or self.out / "checkpoints" / f"step_{self.step:06d}")
+        """Write a checkpoint (see :mod:`twell.train.checkpoint`); every rank must call it.
+
+        The files go to a temporary folder renamed into place once they are on disk. In the
+        run's own ``checkpoints/`` folder, only the newest ``cfg.keep`` step checkpoints stay."""
+        final = Path(directory or self.out / "checkpoints" / f"step_{self.step:06d}")
         msd, osd = self._full_state()
         rng = {f"rng_cpu_rank{self.rank}": torch.get_rng_state()}
         if self.device.type == "cuda":
@@ -334,31 +322,36 @@ class Trainer:
             dist.all_gather_object(rngs, rng)
         # What accumulates between log steps, summed over ranks (collectives: every rank).
         dead, interval = self.dead.state_dict(), self.interval.state_dict()
-        acc = torch.stack([self.ce_acc, self.l1_acc])
+        acc = torch.stack([self.ce_acc, self.l1_acc, self.gn_acc])
         if self.world > 1:
             dist.all_reduce(acc)
         if self.main:
-            directory.mkdir(parents=True, exist_ok=True)
+            tmp = ckpt.temporary_folder(final)
             unwrapped = self.model.module if hasattr(self.model, "module") else self.model
             from transformers.utils import logging as hf_logging
 
             hf_logging.disable_progress_bar()  # its "Writing model shards" bar would break ours
-            unwrapped.save_pretrained(directory, state_dict=msd)
-            ckpt.save_optimizer(directory / "optimizer.safetensors", osd)
+            unwrapped.save_pretrained(tmp, state_dict=msd)
+            ckpt.save_optimizer(tmp / "optimizer.safetensors", osd)
             tensors = {k: v for r in rngs for k, v in r.items()}
             tensors.update({f"dead/{k}": dead[k] for k in ("counts", "dead", "reinit_count")})
             tensors.update({f"interval/{k}": interval[k] for k in ("active_sum", "l1_sum", "active_max")})
-            tensors["log/ce_l1_sum"] = acc
+            tensors["log/ce_l1_gn_sum"] = acc
             meta = {"step": self.step, "samples_seen": self.samples_seen, "world_size": self.world,
                     "scheduler": self.scheduler.state_dict(),
                     "dead": {k: dead[k] for k in ("steps_in_window", "windows_done", "dead_frac")},
-                    "interval_tokens": interval["tokens"], "log_steps": self.n_acc}
-            ckpt.save_tensors_with_meta(directory / "trainer_state.safetensors", tensors, meta)
-            (directory / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
-            self.tokenizer.save(directory)
+                    "interval_tokens": interval["tokens"], "log_steps": self.n_acc,
+                    "skipped_steps": self.skipped, "bad_streak": self.bad_streak}
+            ckpt.save_tensors_with_meta(tmp / "trainer_state.safetensors", tensors, meta)
+            (tmp / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
+            self.tokenizer.save(tmp)
+            ckpt.commit(tmp, final)
+            if directory is None:  # in the run's own checkpoints/ folder
+                ckpt.prune(final.parent, self.cfg.keep, self.step)
         if self.world > 1:
             dist.barrier()
-        return directory
+        self._saved, self._last_save_time = (self.step, final), time.monotonic()
+        return final
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore weights, optimizer, scheduler, RNG, data position and dead-unit state."""
@@ -378,13 +371,16 @@ class Trainer:
                                   primary=self.main)
         # The sums since the last log step (summed over ranks when saved): on rank 0 only, so
         # that the next log step's reduction over ranks counts them once.
-        if "log/ce_l1_sum" in tensors:  # absent from checkpoints of older versions
+        acc = tensors.get("log/ce_l1_gn_sum", tensors.get("log/ce_l1_sum"))  # older versions: no norm, or nothing
+        if acc is not None:
             self.interval.load_state_dict({**{k: tensors[f"interval/{k}"] for k in ("active_sum", "l1_sum", "active_max")},
                                            "tokens": meta["interval_tokens"]}, primary=self.main)
-            acc = tensors["log/ce_l1_sum"].to(self.device) if self.main else torch.zeros(2, device=self.device)
-            self.ce_acc.copy_(acc[0])
-            self.l1_acc.copy_(acc[1])
+            acc = acc.to(self.device) if self.main else torch.zeros_like(acc, device=self.device)
+            for i, sums in enumerate((self.ce_acc, self.l1_acc, self.gn_acc)[:len(acc)]):
+                sums.copy_(acc[i])
             self.n_acc = int(meta["log_steps"])
+        self.skipped, self.bad_streak = int(meta.get("skipped_steps", 0)), int(meta.get("bad_streak", 0))
+        self._saved = (self.step, Path(directory))
         if f"rng_cpu_rank{self.rank}" in tensors:  # a run resumed on other ranks keeps its own RNG
             torch.set_rng_state(tensors[f"rng_cpu_rank{self.rank}"])
             if self.device.type == "cuda" and f"rng_cuda_rank{self.rank}" in tensors:
@@ -407,49 +403,143 @@ class Trainer:
     # --- the run -------------------------------------------------------------------------------
 
     def fit(self) -> dict:
-        """Train to ``cfg.steps``, logging, validating and checkpointing; returns the summary."""
+        """Train to ``cfg.steps``, logging, validating and checkpointing; returns the summary.
+
+        Raises :class:`RunStopped` after saving a checkpoint when SIGINT or SIGTERM arrives (at
+        the end of the step under way) or when ``cfg.max_bad_steps`` steps in a row were skipped
+        for a non-finite loss or gradient."""
         from .report import RunLogger
 
         cfg = self.cfg
         logger = RunLogger(self, enabled=self.main)
         logger.start()
-        t_last, tokens_last = time.perf_counter(), 0
+        if self.main:
+            ckpt.remove_partial_writes(self.out / "checkpoints")
+        self._last_save_time = time.monotonic()
+        interval_tokens, interval_seconds = 0, 0.0
         final = None
-        while self.step < cfg.steps:
-            ce, l1 = self.train_step()
-            self.ce_acc += ce
-            self.l1_acc += l1
-            self.n_acc += 1
-            tokens_last += self.tokens_per_step
-            logger.tick()
-            last = self.step == cfg.steps
-            evaluate = self.step % cfg.eval_every == 0 or last
-            if self.step % cfg.log_every == 0 or evaluate:
-                loss = torch.stack([self.ce_acc, self.l1_acc]) / self.n_acc
-                if self.world > 1:
-                    dist.all_reduce(loss)
-                    loss /= self.world
-                ce_v, l1_v = loss.tolist()  # the one sync of a log step, with stats.reduce
-                now = time.perf_counter()
-                row = {"step": self.step, "tokens": self.samples_seen * cfg.seq_len,
-                       "lr": self.scheduler.get_last_lr()[0], "lambda": self.l1_coef(self.step),
-                       "ce": ce_v, "l1": l1_v, "loss": ce_v + self.l1_coef(self.step) * l1_v,
-                       "tokens_per_s": tokens_last / (now - t_last), **self._layer_row(self.interval.reduce())}
-                self.ce_acc.zero_(), self.l1_acc.zero_()
-                self.n_acc, t_last, tokens_last = 0, now, 0
-                if evaluate:
-                    ev = self.evaluate()
-                    row["val_loss"] = ev["val_loss"]
-                    final = ev if last else None
-                    t_last = time.perf_counter()  # validation time is not training throughput
-                self.history.append(row)
-                logger.log(row)
-            if (cfg.save_every and self.step % cfg.save_every == 0) or last:
-                self.save_checkpoint()
-                t_last = time.perf_counter()
+        try:
+            with self._stop_on_signals():
+                while self.step < cfg.steps:
+                    t0 = time.perf_counter()
+                    r = self.train_step()
+                    seconds = time.perf_counter() - t0
+                    self.train_seconds += seconds
+                    self.session_tokens += self.tokens_per_step
+                    interval_seconds += seconds
+                    interval_tokens += self.tokens_per_step
+                    if not r.applied:
+                        self._report_skipped(r)
+                        if self.bad_streak >= cfg.max_bad_steps:
+                            raise self._stop(f"stopped: the loss or gradient was NaN or Inf {self.bad_streak} steps "
+                                             "in a row", exit_code=1, state="the last good state",
+                                             advice="resume with a lower learning rate", extra=" --lr LR")
+                        if r.stop:
+                            raise self._interrupted()
+                        continue
+                    self.ce_acc += r.ce
+                    self.l1_acc += r.l1
+                    self.gn_acc += r.grad_norm
+                    self.n_acc += 1
+                    logger.tick()
+                    last = self.step == cfg.steps
+                    evaluate = self.step % cfg.eval_every == 0 or last
+                    if self.step % cfg.log_every == 0 or evaluate:
+                        row = self._log_row(interval_tokens / max(interval_seconds, 1e-9))
+                        interval_tokens, interval_seconds = 0, 0.0
+                        if evaluate:
+                            ev = self.evaluate()
+                            row["val_loss"] = ev["val_loss"]
+                            final = ev if last else None
+                        self.history.append(row)
+                        logger.log(row)
+                    if (cfg.save_every and self.step % cfg.save_every == 0) or last or r.save:
+                        self.save_checkpoint()
+                    if r.stop and not last:
+                        raise self._interrupted()
+        finally:
+            logger.close()
         if final is None:  # only when resumed at cfg.steps, which __init__ refuses
             final = self.evaluate()
         return logger.finish(final)
+
+    @property
+    def throughput(self) -> Optional[float]:
+        """Tokens per second of this process's steps so far (validation and checkpoints excluded)."""
+        return self.session_tokens / self.train_seconds if self.train_seconds > 0 else None
+
+    def _log_row(self, tokens_per_s: float) -> dict:
+        """The log row of this step: means since the last row (reduced over ranks), then reset."""
+        cfg = self.cfg
+        sums = torch.stack([self.ce_acc, self.l1_acc, self.gn_acc]) / self.n_acc
+        if self.world > 1:
+            dist.all_reduce(sums)
+            sums /= self.world
+        ce, l1, grad_norm = sums.tolist()  # the one sync of a log step, with stats.reduce
+        lam = self.l1_coef(self.step)
+        row = {"step": self.step, "tokens": self.samples_seen * cfg.seq_len, "lr": self.scheduler.get_last_lr()[0],
+               "lambda": lam, "ce": ce, "l1": l1, "loss": ce + lam * l1, "grad_norm": grad_norm,
+               "skipped": self.skipped, "tokens_per_s": tokens_per_s, **self._layer_row(self.interval.reduce())}
+        self.ce_acc.zero_(), self.l1_acc.zero_(), self.gn_acc.zero_()
+        self.n_acc = 0
+        return row
+
+    def _report_skipped(self, r: StepResult) -> None:
+        if self.main:
+            ce, l1, gn = (float(v) for v in (r.ce, r.l1, r.grad_norm))
+            tqdm.write(f"warning: step {self.step + 1} skipped: cross entropy {ce:.4g}, L1 {l1:.4g}, gradient norm "
+                       f"{gn:.4g} (NaN or Inf; {self.skipped} skipped in all, {self.bad_streak} in a row, the run stops "
+                       f"at {self.cfg.max_bad_steps})")
+
+    def _stop(self, why: str, exit_code: int, state: str = "checkpoint", advice: str = "resume with",
+              extra: str = "") -> RunStopped:
+        """Save the current state (unless this step's checkpoint is already written) and say
+        where it is and how to resume, in one line.
+
+        After skipped steps the current state is the last good one: a skipped step changes nothing."""
+        if self._saved is not None and self._saved[0] == self.step:
+            path = self._saved[1]
+        else:
+            path = self.save_checkpoint()
+        resume = f"train --resume {shlex.quote(str(self.out))}{extra}"
+        command = f"torchrun --nproc_per_node {self.world} -m twell {resume}" if self.world > 1 else f"twell {resume}"
+        return RunStopped(f"{why} at step {self.step} of {self.cfg.steps}; {state} saved in {path}; {advice}: {command}",
+                          exit_code, path)
+
+    def _interrupted(self) -> RunStopped:
+        # Another rank may have had the signal alone: the agreed flag is what counts.
+        signum = self.stop_signal or signal.SIGTERM
+        who = signal.Signals(signum).name if self.stop_signal else "a signal to another process"
+        return self._stop(f"interrupted by {who}", exit_code=128 + signum)
+
+    @contextlib.contextmanager
+    def _stop_on_signals(self):
+        """While training, SIGINT (Ctrl-C) and SIGTERM set ``stop_signal``: the loop saves a
+        checkpoint at the end of the step under way and stops. A second signal acts as usual
+        (KeyboardInterrupt, or termination), for a user who will not wait; except within two
+        seconds of the first, because torchrun passes the terminal's Ctrl-C on to its workers,
+        which then see it twice."""
+        if threading.current_thread() is not threading.main_thread():  # handlers are the main thread's
+            yield
+            return
+        first = {}
+
+        def handler(signum, frame):
+            if self.stop_signal is None:
+                self.stop_signal, first["time"] = signum, time.monotonic()
+                if self.main:
+                    tqdm.write(f"{signal.Signals(signum).name}: saving a checkpoint at the end of step "
+                               f"{self.step + 1}, then stopping (send it again to quit without saving)")
+            elif time.monotonic() - first["time"] > 2.0:
+                signal.signal(signum, previous[signum])
+                signal.raise_signal(signum)
+
+        previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in previous.items():
+                signal.signal(s, h)
 
     def _layer_row(self, s: dict) -> dict:
         L = len(s["active_mean"])
@@ -470,7 +560,8 @@ def evaluate_lm(model, val_data: PackedSequences, batch_size: int, batches: int,
 
     Reads the first ``batches x batch_size x world`` windows of the validation stream, always
     the same ones, rank r taking every world-th block of ``batch_size``. Returns ``val_loss``
-    (mean cross entropy per token, nats), ``ppl``, ``tokens``, and per layer ``active_mean``,
+    (mean cross entropy per token, nats), ``ppl``, ``tokens``, ``windows`` (how many windows of
+    the validation stream were read, from its first), and per layer ``active_mean``,
     ``active_max`` and ``dead_frac`` (units that fired for none of these tokens), all reduced
     over ranks.
     """
@@ -507,6 +598,7 @@ def _evaluate(model, modules, val_data, batch_size, batches, device, precision, 
     s = stats.reduce()
     val_loss = float(loss_sum) / s["tokens"]
     return {"val_loss": val_loss, "ppl": math.exp(min(val_loss, 50.0)), "tokens": s["tokens"],
+            "windows": batches * batch_size * world,
             "active_mean": s["active_mean"], "active_max": s["active_max"],
             "dead_frac": (fired == 0).float().mean(dim=1).tolist()}
 
