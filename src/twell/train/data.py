@@ -305,6 +305,7 @@ class PackedSequences:
         # (epoch, permutation) in one attribute: replaced whole, so that a thread never sees
         # one epoch's number with another epoch's permutation.
         self._perm_cache: tuple[int, Optional[np.ndarray]] = (-1, None)
+        self._ids_cache: tuple[int, Optional[np.ndarray]] = (-1, None)  # (block, window ids): Feistel order
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -324,6 +325,23 @@ class PackedSequences:
 
     def window_ids(self, first: int, count: int) -> np.ndarray:
         """Stream-order indices of the windows of training samples ``first .. first + count - 1``, int64 ``[count]``."""
+        if self.order == "randperm":
+            return self._window_ids(first, count)
+        # Feistel: computed for aligned blocks of samples and the last block kept, since numpy's
+        # cost per call, not per element, dominates at a micro-batch's size.
+        parts, k, stop = [], first, first + count
+        while k < stop:
+            block = k // ID_BLOCK
+            cached = self._ids_cache
+            if cached[0] != block:
+                cached = (block, self._window_ids(block * ID_BLOCK, ID_BLOCK))
+                self._ids_cache = cached
+            end = min(stop, (block + 1) * ID_BLOCK)
+            parts.append(cached[1][k - block * ID_BLOCK : end - block * ID_BLOCK])
+            k = end
+        return np.concatenate(parts) if len(parts) != 1 else parts[0].copy()
+
+    def _window_ids(self, first: int, count: int) -> np.ndarray:
         n = len(self)
         k = np.arange(first, first + count, dtype=np.int64)
         epochs, pos = k // n, k % n
@@ -355,6 +373,7 @@ class PackedSequences:
 
 _MASK64 = (1 << 64) - 1
 FEISTEL_ROUNDS = 6
+ID_BLOCK = 4096  # samples whose window ids PackedSequences computes at once in Feistel order
 
 
 def _splitmix64(x: int) -> int:

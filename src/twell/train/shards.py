@@ -283,10 +283,14 @@ _worker_val_fraction = 0.0
 
 def _init_worker(tokenizer_spec: str, val_fraction: float) -> None:
     global _worker_tokenizer, _worker_val_fraction
-    # One thread per process: the processes are the parallelism (a fast HF tokenizer would
-    # otherwise start a thread pool in each).
-    os.environ["TOKENIZERS_PARALLELISM"] = "false"
     _worker_tokenizer, _worker_val_fraction = load_tokenizer(tokenizer_spec), val_fraction
+
+
+def _init_pool_worker(tokenizer_spec: str, val_fraction: float) -> None:
+    # One thread per worker process: the processes are the parallelism (a fast HF tokenizer
+    # would otherwise start a thread pool in each).
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _init_worker(tokenizer_spec, val_fraction)
 
 
 def _tokenize(docs: list[tuple[str, str]]) -> tuple[int, dict]:
@@ -331,7 +335,7 @@ def _map_in_order(items: Iterator, workers: int, initargs: tuple) -> Iterator:
     # fork: the workers start at once (a fresh interpreter would import torch and transformers
     # through the twell package, seconds per worker); they only run numpy and the tokenizer.
     ctx = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
-    with ctx.Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
+    with ctx.Pool(workers, initializer=_init_pool_worker, initargs=initargs) as pool:
         pending: deque = deque()
         for item in items:
             pending.append(pool.apply_async(_tokenize, (item,)))
