@@ -55,7 +55,8 @@ def train_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-heads", type=int, help="override the preset's attention heads")
     g = p.add_argument_group("data")
     g.add_argument("--data", nargs="+", help="'stdlib' (default: this Python's standard library sources), "
-                   "files/folders/globs of .txt .md .py .jsonl .parquet, or hf:NAME[:CONFIG]")
+                   "files/folders/globs of .txt .md .py .jsonl .parquet, hf:NAME[:CONFIG], or a folder "
+                   "from `twell data prepare` (read from disk; it brings its tokenizer and split)")
     g.add_argument("--tokenizer", help="'bytes' (default) or a Hugging Face tokenizer path or name")
     g.add_argument("--text-field", help=f"JSONL field / Parquet column with the text (default {d.text_field})")
     g.add_argument("--val-fraction", type=float, help=f"share of documents held out, by hash of their key (default {d.val_fraction})")
@@ -207,7 +208,7 @@ def eval_main(argv=None) -> dict:
     from transformers.utils import logging as hf_logging
 
     from ..hf import activation_note, sparsify
-    from .data import PackedSequences, build_streams, load_tokenizer
+    from .data import load_corpus, load_tokenizer
     from .report import describe_validation
     from .trainer import evaluate_lm
 
@@ -223,8 +224,7 @@ def eval_main(argv=None) -> dict:
     model.to(device)
     seq_len = cfg.seq_len or model.config.max_position_embeddings
     try:
-        _, val = build_streams(cfg.data, tokenizer, cfg.val_fraction, cfg.text_field, cfg.max_docs)
-        val_data = PackedSequences(val, seq_len, cfg.seed)
+        _, val_data = load_corpus(cfg.data, tokenizer, seq_len, cfg.seed, cfg.val_fraction, cfg.text_field, cfg.max_docs)
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise SystemExit(f"twell eval: {err}")
     precision = "bf16" if device.type == "cuda" else "fp32"

@@ -9,6 +9,9 @@ Corpora (``--data``):
   document per line, field ``text``) and ``.parquet`` (column ``text``, needs pyarrow).
 - ``hf:NAME[:CONFIG]``: a Hugging Face dataset (needs ``datasets`` and a network), streamed
   up to ``max_docs`` documents.
+- A folder written by ``twell data prepare`` (recognised by its ``twell_corpus.json``): token
+  shards on disk, read window by window (see :mod:`twell.train.shards`); for corpora too large
+  to tokenize at start-up or to hold in memory.
 
 Every document gets a stable key: its path relative to the ``--data`` root it came from (the
 folder given, the folder of a file given, or a glob's folder before its first wildcard), with
@@ -18,14 +21,21 @@ their key falls under ``val_fraction``. Documents are tokenized, each followed
 by the tokenizer's end-of-text id, and concatenated into one token stream per split. Training
 samples are windows of ``seq_len + 1`` tokens cut from that stream at multiples of ``seq_len``,
 visited in an order that is a seeded permutation per epoch: sample ``k`` depends only on
-``(seed, k)``, so the data position of a run is one integer.
+``(seed, k)``, so the data position of a run is one integer. Raw corpora draw that permutation
+with ``torch.randperm``; prepared ones compute it window by window with a keyed Feistel network
+(:func:`feistel_permute`), so that it needs no memory proportional to the corpus.
+:class:`Prefetcher` builds a rank's coming micro-batches in a background thread.
 """
 
 from __future__ import annotations
 
+import functools
 import glob
 import json
+import queue
 import sysconfig
+import threading
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +53,10 @@ __all__ = [
     "is_validation",
     "build_streams",
     "PackedSequences",
+    "feistel_permute",
+    "corpus_tokenizer",
+    "load_corpus",
+    "Prefetcher",
 ]
 
 TEXT_SUFFIXES = {".txt", ".md", ".py", ".rst"}
@@ -64,6 +78,10 @@ class ByteTokenizer:
     def encode(self, text: str) -> np.ndarray:
         """str -> ``[n]`` uint16 ids (no end-of-text id appended)."""
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode`` of each text."""
+        return [self.encode(t) for t in texts]
 
     def decode(self, ids: Iterable[int]) -> str:
         """ids -> str; the end-of-text id becomes a newline, invalid UTF-8 becomes U+FFFD."""
@@ -88,9 +106,18 @@ class HFTokenizer:
             raise ValueError(f"tokenizer {name_or_path!r} has no eos or sep token to separate documents")
         self.eos_id = int(eos)
 
+    @property
+    def _dtype(self):
+        return np.uint16 if self.vocab_size <= 65536 else np.int32
+
     def encode(self, text: str) -> np.ndarray:
-        dtype = np.uint16 if self.vocab_size <= 65536 else np.int32
-        return np.asarray(self.tok(text, add_special_tokens=False)["input_ids"], dtype=dtype)
+        return np.asarray(self.tok(text, add_special_tokens=False)["input_ids"], dtype=self._dtype)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """``encode`` of each text, in one call (a fast tokenizer encodes the batch in Rust)."""
+        if not texts:
+            return []
+        return [np.asarray(ids, dtype=self._dtype) for ids in self.tok(texts, add_special_tokens=False)["input_ids"]]
 
     def decode(self, ids: Iterable[int]) -> str:
         return self.tok.decode([int(i) for i in ids])
@@ -250,23 +277,36 @@ def build_streams(specs: list[str], tokenizer, val_fraction: float = 0.02, text_
 class PackedSequences:
     """Windows of ``seq_len + 1`` tokens over one token stream, at multiples of ``seq_len``.
 
-    ``sample(k)`` is the k-th training sample: epoch ``k // len(self)`` visits the windows in
-    the order of ``randperm(len(self))`` drawn from a generator seeded with ``seed + epoch``.
+    ``sample(k)`` is the k-th training sample: epoch ``k // len(self)`` visits the windows in a
+    seeded order. ``order="randperm"`` (raw corpora): ``randperm(len(self))`` drawn from a
+    generator seeded with ``seed + epoch``, held in memory for the current epoch.
+    ``order="feistel"`` (prepared corpora): :func:`feistel_permute` keyed on ``(seed, epoch)``,
+    computed per window, so nothing proportional to the corpus is held.
+
+    ``tokens`` is a 1-D array, or any object with ``len`` and slicing that returns one (a
+    prepared split's :class:`twell.train.shards.ShardedTokens`). Safe to read from several
+    threads at once.
     """
 
     tokens: np.ndarray
     seq_len: int
     seed: int = 0
+    order: str = "randperm"
 
     def __post_init__(self):
         if self.seq_len < 1:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
+        if self.order not in ("randperm", "feistel"):
+            raise ValueError(f"order must be 'randperm' or 'feistel', got {self.order!r}")
         if len(self.tokens) < self.seq_len + 1:
             raise ValueError(
                 f"the token stream has {len(self.tokens)} tokens, fewer than one sequence of "
                 f"seq_len + 1 = {self.seq_len + 1}; use more data or a shorter --seq-len"
             )
-        self._perm_epoch, self._perm = -1, None
+        # (epoch, permutation) in one attribute: replaced whole, so that a thread never sees
+        # one epoch's number with another epoch's permutation.
+        self._perm_cache: tuple[int, Optional[np.ndarray]] = (-1, None)
+        self._ids_cache: tuple[int, Optional[np.ndarray]] = (-1, None)  # (block, window ids): Feistel order
 
     def __len__(self) -> int:
         return (len(self.tokens) - 1) // self.seq_len
@@ -277,18 +317,255 @@ class PackedSequences:
         return self.tokens[start : start + self.seq_len + 1]
 
     def _order(self, epoch: int) -> np.ndarray:
-        if epoch != self._perm_epoch:
+        cached = self._perm_cache
+        if cached[0] != epoch:
             g = torch.Generator().manual_seed(self.seed + epoch)
-            self._perm, self._perm_epoch = torch.randperm(len(self), generator=g).numpy(), epoch
-        return self._perm
+            cached = (epoch, torch.randperm(len(self), generator=g).numpy())
+            self._perm_cache = cached
+        return cached[1]
+
+    def window_ids(self, first: int, count: int) -> np.ndarray:
+        """Stream-order indices of the windows of training samples ``first .. first + count - 1``, int64 ``[count]``."""
+        if self.order == "randperm":
+            return self._window_ids(first, count)
+        # Feistel: computed for aligned blocks of samples and the last block kept, since numpy's
+        # cost per call, not per element, dominates at a micro-batch's size.
+        parts, k, stop = [], first, first + count
+        while k < stop:
+            block = k // ID_BLOCK
+            cached = self._ids_cache
+            if cached[0] != block:
+                cached = (block, self._window_ids(block * ID_BLOCK, ID_BLOCK))
+                self._ids_cache = cached
+            end = min(stop, (block + 1) * ID_BLOCK)
+            parts.append(cached[1][k - block * ID_BLOCK : end - block * ID_BLOCK])
+            k = end
+        return np.concatenate(parts) if len(parts) != 1 else parts[0].copy()
+
+    def _window_ids(self, first: int, count: int) -> np.ndarray:
+        n = len(self)
+        k = np.arange(first, first + count, dtype=np.int64)
+        epochs, pos = k // n, k % n
+        ids = np.empty(count, dtype=np.int64)
+        for epoch in np.unique(epochs).tolist():
+            here = epochs == epoch
+            if self.order == "randperm":
+                ids[here] = self._order(epoch)[pos[here]]
+            else:
+                ids[here] = feistel_permute(pos[here], n, self.seed, epoch)
+        return ids
 
     def batch(self, first: int, count: int) -> torch.Tensor:
         """Training samples ``first .. first + count - 1`` as ``[count, seq_len + 1]`` int64."""
-        n = len(self)
-        rows = [self.window(int(self._order(k // n)[k % n])) for k in range(first, first + count)]
-        return torch.from_numpy(np.stack(rows).astype(np.int64))
+        ids = self.window_ids(first, count)
+        if hasattr(self.tokens, "gather"):  # shards on disk: all rows in one call
+            rows = self.tokens.gather(ids * self.seq_len, self.seq_len + 1)
+        else:
+            rows = np.stack([self.window(int(i)) for i in ids])
+        return torch.from_numpy(rows.astype(np.int64))
 
     def eval_batch(self, first: int, count: int) -> torch.Tensor:
         """Windows ``first ..`` in stream order (for validation; wraps around), ``[count, seq_len + 1]``."""
         rows = [self.window((first + j) % len(self)) for j in range(count)]
         return torch.from_numpy(np.stack(rows).astype(np.int64))
+
+
+# --- an order of windows that needs no memory ---------------------------------------------------
+
+_MASK64 = (1 << 64) - 1
+FEISTEL_ROUNDS = 6
+ID_BLOCK = 4096  # samples whose window ids PackedSequences computes at once in Feistel order
+
+
+def _splitmix64(x: int) -> int:
+    """splitmix64's output function on a Python int: a well-mixed 64-bit hash of ``x``."""
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """The same mixing on a uint64 array (numpy array products wrap modulo 2^64)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def feistel_permute(i: np.ndarray, n: int, seed: int = 0, epoch: int = 0) -> np.ndarray:
+    """Where a pseudo-random permutation of ``range(n)``, keyed on ``(seed, epoch)``, sends ``i``.
+
+    ``i``: int array ``[m]`` of values in ``[0, n)``; returns int64 ``[m]``. For a fixed key,
+    ``feistel_permute(np.arange(n), n, ...)`` is a permutation of ``range(n)``. Memory and time
+    are O(m), whatever ``n``: a balanced Feistel network of :data:`FEISTEL_ROUNDS` rounds
+    permutes ``[0, 4**h)`` (the smallest such range holding ``n``), and values that land at
+    ``n`` or above are sent through it again until they fall inside (cycle walking: the
+    restriction of a permutation's cycles to ``range(n)`` is a permutation of it; at most 4
+    passes on average since ``4**h < 4 n``).
+    """
+    i = np.asarray(i, dtype=np.int64)
+    if n < 1:
+        raise ValueError(f"n must be >= 1, got {n}")
+    if i.size and (int(i.min()) < 0 or int(i.max()) >= n):
+        raise ValueError(f"indices must lie in [0, {n})")
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    shift, mask = np.uint64(half), np.uint64((1 << half) - 1)
+    key = _splitmix64(_splitmix64(seed & _MASK64) ^ epoch)
+    keys = [np.uint64(_splitmix64(key + r)) for r in range(FEISTEL_ROUNDS)]
+
+    def rounds(x: np.ndarray) -> np.ndarray:
+        left, right = x >> shift, x & mask
+        for k in keys:
+            left, right = right, left ^ (_mix(right ^ k) & mask)
+        return (left << shift) | right
+
+    y = rounds(i.astype(np.uint64))
+    outside = y >= np.uint64(n)
+    while outside.any():
+        y[outside] = rounds(y[outside])
+        outside = y >= np.uint64(n)
+    return y.astype(np.int64)
+
+
+# --- what a run reads ---------------------------------------------------------------------------
+
+
+def corpus_tokenizer(specs: list[str], spec: Optional[str]):
+    """The tokenizer of a run on ``specs``: a prepared folder's own (saved in it when it was
+    prepared; ``spec`` must then be ``None``, ``"bytes"`` (the default) or the same name), else
+    :func:`load_tokenizer` of ``spec``."""
+    from .shards import prepared_corpus
+
+    corpus = prepared_corpus(specs)
+    return load_tokenizer(spec) if corpus is None else corpus.tokenizer(spec)
+
+
+def load_corpus(specs: list[str], tokenizer, seq_len: int, seed: int = 0, val_fraction: float = 0.02,
+                text_field: str = "text", max_docs: Optional[int] = None,
+                streams: Optional[tuple[np.ndarray, np.ndarray]] = None) -> tuple[PackedSequences, PackedSequences]:
+    """``(training, validation)`` samples of a run.
+
+    A prepared folder (``twell data prepare``): its shards, read from disk window by window, in
+    Feistel order; its split is the one made when it was prepared (``val_fraction``,
+    ``text_field``, ``max_docs`` and ``tokenizer`` do not apply). Otherwise the raw corpora are
+    tokenized now (:func:`build_streams`), or ``streams`` (``(train, validation)`` token arrays)
+    are used as given, in ``randperm`` order.
+    """
+    from .shards import prepared_corpus
+
+    corpus = None if streams is not None else prepared_corpus(specs)
+    if corpus is not None:
+        return corpus.windows("train", seq_len, seed), corpus.windows("validation", seq_len, seed)
+    train, val = streams if streams is not None else build_streams(specs, tokenizer, val_fraction, text_field, max_docs)
+    return PackedSequences(train, seq_len, seed), PackedSequences(val, seq_len, seed)
+
+
+# --- prefetching --------------------------------------------------------------------------------
+
+
+def next_first(first: int, batch_size: int, grad_accum: int, rank: int, world: int) -> int:
+    """The first sample of a rank's micro-batch after the one that starts at sample ``first``.
+
+    The trainer's layout: a step takes ``batch_size * grad_accum * world`` samples; within the
+    step that starts at sample ``s``, micro-batch ``m`` of rank ``r`` is the ``batch_size``
+    samples from ``s + (m * world + r) * batch_size``. So the ranks' micro-batches of a step
+    are disjoint and together cover the step's samples, however they are split.
+    """
+    per_step, per_micro = batch_size * grad_accum * world, batch_size * world
+    step_start = first - first % per_step
+    micro = (first - step_start) // per_micro
+    if micro + 1 < grad_accum:
+        return first + per_micro
+    return step_start + per_step + rank * batch_size
+
+
+def _build(data: PackedSequences, first: int, count: int, pin: bool) -> torch.Tensor:
+    batch = data.batch(first, count)
+    return batch.pin_memory() if pin else batch
+
+
+def _produce(data: PackedSequences, first: int, count: int, pin: bool, advance, out: queue.Queue,
+             stop: threading.Event) -> None:
+    """The prefetch thread: ``(first, batch)`` for ``first``, ``advance(first)``, ... into ``out``
+    until ``stop`` is set; an exception is passed on as the batch and ends the thread."""
+    while not stop.is_set():
+        try:
+            item = (first, _build(data, first, count, pin))
+        except BaseException as err:  # handed to the consumer, which raises it
+            item = (first, err)
+        while not stop.is_set():
+            try:
+                out.put(item, timeout=0.1)  # wakes up to see stop
+                break
+            except queue.Full:
+                continue
+        if isinstance(item[1], BaseException):
+            return
+        first = advance(first)
+
+
+class Prefetcher:
+    """One rank's training micro-batches, built ahead of need in a background thread.
+
+    ``batch(first)`` returns what ``data.batch(first, batch_size)`` returns (pinned when
+    ``pin``), ``[batch_size, seq_len + 1]`` int64. While the requests follow this rank's
+    schedule (:func:`next_first`), the thread has built them already, keeping up to ``depth``
+    ready in a bounded queue. A request for another position of the schedule (the first one,
+    a resumed run's) restarts the thread there; one off the schedule is built on the spot.
+    The data need not be read ahead from the start: each rank reads only its own samples'
+    windows. ``wait_s`` adds up the seconds ``batch`` spent waiting for the thread.
+    """
+
+    def __init__(self, data: PackedSequences, batch_size: int, grad_accum: int = 1, rank: int = 0, world: int = 1,
+                 depth: int = 4, pin: bool = False):
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, {world}), got {rank}")
+        self.data, self.batch_size, self.pin, self.depth = data, batch_size, pin, depth
+        self._advance = functools.partial(next_first, batch_size=batch_size, grad_accum=grad_accum, rank=rank, world=world)
+        self._per_step, self._per_micro, self._offset = batch_size * grad_accum * world, batch_size * world, rank * batch_size
+        self._expected: Optional[int] = None  # the first sample of the batch at the head of the queue
+        self._thread: Optional[threading.Thread] = None
+        self._stop = threading.Event()
+        self._queue: queue.Queue = queue.Queue(depth)
+        self.wait_s = 0.0
+
+    def on_schedule(self, first: int) -> bool:
+        """Whether sample ``first`` starts one of this rank's micro-batches."""
+        return first >= 0 and (first % self._per_step) % self._per_micro == self._offset
+
+    def batch(self, first: int) -> torch.Tensor:
+        """Samples ``first .. first + batch_size - 1``, ``[batch_size, seq_len + 1]`` int64."""
+        if not self.on_schedule(first):
+            return _build(self.data, first, self.batch_size, self.pin)
+        if first != self._expected:
+            self._start(first)
+        t0 = time.perf_counter()
+        got, item = self._queue.get()
+        self.wait_s += time.perf_counter() - t0
+        if isinstance(item, BaseException):
+            self._expected = None
+            raise item
+        assert got == first, (got, first)
+        self._expected = self._advance(first)
+        return item
+
+    def _start(self, first: int) -> None:
+        self.close()
+        # A fresh event and queue: the old thread may still hold the old ones for a moment.
+        self._stop, self._queue = threading.Event(), queue.Queue(self.depth)
+        # The thread gets no reference to self, so that dropping the Prefetcher stops it (__del__).
+        self._thread = threading.Thread(
+            target=_produce, name="twell-prefetch", daemon=True,
+            args=(self.data, first, self.batch_size, self.pin, self._advance, self._queue, self._stop))
+        self._thread.start()
+        self._expected = first
+
+    def close(self) -> None:
+        """Stop the thread (a later ``batch`` starts a new one)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self._thread, self._expected = None, None
+
+    def __del__(self):
+        self._stop.set()

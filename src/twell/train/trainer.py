@@ -40,7 +40,7 @@ from tqdm.auto import tqdm
 from ..nn import l1_loss, sparse_modules
 from . import checkpoint as ckpt
 from .config import TrainConfig
-from .data import PackedSequences, build_streams, load_tokenizer
+from .data import PackedSequences, Prefetcher, corpus_tokenizer, load_corpus
 from .model import PRESETS, build_model, count_params, make_config
 from .stats import DeadUnits, IntervalStats
 
@@ -93,10 +93,14 @@ class Trainer:
         self.cfg = cfg = cfg.resolved()
         self._setup_distributed()
         self.out = Path(cfg.out)
-        self.tokenizer = load_tokenizer(cfg.tokenizer)
-        train_tokens, val_tokens = streams or build_streams(cfg.data, self.tokenizer, cfg.val_fraction, cfg.text_field, cfg.max_docs)
-        self.train_data = PackedSequences(train_tokens, cfg.seq_len, cfg.seed)
-        self.val_data = PackedSequences(val_tokens, cfg.seq_len, cfg.seed)
+        # A folder from `twell data prepare` brings its own tokenizer and is read from disk.
+        self.tokenizer = corpus_tokenizer(cfg.data, cfg.tokenizer)
+        self.train_data, self.val_data = load_corpus(cfg.data, self.tokenizer, cfg.seq_len, cfg.seed, cfg.val_fraction,
+                                                     cfg.text_field, cfg.max_docs, streams)
+        # This rank's micro-batches, built ahead in a background thread (the data position
+        # stays samples_seen: the prefetcher restarts wherever micro_batch asks first).
+        self.loader = Prefetcher(self.train_data, cfg.batch_size, cfg.grad_accum, self.rank, self.world,
+                                 pin=self.device.type == "cuda")
 
         shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_layers=cfg.num_layers, num_heads=cfg.num_heads, context=max(cfg.seq_len, PRESETS[cfg.preset].context))
@@ -211,7 +215,7 @@ class Trainer:
         """This rank's ``micro``-th micro-batch of the next step, ``[batch_size, seq_len + 1]``."""
         B = self.cfg.batch_size
         first = self.samples_seen + (micro * self.world + self.rank) * B
-        return self.train_data.batch(first, B)
+        return self.loader.batch(first)
 
     def forward_backward(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Accumulate the gradients of the next step (not applied). Returns the step's mean
@@ -459,6 +463,7 @@ class Trainer:
                         raise self._interrupted()
         finally:
             logger.close()
+            self.loader.close()  # the prefetch thread: no more batches are wanted
         if final is None:  # only when resumed at cfg.steps, which __init__ refuses
             final = self.evaluate()
         return logger.finish(final)
