@@ -35,6 +35,8 @@ def assert_same_twell(out, ref):
 )
 @pytest.mark.parametrize("method", ["scan", "bits"])
 def test_pack_relu_matches_pack_twell(dtype, M, f, tile, compression, method):
+    if f > 1000 and dtype != torch.float32:
+        pytest.skip("the wide tiles' bookkeeping does not depend on the dtype: fp32 covers it (saves 25 s of CPU)")
     if method == "bits" and tile < 32:
         with pytest.raises(ValueError, match="tile >= 32"):
             pack_relu(torch.zeros(M, f, dtype=dtype), tile, compression, method=method)
