@@ -224,12 +224,35 @@ def test_custom_op_passes_opcheck():
     m = SparseGatedMLP(40, 100).eval()
     m.kernel_mode = "decode"
     x = torch.randn(5, 40)
-    args = (x, m.gate_proj.weight.detach(), m.down_proj.weight.detach(), m.up_proj.weight.detach(), m._twell_key)
+    args = (x, m.gate_proj.weight.detach(), m.down_proj.weight.detach(), m.up_proj.weight.detach())
     torch.library.opcheck(torch.ops.twell.ffn_infer.default, args)
     y = torch.ops.twell.ffn_infer(*args)
+    assert m.last_path == "decode"  # the op found m from its gate weight
     assert rel_err(y, _dense(m, x)) < 1e-5
-    with pytest.raises(RuntimeError, match="no layer is registered"):
-        torch.ops.twell.ffn_infer(*args[:4], 10**9)
+    # weights no module owns (copies): the dense computation, with a warning
+    with pytest.warns(RuntimeWarning, match="no twell module owns"):
+        y2 = torch.ops.twell.ffn_infer(x, *(w.clone() for w in args[1:]))
+    assert rel_err(y2, _dense(m, x)) < 1e-5
+
+
+def test_per_layer_compile_shares_one_graph():
+    """Regional compilation (each decoder layer compiled on its own) must not compile once per
+    layer: past dynamo's recompile limit (8) the other layers would silently run eager."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(4)
+    layers = [SparseGatedMLP(24, 60).eval() for _ in range(3)]
+    for m in layers:
+        m.kernel_mode = "decode"
+        m.compile(backend="eager", dynamic=False)
+    x = torch.randn(3, 24)
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        for m in layers:
+            assert rel_err(m(x), _dense(m, x)) < 1e-5
+            assert m.last_path == "decode"
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 # --- GPU ---------------------------------------------------------------------------------------

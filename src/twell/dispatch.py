@@ -39,7 +39,8 @@ calls before the capture says so), and a replay runs that path whatever the data
 
 The modules call :meth:`LayerState.run` directly in eager mode. Under ``torch.compile`` they
 call the custom op ``torch.ops.twell.ffn_infer`` (registered in :mod:`twell.library`), whose
-implementation is the same :meth:`LayerState.run`, so the choice stays per call there too.
+implementation finds the layer from its gate weight (:func:`layer_of_weight`) and runs the same
+:meth:`LayerState.run`, so the choice stays per call there too.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["LayerState", "layer_state", "DECODE_MAX_M", "DECODE_MAX_UNION", "DECODE_BLIND_M", "PREFILL_MIN_M", "MODES"]
+__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_MAX_UNION", "DECODE_BLIND_M", "PREFILL_MIN_M", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
@@ -67,6 +68,32 @@ PREFILL_MIN_M = 4096
 
 _LAYERS: "weakref.WeakValueDictionary[int, LayerState]" = weakref.WeakValueDictionary()
 _IDS = itertools.count()
+
+
+_BY_WEIGHT: "dict[int, weakref.ref[LayerState]]" = {}
+
+
+def layer_of_weight(w_first: torch.Tensor) -> Optional["LayerState"]:
+    """The :class:`LayerState` of the live module whose first projection's weight (the gate, or
+    up for the non-gated MLP) is ``w_first`` (by storage address), or None.
+
+    This is how the custom op finds its layer: a per-layer integer argument would be a constant
+    that ``torch.compile`` specialises on, so compiling each decoder layer separately (regional
+    compilation) would compile once per layer and fall back to eager past the recompile limit.
+    Weights are graph inputs, so all layers share one compiled graph. The map is rebuilt when an
+    address is not found (first call, weights moved or replaced)."""
+    ptr = w_first.data_ptr()
+    ref = _BY_WEIGHT.get(ptr)
+    state = ref() if ref is not None else None
+    if state is None or state.first_weight_ptr() != ptr:
+        _BY_WEIGHT.clear()
+        for other in list(_LAYERS.values()):
+            p = other.first_weight_ptr()
+            if p is not None:
+                _BY_WEIGHT[p] = weakref.ref(other)
+        ref = _BY_WEIGHT.get(ptr)
+        state = ref() if ref is not None else None
+    return state
 
 
 def layer_state(key: int) -> "LayerState":
@@ -122,6 +149,10 @@ class LayerState:
         if m is None:
             raise RuntimeError("twell: the module of this layer state was deleted")
         return m
+
+    def first_weight_ptr(self) -> Optional[int]:
+        m = self._module()
+        return None if m is None else m._first_projection().weight.data_ptr()
 
     # -- decision -------------------------------------------------------------------------------
 

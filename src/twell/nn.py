@@ -85,7 +85,7 @@ class _SparseFFN(nn.Module):
 
         state = LayerState(self)
         self.__dict__["_twell_layer"] = state
-        self.__dict__["_twell_key"] = state.key  # what the compiled graph passes to the custom op
+        self.__dict__["_twell_key"] = state.key  # the registry key (twell.dispatch.layer_state)
 
     def __getstate__(self):
         state = dict(self.__dict__)
@@ -182,7 +182,7 @@ class _SparseFFN(nn.Module):
             # the same LayerState.run, behind a custom op the compiled graph calls per call
             from . import library  # noqa: F401  (registers torch.ops.twell)
 
-            y = torch.ops.twell.ffn_infer(x2, w_first, w_down, w_up, self._twell_key)
+            y = torch.ops.twell.ffn_infer(x2, w_first, w_down, w_up)
         else:
             self.l1 = None
             y = self._twell_layer.run(x2, w_first, w_down, w_up)
