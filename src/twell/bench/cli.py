@@ -3,6 +3,7 @@
     twell bench inference [--out DIR] [--quick] [--variants] [--no-grid]
     twell bench batch [--out DIR] [--quick]
     twell bench decode [--out DIR]
+    twell bench model [--out DIR] [--preset 2b] [--k 29] [--batch 16]
 
 ``inference`` times the inference FFN (issue 3's grid: d 2048, f 5632, bf16,
 M in {16384, 131072}, k in {8, ..., 5632}, three unit distributions, plus d 4096, f 11008) and
@@ -16,6 +17,12 @@ against a compiled dense one: ``inference_batch_<gpu>.{json,csv,png}``.
 
 ``decode`` times small batches in CUDA graphs (M 1 to 256, k 8/29/56, even and skewed units):
 ``decode_<gpu>.{json,csv,png}``.
+
+``model`` builds a randomly initialised model of a preset's shape, gives its MLPs about ``--k``
+active units per token by construction (:func:`twell.bench.model.calibrate_sparsity`), and
+measures dense and twell on the same weights: prefill of ``--batch`` x 2048 tokens (Hugging
+Face's default path and a lean compiled one), greedy decoding at batch 1 and 16, a training step,
+peak memory and energy per token: ``model_<gpu>.{json,csv,png}``.
 """
 
 from __future__ import annotations
@@ -105,12 +112,16 @@ def _table(records: list[dict]) -> str:
 
 def bench_main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["inference", "batch", "decode"], help="which benchmark")
+    parser.add_argument("what", choices=["inference", "batch", "decode", "model"], help="which benchmark")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the result files")
     parser.add_argument("--quick", action="store_true", help="a small grid (M 16384, k 29/56/280, even)")
     parser.add_argument("--variants", action="store_true", help="also time the design variants")
     parser.add_argument("--no-grid", action="store_true", help="skip the main grid")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms")
+    parser.add_argument("--preset", default="2b", help="model: the preset whose shape is built (default 2b)")
+    parser.add_argument("--k", type=float, default=29, help="model: active units per token to construct (default 29)")
+    parser.add_argument("--batch", type=int, default=16, help="model: sequences of 2048 tokens per forward (default 16)")
+    parser.add_argument("--no-lean", action="store_true", help="model: skip the compiled lean path")
     args = parser.parse_args(argv)
 
     import torch
@@ -125,6 +136,9 @@ def bench_main(argv=None) -> None:
     tag = _gpu_tag()
     log = lambda s: print(s, flush=True)  # noqa: E731
     t0 = time.time()
+    if args.what == "model":
+        _model_bench(args, tag, log, t0)
+        return
     if args.what in ("batch", "decode"):
         _runtime_bench(args, tag, log, t0)
         return
@@ -160,6 +174,86 @@ def bench_main(argv=None) -> None:
     plot_speedup(records, os.path.splitext(path)[0] + ".png")
     log(f"grid done in {time.time() - t0:.0f}s; wrote {path}")
     log(_table(records))
+
+
+def _model_bench(args, tag: str, log, t0: float) -> None:
+    """``twell bench model``: model_<gpu>.{json,csv,png}; its decode records also go to the
+    ``model`` list of decode_<gpu>.json."""
+    from .model import bench_model
+
+    res = bench_model(args.preset, args.k, args.batch, lean=not args.no_lean, log=log)
+    path = os.path.join(args.out, f"model_{tag}.json")
+    trained = None
+    if os.path.exists(path):  # a trained model's section is written by its own run: keep it
+        with open(path) as fh:
+            trained = json.load(fh).get("trained")
+    with open(path, "w") as fh:
+        json.dump({"records": res["records"], "trained": trained, "decode": res["decode"],
+                   "sparsity": res["sparsity"]}, fh, indent=1)
+    _write_csv(res["records"], os.path.splitext(path)[0] + ".csv")
+    decode_path = os.path.join(args.out, f"decode_{tag}.json")
+    if os.path.exists(decode_path):
+        with open(decode_path) as fh:
+            dec = json.load(fh)
+        dec["model"] = [r for r in dec.get("model", []) if r.get("preset") != args.preset] + res["decode"]
+        with open(decode_path, "w") as fh:
+            json.dump(dec, fh, indent=1)
+    plot_model(res["records"], os.path.splitext(path)[0] + ".png")
+    dense, twell = res["records"]
+    rows = [("prefill, HF default", "prefill_tok_per_ms"), ("prefill, lean", "prefill_lean_tok_per_ms"),
+            ("decode b1, HF default", "decode_tok_per_s_b1"), ("decode b16, HF default", "decode_tok_per_s_b16"),
+            ("decode b1, lean", "decode_lean_tok_per_s_b1"), ("decode b16, lean", "decode_lean_tok_per_s_b16"),
+            ("train step", "train_tok_per_s")]
+    log(f"\n{'':22s} {'dense':>10s} {'twell':>10s} {'ratio':>7s}")
+    for name, key in rows:
+        if dense.get(key) and twell.get(key):
+            log(f"{name:22s} {dense[key]:10.1f} {twell[key]:10.1f} {twell[key] / dense[key]:6.3f}x")
+    for name, key in (("mJ/token, HF default", "mj_per_token"), ("mJ/token, lean", "mj_per_token_lean"),
+                      ("peak GiB, prefill", "peak_bytes"), ("peak GiB, lean", "peak_bytes_lean")):
+        if dense.get(key) and twell.get(key):
+            scale = 2**30 if "bytes" in key else 1
+            log(f"{name:22s} {dense[key] / scale:10.3f} {twell[key] / scale:10.3f} {twell[key] / dense[key]:6.3f}x")
+    log(f"done in {time.time() - t0:.0f}s; wrote {path}")
+
+
+def _write_csv(records: list[dict], path: str) -> None:
+    keys = [k for k in records[0] if not isinstance(records[0][k], (list, dict))]
+    with open(path, "w") as fh:
+        fh.write(",".join(keys) + "\n")
+        for r in records:
+            fh.write(",".join("" if r.get(k) is None else str(r.get(k)) for k in keys) + "\n")
+
+
+def plot_model(records: list[dict], path_png: str) -> None:
+    """Bar chart of twell over dense for each whole-model measure (higher is better)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    dense, twell = records
+    items = [("prefill\nHF default", "prefill_tok_per_ms", False), ("prefill\nlean", "prefill_lean_tok_per_ms", False),
+             ("decode b1\nHF default", "decode_tok_per_s_b1", False), ("decode b16\nHF default", "decode_tok_per_s_b16", False),
+             ("decode b1\nlean", "decode_lean_tok_per_s_b1", False), ("decode b16\nlean", "decode_lean_tok_per_s_b16", False),
+             ("train\nstep", "train_tok_per_s", False), ("energy\nHF default", "mj_per_token", True),
+             ("energy\nlean", "mj_per_token_lean", True), ("peak mem.\nprefill", "peak_bytes", True),
+             ("peak mem.\nlean", "peak_bytes_lean", True)]
+    names, ratios = [], []
+    for name, key, lower_better in items:
+        if dense.get(key) and twell.get(key):
+            names.append(name)
+            ratios.append(dense[key] / twell[key] if lower_better else twell[key] / dense[key])
+    fig, ax = plt.subplots(figsize=(13, 3.8))
+    bars = ax.bar(names, ratios, color=["tab:green" if r >= 1 else "tab:red" for r in ratios])
+    ax.axhline(1.0, color="k", lw=0.8)
+    for b, r in zip(bars, ratios):
+        ax.text(b.get_x() + b.get_width() / 2, r, f"{r:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.set_ylabel("twell advantage over dense (x)")
+    ax.set_title(f"{dense['preset']} shape, about {dense['k']:g} active units per token (constructed), {dense['gpu']}",
+                 fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+    plt.close(fig)
 
 
 def _runtime_bench(args, tag: str, log, t0: float) -> None:

@@ -1,0 +1,59 @@
+"""The whole-model benchmark's pieces that run on a CPU: the sparsity construction and greedy
+decoding with a static cache (its CUDA-graph timing runs on the GPU only)."""
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+from transformers import LlamaForCausalLM  # noqa: E402
+
+from twell import sparsify  # noqa: E402
+from twell.bench.model import active_units, calibrate_sparsity, greedy_decode  # noqa: E402
+from twell.train.model import make_config  # noqa: E402
+
+
+def _model(layers=3, seed=0):
+    torch.manual_seed(seed)
+    config = make_config("tiny", 300)
+    config.hidden_act = "relu"
+    config.num_hidden_layers = layers
+    return LlamaForCausalLM(config).eval()
+
+
+def test_calibration_gives_every_layer_about_k_active_units_without_a_heavy_tail():
+    model = _model()
+    f = model.config.intermediate_size
+    k = 12
+    cal = calibrate_sparsity(model, k, torch.randint(0, 300, (4, 128)))
+    assert len(cal["active_mean"]) == 3
+    fresh = active_units(model, torch.randint(0, 300, (4, 128)))
+    for mean, top in zip(fresh["active_mean"], fresh["active_max"]):
+        assert 0.7 * k <= mean <= 1.4 * k  # fresh tokens, not the calibration ones
+        assert top <= 5 * k < f
+    # channel 0 of the residual stream is never written: it is the gate's bias input
+    base = model.model
+    for layer in base.layers:
+        assert torch.all(layer.self_attn.o_proj.weight[0] == 0) and torch.all(layer.mlp.down_proj.weight[0] == 0)
+    assert torch.all(base.embed_tokens.weight[:, 0] == cal["scale"])
+
+
+def test_calibration_works_on_a_sparsified_model_and_keeps_its_function():
+    dense, sparse = _model(seed=1), sparsify(_model(seed=1)).eval()
+    ids = torch.randint(0, 300, (2, 64))
+    for m in (dense, sparse):
+        calibrate_sparsity(m, 10, ids)
+    with torch.no_grad():
+        a, b = dense.model(input_ids=ids).last_hidden_state, sparse.model(input_ids=ids).last_hidden_state
+    assert torch.allclose(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_greedy_decode_equals_generate():
+    model = _model(layers=2, seed=2)
+    calibrate_sparsity(model, 10, torch.randint(0, 300, (2, 64)))
+    prompt = torch.randint(0, 300, (2, 9))
+    out = greedy_decode(model, prompt, 7, graph=False)
+    ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=7, do_sample=False)
+    assert torch.equal(out["tokens"], ref)
+    assert out["first_logits"].shape == (2, model.config.vocab_size) and out["timed_steps"] == 4  # 6 steps, 2 untimed
+    sparse = sparsify(model).eval()
+    assert torch.equal(greedy_decode(sparse, prompt, 7, graph=False)["tokens"], ref)
