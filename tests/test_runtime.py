@@ -90,12 +90,12 @@ def test_no_probe_and_no_poll_inside_a_capture():
             raise AssertionError("polled during a capture")
 
     s._event = Event()
-    assert not s._want_probe("auto", capturing=True)
+    assert not s._want_probe("auto", capturing=True, M=1)
     s.estimate = (1.0, 1.0)
     assert s.choose(1 << 20, 5632, "auto", None, True) == "prefill"  # decided from the estimate it has
     s._event = None
-    assert not s._want_probe("auto", capturing=True)
-    assert not s._want_probe("dense", capturing=False)
+    assert not s._want_probe("auto", capturing=True, M=4096)
+    assert not s._want_probe("dense", capturing=False, M=4096)
 
 
 def test_estimate_from_a_decode_probe():
@@ -116,11 +116,24 @@ def test_estimate_from_a_decode_probe():
     assert s.union_share(16, 5632) == pytest.approx(share, rel=1e-6)
 
 
+def test_row_stats():
+    from twell.dispatch import row_stats
+
+    p = torch.tensor([0.0, 3.0, 4.0, 29.0, 1.0])
+    mean, rms, top, over = row_stats(p, torch.tensor(0.25)).tolist()
+    assert mean == pytest.approx(7.4) and rms == pytest.approx(float(p.square().mean().sqrt()), rel=1e-6)
+    assert top == 29.0 and over == 0.25
+
+
 def test_probes_are_spaced():
     s = SparseGatedMLP(8, 16)._twell_layer
     s.k_est = 1.0
-    taken = [s._want_probe("auto", False) for _ in range(3 * s.PROBE_EVERY)]
+    taken = [s._want_probe("auto", False, 4096) for _ in range(3 * s.PROBE_EVERY)]
     assert sum(taken) == 3
+    s._calls = 0  # small batches: their eager path is dense whatever the estimate, probe rarely
+    taken = [s._want_probe("auto", False, 1) for _ in range(2 * s.PROBE_EVERY_SMALL)]
+    assert sum(taken) == 2
+    assert not s._want_probe("auto", True, 4096) and not s._want_probe("dense", False, 4096)
 
 
 # --- statistics, layout, copies ----------------------------------------------------------------

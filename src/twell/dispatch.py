@@ -24,7 +24,9 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
   (see :meth:`LayerState.cost`): prefill.
 - Otherwise dense.
 
-The sparsity estimate never costs a host synchronisation: every ``PROBE_EVERY`` calls a
+The sparsity estimate never costs a host synchronisation: every ``PROBE_EVERY`` calls (every
+``PROBE_EVERY_SMALL`` calls of at most ``DECODE_MAX_M`` tokens, whose eager path is dense
+whatever the estimate and whose host time is what a caller waits for) a
 layer copies a few statistics of the call (row counts on the dense and prefill paths, the share
 of units active in the batch on the decode path) to pinned host memory without blocking, and a
 later call reads them once their CUDA event has completed.
@@ -50,6 +52,7 @@ import weakref
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_MAX_UNION", "DECODE_BLIND_M", "PREFILL_MIN_M", "MODES"]
 
@@ -68,6 +71,15 @@ PREFILL_MIN_M = 4096
 
 _LAYERS: "weakref.WeakValueDictionary[int, LayerState]" = weakref.WeakValueDictionary()
 _IDS = itertools.count()
+
+
+def row_stats(per_row: torch.Tensor, over_per_token: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``[4]`` float32: mean, rms and max of ``per_row`` (``[n]`` float32 active units per row),
+    then ``over_per_token`` (or the rms again as a placeholder when None). Five launches: a
+    probe runs on the caller's time."""
+    std, mean = torch.std_mean(per_row, correction=0)
+    rms = torch.hypot(std, mean)
+    return torch.stack([mean, rms, per_row.max(), rms if over_per_token is None else over_per_token])
 
 
 _BY_WEIGHT: "dict[int, weakref.ref[LayerState]]" = {}
@@ -125,6 +137,7 @@ class LayerState:
     TAIL_WEIGHT = 850.0
     HYSTERESIS = 1.05
     PROBE_EVERY = 8  # calls between two estimates (each costs a few small launches)
+    PROBE_EVERY_SMALL = 64  # the same for calls of at most DECODE_MAX_M tokens
     SMALL_M = 1024  # up to here the dense path multiplies with PyTorch ops, above with relu_mul_
 
     def __init__(self, module) -> None:
@@ -140,6 +153,7 @@ class LayerState:
         self._host: Optional[torch.Tensor] = None
         self._event = None
         self._kind = ""
+        self._no_overflow = False
         self._calls = 0
         self._on_kernels = False
 
@@ -159,6 +173,8 @@ class LayerState:
     def _poll(self) -> None:
         if self._event is not None and self._event.query():
             a, b, c, e = (float(v) for v in self._host.tolist())
+            if self._no_overflow:
+                e = 0.0
             if self._kind == "rows":  # mean, rms, max of active units per row; overflowed tiles per row
                 self.estimate = (a + self.RMS_WEIGHT * max(0.0, b - a) + e * self._tile / 8, c)
                 self.k_est = a
@@ -208,17 +224,20 @@ class LayerState:
             return mode
         raise ValueError(f"kernel_mode must be one of {MODES}, got {mode!r}")
 
-    def _want_probe(self, mode: str, capturing: bool) -> bool:
-        """A new estimate is taken every PROBE_EVERY calls, one in flight at a time, never in a capture."""
+    def _want_probe(self, mode: str, capturing: bool, M: int) -> bool:
+        """A new estimate is taken every PROBE_EVERY calls (PROBE_EVERY_SMALL for small M), one
+        in flight at a time, never in a capture."""
         if mode != "auto" or capturing or self._event is not None:
             return False
         self._calls += 1
-        return self._calls % self.PROBE_EVERY == 1 or self.k_est is None
+        every = self.PROBE_EVERY_SMALL if M <= DECODE_MAX_M else self.PROBE_EVERY
+        return self._calls % every == 1 or self.k_est is None
 
-    def _publish(self, kind: str, values: torch.Tensor) -> None:
+    def _publish(self, kind: str, values: torch.Tensor, no_overflow: bool = False) -> None:
         """Copy ``values`` ([4] float32 on the GPU) to pinned host memory without blocking."""
         if not values.is_cuda:
             return
+        self._no_overflow = no_overflow
         if self._host is None:
             self._host = torch.empty(4, dtype=torch.float32, pin_memory=True)
         self._host.copy_(values, non_blocking=True)
@@ -226,11 +245,11 @@ class LayerState:
         self._event = torch.cuda.Event()
         self._event.record()
 
-    def _publish_rows(self, per_row: torch.Tensor, over_per_token: torch.Tensor) -> None:
-        """per_row: ``[n]`` active units of (a sample of) the call's rows."""
+    def _publish_rows(self, per_row: torch.Tensor, over_per_token: Optional[torch.Tensor]) -> None:
+        """per_row: ``[n]`` active units of (a sample of) the call's rows, float32;
+        over_per_token: overflowed tiles per token (None: no overflow on this path)."""
         if per_row.numel():
-            p = per_row.float()
-            self._publish("rows", torch.stack([p.mean(), p.square().mean().sqrt(), p.max(), over_per_token.float()]))
+            self._publish("rows", row_stats(per_row, over_per_token), no_overflow=over_per_token is None)
 
     # -- the paths ------------------------------------------------------------------------------
 
@@ -244,7 +263,7 @@ class LayerState:
         mode = m.kernel_mode
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path = self.choose(M, f, mode, m.kernel_max_density, capturing)
-        w_down_t = w_down.t()
+        w_down_t = w_down.t() if path != "dense" else w_down
         if path != "dense" and not w_down_t.is_contiguous():
             # kernels need down columns as contiguous rows: the module keeps w_down so in eval
             # mode (see _SparseFFN.train); a weight replaced since is laid out again here, outside
@@ -257,7 +276,7 @@ class LayerState:
                 path = "dense"
         self.last_path = path
         track = m._tracking()
-        probe = M > 0 and self._want_probe(mode, capturing)
+        probe = M > 0 and self._want_probe(mode, capturing, M)
         if path == "decode":
             return self._decode(m, x, w_first, w_down_t, w_up, track, probe)
         if path == "prefill":
@@ -298,22 +317,28 @@ class LayerState:
         if track:
             m._record_counts(nnz, uc)
         if probe:
-            self._publish_rows(nnz if track else g.counts.sum(dim=1), (self.counters.tiles - before).float() / M)
+            per_row = nnz if track else g.counts.sum(dim=1)
+            self._publish_rows(per_row.float(), (self.counters.tiles - before).float() / M)
         return y
 
     def _dense(self, m, x, w_first, w_down, w_up, track, probe):
-        from .kernels.elementwise import relu_mul_
-
-        a = torch.mm(x, w_first.t())  # the pre-activation: a > 0 is the ReLU pattern
-        if probe and a.shape[0]:
-            self._publish_rows((a[:4096] > 0).sum(dim=1), torch.zeros((), device=a.device))
+        # F.linear rather than mm(x, w.t()): one Python-level view fewer per product
+        a = F.linear(x, w_first)  # the pre-activation: a > 0 is the ReLU pattern
         if track:
             m._record(a, None)
         if w_up is None:
             h = torch.relu(a)
         elif a.shape[0] <= self.SMALL_M:
             # two in-place PyTorch ops issue faster than a Triton launch; the traffic is small here
-            h = torch.mm(x, w_up.t()).mul_(a.relu_())
+            h = F.linear(x, w_up).mul_(a.relu_())
         else:
-            h = relu_mul_(torch.mm(x, w_up.t()), a)  # one pass over [M, f] instead of two
-        return torch.mm(h, w_down.t())
+            from .kernels.elementwise import relu_mul_
+
+            h = relu_mul_(F.linear(x, w_up), a)  # one pass over [M, f] instead of two
+        y = F.linear(h, w_down)
+        del h
+        if probe and a.shape[0]:
+            # after h is freed, so the probe's [rows, f] mask never raises the call's peak; a > 0
+            # is still the pattern (relu_ keeps the sign)
+            self._publish_rows((a[:4096] > 0).sum(dim=1, dtype=torch.float32), None)
+        return y

@@ -136,14 +136,18 @@ class _SparseFFN(nn.Module):
 
     # -- checks, statistics ---------------------------------------------------------------------
 
-    def _check_input(self, x: torch.Tensor) -> None:
+    def _check_input(self, x: torch.Tensor, w: torch.Tensor) -> None:
+        """Clear errors before any kernel; ``w``: ``down_proj.weight``. The common case (same
+        dtype and device as the weights) is decided first: at one token per call this Python is
+        a visible share of the call."""
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"input must be a torch.Tensor, got {type(x).__name__}")
         if x.dim() < 1 or x.shape[-1] != self.hidden_size:
             raise ValueError(f"input must be [..., {self.hidden_size}] (hidden_size), got {tuple(x.shape)}")
+        if x.dtype is w.dtype and x.device == w.device and w.is_floating_point():
+            return
         if not x.is_floating_point():
             raise TypeError(f"input must be a floating tensor, got {x.dtype}")
-        w = self.down_proj.weight
         if x.device != w.device:
             raise ValueError(f"input is on {x.device} but the module's weights are on {w.device}")
         if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
@@ -152,11 +156,11 @@ class _SparseFFN(nn.Module):
                 "(or run under torch.autocast)"
             )
 
-    def _inference_ok(self, x: torch.Tensor) -> bool:
+    def _inference_ok(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """True when this call may take the inference path (:mod:`twell.dispatch`): fp16/bf16 on
         CUDA (or any dtype under the Triton interpreter with a kernel path forced, for tests), no
         bias, no autocast, and no gradient needed (grad mode off, or in eval mode with neither
-        the input nor a weight requiring grad)."""
+        the input nor a weight requiring grad). ``w``: ``down_proj.weight``."""
         if x.is_cuda:
             if x.dtype not in _HALF:
                 return False
@@ -166,25 +170,25 @@ class _SparseFFN(nn.Module):
             return False
         if torch.is_autocast_enabled(x.device.type):
             return False  # autocast recasts the matmuls; the dense path follows its rules
-        return self.down_proj.bias is None and self.down_proj.weight.dtype == x.dtype
+        return w.dtype == x.dtype and self.down_proj.bias is None
 
     def _weights_require_grad(self) -> bool:
         raise NotImplementedError
 
-    def _infer(self, x: torch.Tensor, w_first: torch.Tensor, w_up: Optional[torch.Tensor]) -> torch.Tensor:
+    def _infer(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor]) -> torch.Tensor:
         # kept lean: at one token per call this Python is most of the call's cost
         shape = x.shape
         x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
-        w_down = self.down_proj.weight
         if torch.compiler.is_compiling():
             # the same LayerState.run, behind a custom op the compiled graph calls per call
             from . import library  # noqa: F401  (registers torch.ops.twell)
 
             y = torch.ops.twell.ffn_infer(x2, w_first, w_down, w_up)
         else:
-            self.l1 = None
+            if self.__dict__["l1"] is not None:  # a plain attribute: skip nn.Module.__setattr__
+                self.__dict__["l1"] = None
             y = self._twell_layer.run(x2, w_first, w_down, w_up)
         return y if x.dim() == 2 else y.reshape(shape)
 
@@ -288,9 +292,10 @@ class SparseGatedMLP(_SparseFFN):
         takes the inference path: decode kernels for small batches, TwELL prefill kernels where
         this layer's measured sparsity makes them pay, else dense cuBLAS (:mod:`twell.dispatch`;
         ``self.kernel_mode``). Otherwise the dense PyTorch math, with the L1 term and statistics."""
-        self._check_input(x)
-        if self._inference_ok(x):
-            return self._infer(x, self.gate_proj.weight, self.up_proj.weight)
+        w_down = self.down_proj.weight
+        self._check_input(x, w_down)
+        if self._inference_ok(x, w_down):
+            return self._infer(x, self.gate_proj.weight, w_down, self.up_proj.weight)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         g = torch.relu(self.gate_proj(x2))
@@ -325,9 +330,10 @@ class SparseMLP(_SparseFFN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., d]``; picks its path as :meth:`SparseGatedMLP.forward` does."""
-        self._check_input(x)
-        if self._inference_ok(x):
-            return self._infer(x, self.up_proj.weight, None)
+        w_down = self.down_proj.weight
+        self._check_input(x, w_down)
+        if self._inference_ok(x, w_down):
+            return self._infer(x, self.up_proj.weight, w_down, None)
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         h = torch.relu(self.up_proj(x2))
