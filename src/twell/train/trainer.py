@@ -14,7 +14,9 @@ depend on how it is split over processes and micro-batches: 2 processes with bat
 same 8 sequences as 1 process with batch 8.
 
 Distributed: run under torchrun; DDP by default, FSDP2 (``fully_shard`` per decoder layer)
-with ``fsdp=True``. Statistics and validation loss are reduced over all ranks.
+with ``fsdp=True``. Statistics and validation loss are reduced over all ranks. Under FSDP the
+model is built on the meta device, sharded, and each rank materialises only its shards, with
+the values of the seeded CPU build (:mod:`twell.train.meta_init`).
 """
 
 from __future__ import annotations
@@ -105,12 +107,23 @@ class Trainer:
         shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_layers=cfg.num_layers, num_heads=cfg.num_heads, context=max(cfg.seq_len, PRESETS[cfg.preset].context))
         self.config = make_config(cfg.preset, self.tokenizer.vocab_size, **shape)
-        self.model = build_model(self.config, seed=cfg.seed).to(self.device)
+        recipe = None
+        if self.sharded:
+            # No rank builds the whole model: it is built on the meta device (no memory) and
+            # _wrap shards it, then materialises each rank's shards with the values that
+            # build_model gives on the CPU (the recipe: that build, recorded without data).
+            from .meta_init import record_init
+
+            recipe = record_init(lambda: build_model(self.config, seed=cfg.seed))
+            with torch.device("meta"):
+                self.model = build_model(self.config, seed=cfg.seed)
+        else:
+            self.model = build_model(self.config, seed=cfg.seed).to(self.device)
         if cfg.grad_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.modules = sparse_modules(self.model)
         self.n_params = count_params(self.model)
-        self.wrapped = self._wrap(self.model)
+        self.wrapped = self._wrap(self.model, recipe)
 
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
@@ -168,16 +181,21 @@ class Trainer:
         if cfg.fsdp and self.world == 1:
             raise ValueError("--fsdp needs several processes: torchrun --nproc_per_node N -m twell train --fsdp ...")
         self.main = self.rank == 0
+        self.sharded = cfg.fsdp  # parameters (and optimizer state) sharded over ranks
 
-    def _wrap(self, model):
+    def _wrap(self, model, recipe=None):
         if self.world == 1:
             return model
         if self.cfg.fsdp:
             from torch.distributed.fsdp import fully_shard
 
+            from .meta_init import materialize
+
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
+            # Storage for this rank's shards only, then the seeded values, one tensor at a time.
+            materialize(model, recipe, self.device)
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
