@@ -1,23 +1,29 @@
-"""FSDP2 from the meta device, on two CPU processes (gloo): the sharded model starts from the
-seeded build's exact weights.
+"""FSDP2 from the meta device and sharded checkpoints (torch.distributed.checkpoint), on two CPU
+processes (gloo): the sharded model starts from the seeded build's exact weights, a checkpoint
+round-trips exactly and resumes on one process.
 
 The two-process run is made once for the module (spawning costs most of its time); the tests
 read what it left."""
 
 import os
+import shutil
 
 import pytest
 import torch
 
 from test_train_dist import _free_port, _spawn
 from test_train_loss import config
+from twell.cli import main
+from twell.train import checkpoint as ckpt
 from twell.train.meta_init import record_init
 from twell.train.model import build_model, make_config
+from twell.train.report import read_history
 from twell.train.trainer import Trainer, shutdown_distributed
 
 # 2 ranks x 2 micro-batches x 1 sequence: 4 sequences a step, as 1 process x 1 x 4.
 COMMON = dict(l1=0.05, steps=3, log_every=1, eval_every=3, save_every=1, dead_window=1, keep=2, val_batches=2)
 TWO = dict(batch_size=1, grad_accum=2, fsdp=True)
+PROBE = torch.arange(2 * 16).reshape(2, 16) % 257  # token ids whose logits the tests compare
 
 
 def _full_state(trainer) -> tuple[dict, dict]:
@@ -39,9 +45,18 @@ def _fsdp_worker(rank, world, port, cfg, out_file):
               "buffers": {k: v.clone() for k, v in trainer.model.named_buffers()},
               "tied": trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight,
               "sharded": type(trainer.model.lm_head.weight).__name__}
+    trainer.fit()
+    result["params"], result["optim"] = _full_state(trainer)
+    trainer.wrapped.eval()
+    with torch.no_grad():
+        result["logits"] = trainer.wrapped(input_ids=PROBE).logits.clone()
+    # Round trip: a fresh sharded trainer loads the last checkpoint (steps + 1: something to do).
+    again = Trainer(type(cfg)(**{**vars(cfg), "steps": cfg.steps + 1}), resume=cfg.out)
+    result["reloaded"] = _full_state(again)
+    result["reloaded_step"], result["reloaded_samples"] = again.step, again.samples_seen
     if rank == 0:
         torch.save(result, out_file)
-    del trainer
+    del trainer, again
     shutdown_distributed()
 
 
@@ -90,3 +105,54 @@ def test_fsdp_meta_init_equals_the_seeded_build(fsdp_run):
         assert torch.equal(run["init"][name], t), name
     for name, t in want.named_buffers():
         assert torch.equal(run["buffers"][name], t), name
+
+
+def test_fsdp_checkpoint_round_trip(fsdp_run):
+    """Saved by two ranks (in the background), loaded by two: identical weights and AdamW state;
+    the folder holds one shard file per rank, the list of files, and --keep pruned the rest."""
+    tmp, cfg, run = fsdp_run
+    params, optim = run["params"], run["optim"]
+    got_params, got_optim = run["reloaded"]
+    assert run["reloaded_step"] == 3 and run["reloaded_samples"] == 3 * 4
+    for name, t in params.items():
+        assert torch.equal(got_params[name], t), name
+    assert set(got_optim) == set(optim) and optim
+    for name, slots in optim.items():
+        for slot, t in slots.items():
+            assert torch.equal(got_optim[name][slot], t), (name, slot)
+    checkpoints = tmp / "run" / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step_000002", "step_000003"]
+    last = checkpoints / "step_000003"
+    assert ckpt.is_sharded(last) and ckpt.missing_files(last) == []
+    assert sorted(p.name for p in (last / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    assert not (last / "model.safetensors").exists() and not (last / "optimizer.safetensors").exists()
+
+
+def test_truncated_shard_makes_the_checkpoint_incomplete(fsdp_run, tmp_path):
+    tmp, _, _ = fsdp_run
+    run = tmp_path / "run"
+    shutil.copytree(tmp / "run" / "checkpoints", run / "checkpoints")
+    shard = run / "checkpoints" / "step_000003" / "dcp" / "__1_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-10])
+    passed_over = []
+    assert ckpt.latest_checkpoint(run, passed_over) == run / "checkpoints" / "step_000002"
+    assert passed_over == [(run / "checkpoints" / "step_000003", ["dcp/__1_0.distcp"])]
+
+
+def test_two_rank_fsdp_checkpoint_resumes_on_one_process(fsdp_run, tmp_path, capsys):
+    """`twell train --resume` of the step-1 checkpoint in one process (unsharded, 4 sequences a
+    step as before) ends where the two-rank run ended, up to the order of the reductions."""
+    tmp, cfg, run = fsdp_run
+    out = tmp_path / "resumed"
+    main(["train", "--resume", str(tmp / "run" / "checkpoints" / "step_000002"), "--batch-size", "2",
+          "--out", str(out), "--no-plot"])
+    assert "written by an FSDP run; resuming in one process, without FSDP" in capsys.readouterr().err
+    want = {r["step"]: r for r in read_history(tmp / "run" / "log.csv")}
+    got = read_history(out / "log.csv")
+    assert [r["step"] for r in got] == [3]
+    for key in ("ce", "l1", "val_loss"):
+        assert abs(got[0][key] - want[3][key]) <= 1e-5 * abs(want[3][key]), key
+    final = ckpt.load_model_weights(out / "checkpoints" / "step_000003")
+    for name, t in run["params"].items():
+        if name in final:
+            torch.testing.assert_close(final[name], t, rtol=1e-5, atol=1e-6, msg=name)

@@ -99,7 +99,8 @@ def train_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     r.add_argument("--precision", choices=["bf16", "fp32"], help="bf16 autocast (default on GPUs) or fp32")
     r.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in the backward pass")
-    r.add_argument("--fsdp", action="store_true", help="under torchrun: shard parameters with FSDP instead of DDP")
+    r.add_argument("--fsdp", action="store_true", help="under torchrun: shard parameters, optimizer state and "
+                   "checkpoints with FSDP2 instead of DDP (built on the meta device: no rank holds the whole model)")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     r.add_argument("--no-plot", dest="plot", action="store_false", help="no training.png")
     return p
@@ -130,6 +131,11 @@ def train_main(argv=None) -> dict:
         except FileNotFoundError as err:
             raise SystemExit(f"twell train --resume: {err}")
         base = json.loads(saved.read_text())
+        if base.get("fsdp") and "fsdp" not in args and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            # A sharded checkpoint loads on any number of ranks: in one process, unsharded.
+            base["fsdp"] = False
+            print(f"note: {saved.parent} was written by an FSDP run; resuming in one process, without FSDP",
+                  file=sys.stderr)
     try:
         cfg = _config_from(args, base)
         cfg.resolved()  # every value checked before the trainer (torch, transformers) is imported
