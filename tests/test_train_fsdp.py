@@ -1,10 +1,12 @@
 """FSDP2 from the meta device and sharded checkpoints (torch.distributed.checkpoint), on two CPU
 processes (gloo): the sharded model starts from the seeded build's exact weights, a checkpoint
-round-trips exactly and resumes on one process.
+round-trips exactly, resumes on one process, and exports to a Hugging Face folder that gives
+the trained model's logits.
 
 The two-process run is made once for the module (spawning costs most of its time); the tests
 read what it left."""
 
+import json
 import os
 import shutil
 
@@ -156,3 +158,42 @@ def test_two_rank_fsdp_checkpoint_resumes_on_one_process(fsdp_run, tmp_path, cap
     for name, t in run["params"].items():
         if name in final:
             torch.testing.assert_close(final[name], t, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_export_gives_the_trained_models_logits(fsdp_run, tmp_path, capsys):
+    """`twell export RUN DIR` of the sharded checkpoint: from_pretrained gives the logits of the
+    trained (sharded) model, and `twell eval DIR` the run's validation loss."""
+    from transformers import LlamaForCausalLM
+
+    from twell import sparsify
+
+    tmp, _, run = fsdp_run
+    out = tmp_path / "hf"
+    main(["export", str(tmp / "run"), str(out)])
+    assert "from_pretrained" in capsys.readouterr().out
+    model = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=PROBE).logits, run["logits"], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(sparsify(model)(input_ids=PROBE).logits, run["logits"], rtol=1e-5, atol=1e-5)
+    summary = json.loads((tmp / "run" / "summary.json").read_text())
+    for path in (out, tmp / "run"):  # the export, and the sharded checkpoint itself
+        main(["eval", str(path), "--json"])
+        assert json.loads(capsys.readouterr().out)["val_loss"] == pytest.approx(summary["val_loss"], rel=1e-5)
+    with pytest.raises(SystemExit, match="exists and is not an empty folder"):
+        main(["export", str(tmp / "run"), str(out)])
+
+
+def test_export_of_an_unsharded_checkpoint(tmp_path):
+    t = Trainer(config(tmp_path, steps=2, log_every=1, eval_every=2))
+    t.fit()
+    out = tmp_path / "hf"
+    main(["export", str(tmp_path / "run"), str(out)])
+    from transformers import LlamaForCausalLM
+
+    t.model.eval()
+    with torch.no_grad():
+        want = t.model(input_ids=PROBE).logits
+        got = LlamaForCausalLM.from_pretrained(out, dtype=torch.float32).eval()(input_ids=PROBE).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    info = json.loads((out / "twell_export.json").read_text())
+    assert info["format"] == "safetensors" and info["step"] == 2 and (out / "twell_tokenizer.json").is_file()
