@@ -38,7 +38,7 @@ def _full_state(trainer) -> tuple[dict, dict]:
             {name: {k: v.clone() for k, v in slots.items()} for name, slots in osd.get("state", {}).items()})
 
 
-def _fsdp_worker(rank, world, port, cfg, out_file):
+def _fsdp_worker(rank, world, port, cfg, out_file, unsharded):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -56,17 +56,21 @@ def _fsdp_worker(rank, world, port, cfg, out_file):
     again = Trainer(type(cfg)(**{**vars(cfg), "steps": cfg.steps + 1}), resume=cfg.out)
     result["reloaded"] = _full_state(again)
     result["reloaded_step"], result["reloaded_samples"] = again.step, again.samples_seen
+    # An unsharded (safetensors) checkpoint of a one-process run, resumed sharded.
+    cross = Trainer(type(cfg)(**{**vars(cfg), "out": cfg.out + "-cross"}), resume=unsharded)
+    result["cross"], result["cross_step"] = _full_state(cross), cross.step
     if rank == 0:
         torch.save(result, out_file)
-    del trainer, again
+    del trainer, again, cross
     shutdown_distributed()
 
 
 @pytest.fixture(scope="module")
 def fsdp_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
+    Trainer(config(tmp, **{**COMMON, "steps": 2}, batch_size=4, out=str(tmp / "one"))).fit()
     cfg = config(tmp, **COMMON, **TWO, out=str(tmp / "run"))
-    _spawn(_fsdp_worker, (2, _free_port(), cfg, str(tmp / "rank0.pt")), start_method="fork")
+    _spawn(_fsdp_worker, (2, _free_port(), cfg, str(tmp / "rank0.pt"), str(tmp / "one")), start_method="fork")
     return tmp, cfg, torch.load(tmp / "rank0.pt", weights_only=False)
 
 
@@ -128,6 +132,24 @@ def test_fsdp_checkpoint_round_trip(fsdp_run):
     assert ckpt.is_sharded(last) and ckpt.missing_files(last) == []
     assert sorted(p.name for p in (last / "dcp").glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
     assert not (last / "model.safetensors").exists() and not (last / "optimizer.safetensors").exists()
+
+
+def test_fsdp_resumes_an_unsharded_checkpoint(fsdp_run):
+    """A one-process run's safetensors checkpoint, resumed by two FSDP ranks: its weights and
+    AdamW state, exactly."""
+    tmp, _, run = fsdp_run
+    saved = tmp / "one" / "checkpoints" / "step_000002"
+    params, optim = run["cross"]
+    assert run["cross_step"] == 2
+    weights = ckpt.load_model_weights(saved)
+    assert set(weights) == set(params) - {"lm_head.weight"}
+    for name, t in weights.items():
+        assert torch.equal(params[name], t), name
+    state = ckpt.load_optimizer(saved / "optimizer.safetensors")["state"]
+    assert set(state) == set(optim)
+    for name, slots in state.items():
+        for slot, t in slots.items():
+            assert torch.equal(optim[name][slot], torch.as_tensor(t)), (name, slot)
 
 
 def test_truncated_shard_makes_the_checkpoint_incomplete(fsdp_run, tmp_path):
