@@ -16,11 +16,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(fn, args, timeout_s: float = 180.0) -> None:
-    """mp.spawn with a deadline, so that a stuck rank fails the test instead of hanging CI."""
+def _spawn(fn, args, timeout_s: float = 180.0, start_method: str = "spawn") -> None:
+    """mp.spawn with a deadline, so that a stuck rank fails the test instead of hanging CI.
+
+    ``start_method="fork"``: the ranks inherit this process's imports (torch, transformers:
+    about 15 s of a spawned rank's start on 2 cores); for ranks that build their own state."""
     import time
 
-    ctx = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method="spawn")
+    ctx = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:

@@ -328,8 +328,9 @@ def test_arguments_are_checked_before_torch_loads():
     code = textwrap.dedent("""
         import sys
         from twell.cli import main
-        for argv in (["--help"], ["train", "--help"], ["eval", "--help"], ["train", "--steps", "0"],
-                     ["train", "--keep", "-1"], ["train", "--resume", "/no/such/run"], ["eval", "/no/such/run"]):
+        for argv in (["--help"], ["train", "--help"], ["eval", "--help"], ["export", "--help"], ["train", "--steps", "0"],
+                     ["train", "--keep", "-1"], ["train", "--resume", "/no/such/run"], ["eval", "/no/such/run"],
+                     ["export", "/no/such/run", "/no/such/out"]):
             try:
                 main(argv)
             except SystemExit as e:
@@ -340,6 +341,7 @@ def test_arguments_are_checked_before_torch_loads():
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout + proc.stderr
     assert "steps (--steps) must be >= 1, got 0" in proc.stderr and "keep (--keep) must be >= 0" in proc.stderr
     assert "no checkpoint in /no/such/run" in proc.stderr
+    assert "twell export: no checkpoint in /no/such/run" in proc.stderr
 
 
 def test_no_documents_names_the_file_types_read(tmp_path):

@@ -14,6 +14,7 @@ import sys
 COMMANDS = {
     "train": ("twell.train.cli", "train_main", "train a sparse language model (ReLU gate + L1)"),
     "eval": ("twell.train.cli", "eval_main", "validation loss, perplexity and sparsity of a checkpoint"),
+    "export": ("twell.train.cli", "export_main", "write a checkpoint (sharded or not) as a Hugging Face folder"),
     "data": ("twell.data_cli", "data_main", "prepare a corpus: tokenize once into token shards on disk"),
     "bench": ("twell.bench.cli", "bench_main", "benchmark twell kernels against dense PyTorch"),
     "convert": ("twell.hf", "convert_main", "sparsify a Hugging Face model folder and save it"),

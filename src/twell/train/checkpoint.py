@@ -12,11 +12,27 @@
       train_config.json                the run's settings (eval and --resume read them)
       twell_tokenizer.json (+ HF tokenizer files)
 
+Under FSDP the weights and the optimizer state are sharded: no rank holds them whole, so each
+rank writes its own shards with ``torch.distributed.checkpoint`` (DCP) instead of the two
+safetensors files above:
+
+    step_000300/
+      dcp/                             DCP folder: __0_0.distcp, __1_0.distcp ... (one file per
+                                       rank: its shards of the weights and of the AdamW state,
+                                       keys "model.*" and "optim.*") and .metadata (the global
+                                       shape of every tensor and where its pieces are)
+      twell_checkpoint.json            written last: every file of the checkpoint with its size
+      config.json, trainer_state.safetensors, train_config.json, tokenizer   as above
+
+DCP records global shapes, so such a checkpoint loads on any number of ranks, sharded or not
+(``--resume`` on another world size; ``twell export`` with no process group). ``twell export``
+turns either kind into a ``save_pretrained`` folder.
+
 A checkpoint is written into a hidden temporary folder beside it (``.step_000300.tmp``), its
 files flushed to disk, and then renamed into place: a kill or power loss during the write
 leaves the previous checkpoints as they were and no ``step_*`` folder that is half written.
-:func:`latest_checkpoint` still checks every file (older versions wrote in place) and falls
-back to the newest complete checkpoint.
+:func:`latest_checkpoint` still checks every file (older versions wrote in place; a sharded
+checkpoint against its list of files) and falls back to the newest complete checkpoint.
 
 The folder-level functions here import neither torch nor safetensors' torch bindings, so that
 ``twell train --resume`` can find a checkpoint and read its settings before torch loads.
@@ -35,11 +51,16 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["save_optimizer", "load_optimizer", "save_tensors_with_meta", "load_tensors_with_meta", "read_meta",
-           "load_model_weights", "latest_checkpoint", "step_checkpoints", "missing_files", "temporary_folder",
-           "commit", "prune", "remove_partial_writes"]
+           "load_model_weights", "load_sharded_model_weights", "load_sharded", "is_sharded", "write_manifest", "latest_checkpoint",
+           "step_checkpoints", "missing_files", "temporary_folder", "temporary_path", "commit", "prune",
+           "remove_partial_writes", "DCP_DIR", "MANIFEST"]
 
 # Every file --resume needs, besides the model weights (model.safetensors, or shards and their index).
 REQUIRED = ("config.json", "optimizer.safetensors", "trainer_state.safetensors", "train_config.json")
+DCP_DIR = "dcp"  # a sharded checkpoint's DCP folder (weights and optimizer state)
+MANIFEST = "twell_checkpoint.json"  # a sharded checkpoint's list of files, written last
+# What a sharded checkpoint needs besides the files its manifest lists.
+REQUIRED_SHARDED = ("config.json", "trainer_state.safetensors", "train_config.json", MANIFEST)
 _STEP = re.compile(r"step_(\d+)")
 
 
@@ -91,11 +112,56 @@ def load_optimizer(path: Path) -> dict:
     return {"state": state, "param_groups": groups}
 
 
+def is_sharded(directory: Path) -> bool:
+    """Whether ``directory`` is a sharded (DCP) checkpoint."""
+    return (Path(directory) / DCP_DIR).is_dir() or (Path(directory) / MANIFEST).is_file()
+
+
+def load_sharded_model_weights(directory: Path) -> dict[str, "torch.Tensor"]:
+    """The full weights of a sharded checkpoint, read in this process alone (no process group):
+    DCP assembles each tensor from every rank's shards. The optimizer state is not read."""
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    path = Path(directory) / DCP_DIR
+    try:
+        metadata = dcp.FileSystemReader(str(path)).read_metadata()
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"{directory} holds no DCP metadata ({path / '.metadata'})") from err
+    weights = {}
+    for key, md in metadata.state_dict_metadata.items():
+        if key.startswith("model.") and hasattr(md, "size"):  # tensors; "optim.*" left on disk
+            weights[key[len("model."):]] = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+    if not weights:
+        raise ValueError(f"{path} holds no model weights (keys model.*)")
+    load_sharded({"model": weights}, directory)
+    return weights
+
+
+def load_sharded(state: dict, directory: Path, process_group=None) -> None:
+    """Fill ``state`` (DCP's nested dict: ``{"model": ..., "optim": ...}`` or a part of it) in
+    place from the sharded checkpoint ``directory``; each tensor gets the pieces it covers, in
+    whatever shards the ranks that saved them wrote. Outside a process group: this process alone."""
+    import warnings
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    alone = not (dist.is_available() and dist.is_initialized())
+    with warnings.catch_warnings():  # DCP warns whenever it loads in one process, as meant here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(Path(directory) / DCP_DIR), process_group=process_group, no_dist=alone)
+
+
 def load_model_weights(directory: Path) -> dict[str, "torch.Tensor"]:
-    """The state dict that save_pretrained wrote in ``directory`` (one file or shards)."""
+    """The weights of a checkpoint: the state dict that save_pretrained wrote in ``directory``
+    (one file or shards), or those of a sharded (DCP) checkpoint. Tied weights appear once
+    (``lm_head.weight`` is left out when it is the embedding)."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
+    if is_sharded(directory):
+        return load_sharded_model_weights(directory)
     single = directory / "model.safetensors"
     if single.is_file():
         return load_file(str(single))
@@ -122,10 +188,40 @@ def _readable_safetensors(path: Path) -> bool:
         return False
 
 
+def write_manifest(directory: Path) -> None:
+    """List every file under ``directory`` with its size in :data:`MANIFEST` (written last: a
+    sharded checkpoint is complete when every file it lists is there, whole)."""
+    directory = Path(directory)
+    files = {str(f.relative_to(directory)): f.stat().st_size for f in sorted(directory.rglob("*"))
+             if f.is_file() and f.name != MANIFEST}
+    (directory / MANIFEST).write_text(json.dumps({"format": "dcp", "files": files}, indent=1))
+
+
+def _missing_sharded(directory: Path) -> list[str]:
+    missing = [name for name in REQUIRED_SHARDED if not (directory / name).is_file()]
+    if MANIFEST in missing:
+        return missing
+    try:
+        files = json.loads((directory / MANIFEST).read_text())["files"]
+    except (ValueError, KeyError):
+        return [*missing, MANIFEST]
+    if f"{DCP_DIR}/.metadata" not in files:
+        missing.append(f"{DCP_DIR}/.metadata")
+    for name, size in files.items():
+        path = directory / name
+        if not path.is_file() or path.stat().st_size != size:
+            missing.append(name)
+    if "trainer_state.safetensors" not in missing and not _readable_safetensors(directory / "trainer_state.safetensors"):
+        missing.append("trainer_state.safetensors")
+    return sorted(set(missing), key=missing.index)
+
+
 def missing_files(directory: Path) -> list[str]:
     """What ``directory`` lacks to be a complete checkpoint: names of absent or truncated files
     (empty for a complete one)."""
     directory = Path(directory)
+    if is_sharded(directory):
+        return _missing_sharded(directory)
     weights = ["model.safetensors"]
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -160,7 +256,7 @@ def latest_checkpoint(path: Path, skipped: list | None = None) -> Path:
     run folder ``path``. Newer incomplete ones (an older version's interrupted write) are passed
     over and appended to ``skipped`` as ``(folder, missing file names)``."""
     path = Path(path)
-    if _STEP.fullmatch(path.name) or any((path / name).is_file() for name in REQUIRED[1:]):
+    if _STEP.fullmatch(path.name) or any((path / name).is_file() for name in (*REQUIRED[1:], MANIFEST)):
         missing = missing_files(path)
         if missing:
             raise FileNotFoundError(f"{path} is an incomplete checkpoint (missing or truncated: {', '.join(missing)})")
@@ -179,10 +275,15 @@ def latest_checkpoint(path: Path, skipped: list | None = None) -> Path:
 # --- writing checkpoints -----------------------------------------------------------------------
 
 
+def temporary_path(final: Path) -> Path:
+    """The hidden folder beside ``final`` that its checkpoint is written into."""
+    final = Path(final)
+    return final.parent / f".{final.name}.tmp"
+
+
 def temporary_folder(final: Path) -> Path:
     """An empty hidden folder beside ``final`` to write the checkpoint into (see :func:`commit`)."""
-    final = Path(final)
-    tmp = final.parent / f".{final.name}.tmp"
+    tmp = temporary_path(final)
     if tmp.exists():  # left by a write that was killed
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)

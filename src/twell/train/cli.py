@@ -1,6 +1,6 @@
-"""``twell train`` and ``twell eval``.
+"""``twell train``, ``twell eval`` and ``twell export``.
 
-Both parse and check their arguments, and find the checkpoint they are given, before torch and
+Each parses and checks its arguments, and finds the checkpoint it is given, before torch and
 transformers are imported (seconds), so that ``--help`` and argument errors answer at once.
 """
 
@@ -16,7 +16,7 @@ from pathlib import Path
 from .config import TrainConfig
 from .model import PRESETS
 
-__all__ = ["train_main", "eval_main", "train_parser", "eval_parser"]
+__all__ = ["train_main", "eval_main", "export_main", "train_parser", "eval_parser", "export_parser"]
 
 LOSS_HELP = """\
 loss = cross_entropy + lambda * l1_loss, where
@@ -34,6 +34,7 @@ Examples:
   twell train --data corpus/*.jsonl --tokenizer HuggingFaceTB/SmolLM-135M --preset 0.5b
   torchrun --nproc_per_node 8 -m twell train --preset 1b --grad-checkpointing [--fsdp]
   twell train --resume runs/twell        (continues exactly from the newest checkpoint)
+  twell export runs/twell runs/twell-hf  (a Hugging Face folder, from any checkpoint)
 
 Ctrl-C (SIGINT) or SIGTERM saves a checkpoint at the end of the step under way and prints the
 command that resumes it. A step whose loss or gradient is NaN or Inf is skipped with a warning.
@@ -99,7 +100,8 @@ def train_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     r.add_argument("--precision", choices=["bf16", "fp32"], help="bf16 autocast (default on GPUs) or fp32")
     r.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in the backward pass")
-    r.add_argument("--fsdp", action="store_true", help="under torchrun: shard parameters with FSDP instead of DDP")
+    r.add_argument("--fsdp", action="store_true", help="under torchrun: shard parameters, optimizer state and "
+                   "checkpoints with FSDP2 instead of DDP (built on the meta device: no rank holds the whole model)")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     r.add_argument("--no-plot", dest="plot", action="store_false", help="no training.png")
     return p
@@ -130,6 +132,11 @@ def train_main(argv=None) -> dict:
         except FileNotFoundError as err:
             raise SystemExit(f"twell train --resume: {err}")
         base = json.loads(saved.read_text())
+        if base.get("fsdp") and "fsdp" not in args and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+            # A sharded checkpoint loads on any number of ranks: in one process, unsharded.
+            base["fsdp"] = False
+            print(f"note: {saved.parent} was written by an FSDP run; resuming in one process, without FSDP",
+                  file=sys.stderr)
     try:
         cfg = _config_from(args, base)
         cfg.resolved()  # every value checked before the trainer (torch, transformers) is imported
@@ -193,6 +200,7 @@ def eval_main(argv=None) -> dict:
         if not (path / "config.json").is_file():
             raise SystemExit(f"twell eval: {err}; nor is it a save_pretrained folder (no config.json)")
     saved = json.loads((path / "train_config.json").read_text()) if (path / "train_config.json").is_file() else {}
+    export_info = path / "twell_export.json"  # a `twell export` folder: the run's world size is noted there
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in {f.name for f in fields(TrainConfig)}})
     for key in ("data", "val_fraction", "seq_len", "batch_size"):
         if getattr(a, key) is not None:
@@ -200,15 +208,17 @@ def eval_main(argv=None) -> dict:
     # By default the windows the run's validation passes read: val_batches micro-batches on each process.
     state = path / "trainer_state.safetensors"
     world = int(read_meta(state).get("world_size", 1)) if state.is_file() else 1
+    if not state.is_file() and export_info.is_file():
+        world = int(json.loads(export_info.read_text()).get("world_size") or 1)
     batches = a.val_batches or (cfg.val_batches * world if saved else TrainConfig().val_batches)
     hidden_act = json.loads((path / "config.json").read_text()).get("hidden_act")
 
     import torch
-    from transformers import LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     from ..hf import activation_note, sparsify
     from .data import load_corpus, load_tokenizer
+    from .export import load_model
     from .report import describe_validation
     from .trainer import evaluate_lm
 
@@ -219,7 +229,7 @@ def eval_main(argv=None) -> dict:
     tok_spec = a.tokenizer or (str(path) if (path / "twell_tokenizer.json").is_file() else cfg.tokenizer)
     tokenizer = load_tokenizer(tok_spec)
     hf_logging.disable_progress_bar()  # keep the report to what twell prints
-    model = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = load_model(path, dtype=torch.float32)  # a sharded checkpoint's shards assembled here
     sparsify(model)
     model.to(device)
     seq_len = cfg.seq_len or model.config.max_position_embeddings
@@ -246,3 +256,39 @@ def eval_main(argv=None) -> dict:
         for i, (am, mx, dv) in enumerate(zip(ev["active_mean"], ev["active_max"], ev["dead_frac"])):
             print(f"{i:>5} {am:>12.1f} {mx:>6} {f'{round(dv * f)} ({100 * dv:.1f}%)':>18}")
     return result
+
+
+def export_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="twell export", description="Write a checkpoint as a Hugging Face model folder: "
+                                "config, safetensors weights and the run's tokenizer, which "
+                                "LlamaForCausalLM.from_pretrained and twell eval load. Takes both kinds of checkpoint: "
+                                "sharded (FSDP runs, torch.distributed.checkpoint; assembled here, in one process) and "
+                                "safetensors. The optimizer state is left out.")
+    p.add_argument("checkpoint", help="checkpoint folder, or a run's --out folder (its newest complete checkpoint)")
+    p.add_argument("out", help="the folder to write (must not exist, or be empty)")
+    return p
+
+
+def export_main(argv=None) -> dict:
+    """Entry point of ``twell export CHECKPOINT OUT``."""
+    a = export_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    from .checkpoint import latest_checkpoint
+
+    try:
+        path = latest_checkpoint(Path(a.checkpoint))
+    except FileNotFoundError as err:
+        raise SystemExit(f"twell export: {err}")
+    out = Path(a.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise SystemExit(f"twell export: {out} exists and is not an empty folder")
+
+    from .export import export_checkpoint
+
+    try:
+        info = export_checkpoint(path, out)
+    except (ValueError, FileNotFoundError, FileExistsError) as err:
+        raise SystemExit(f"twell export: {err}")
+    print(f"{out}: {info['params']:,} parameters from {path} (step {info['step']}, {info['format']} checkpoint of "
+          f"{info['world_size']} process{'es' if info['world_size'] != 1 else ''}); "
+          f"LlamaForCausalLM.from_pretrained({str(out)!r}) loads it, twell eval {out} evaluates it")
+    return info

@@ -14,7 +14,11 @@ depend on how it is split over processes and micro-batches: 2 processes with bat
 same 8 sequences as 1 process with batch 8.
 
 Distributed: run under torchrun; DDP by default, FSDP2 (``fully_shard`` per decoder layer)
-with ``fsdp=True``. Statistics and validation loss are reduced over all ranks.
+with ``fsdp=True``. Statistics and validation loss are reduced over all ranks. Under FSDP the
+model is built on the meta device, sharded, and each rank materialises only its shards, with
+the values of the seeded CPU build (:mod:`twell.train.meta_init`); checkpoints are sharded
+(``torch.distributed.checkpoint``, written in the background where torch can) and load on any
+number of ranks.
 """
 
 from __future__ import annotations
@@ -55,6 +59,18 @@ class RunStopped(RuntimeError):
     def __init__(self, message: str, exit_code: int, checkpoint: Path):
         super().__init__(message)
         self.exit_code, self.checkpoint = exit_code, checkpoint
+
+
+@dataclass
+class _PendingSave:
+    """A sharded checkpoint written into ``tmp``, to be renamed ``final`` once ``future`` (None:
+    written already) is done; ``managed``: in the run's checkpoints/ folder (prune after)."""
+
+    future: object
+    tmp: Path
+    final: Path
+    managed: bool
+    step: int
 
 
 @dataclass
@@ -105,12 +121,23 @@ class Trainer:
         shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_layers=cfg.num_layers, num_heads=cfg.num_heads, context=max(cfg.seq_len, PRESETS[cfg.preset].context))
         self.config = make_config(cfg.preset, self.tokenizer.vocab_size, **shape)
-        self.model = build_model(self.config, seed=cfg.seed).to(self.device)
+        recipe = None
+        if self.sharded:
+            # No rank builds the whole model: it is built on the meta device (no memory) and
+            # _wrap shards it, then materialises each rank's shards with the values that
+            # build_model gives on the CPU (the recipe: that build, recorded without data).
+            from .meta_init import record_init
+
+            recipe = record_init(lambda: build_model(self.config, seed=cfg.seed))
+            with torch.device("meta"):
+                self.model = build_model(self.config, seed=cfg.seed)
+        else:
+            self.model = build_model(self.config, seed=cfg.seed).to(self.device)
         if cfg.grad_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.modules = sparse_modules(self.model)
         self.n_params = count_params(self.model)
-        self.wrapped = self._wrap(self.model)
+        self.wrapped = self._wrap(self.model, recipe)
 
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]
@@ -140,6 +167,7 @@ class Trainer:
         self.train_seconds, self.session_tokens = 0.0, 0
         self.stop_signal: Optional[int] = None  # set by SIGINT/SIGTERM during fit
         self._saved: Optional[tuple[int, Path]] = None  # (step, folder) of the last checkpoint written or loaded
+        self._pending: Optional[_PendingSave] = None  # a sharded checkpoint still being written in the background
         self._last_save_time = time.monotonic()
         if resume:
             passed_over: list = []
@@ -168,16 +196,30 @@ class Trainer:
         if cfg.fsdp and self.world == 1:
             raise ValueError("--fsdp needs several processes: torchrun --nproc_per_node N -m twell train --fsdp ...")
         self.main = self.rank == 0
+        self.sharded = cfg.fsdp  # parameters, optimizer state and checkpoints sharded over ranks
+        # Sharded checkpoints are written in a background thread where torch has dcp.async_save.
+        # Its collectives run on a gloo group of their own: on the training group they would
+        # interleave with the training's own collectives (and async_save needs a CPU backend).
+        self._async_save, self._save_group = False, None
+        if self.sharded:
+            import torch.distributed.checkpoint as dcp
 
-    def _wrap(self, model):
+            self._async_save = hasattr(dcp, "async_save")
+            self._save_group = dist.new_group(backend="gloo") if self._async_save else None
+
+    def _wrap(self, model, recipe=None):
         if self.world == 1:
             return model
         if self.cfg.fsdp:
             from torch.distributed.fsdp import fully_shard
 
+            from .meta_init import materialize
+
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
+            # Storage for this rank's shards only, then the seeded values, one tensor at a time.
+            materialize(model, recipe, self.device)
             return model
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -311,13 +353,29 @@ class Trainer:
         opts = StateDictOptions(full_state_dict=True, cpu_offload=self.world > 1)
         return get_state_dict(self.model, self.optimizer, options=opts)
 
-    def save_checkpoint(self, directory: Optional[Path] = None) -> Path:
+    def _sharded_state(self) -> dict:
+        """``{"model": ..., "optim": ...}`` as DCP saves and loads it: each rank's shards
+        (DTensors) under FSDP, whole tensors otherwise; keyed by parameter names. A tied
+        output matrix is left out (it is the embedding, stored once)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        msd, osd = get_state_dict(self.model, self.optimizer)
+        if self.config.tie_word_embeddings:
+            msd.pop("lm_head.weight", None)
+        return {"model": msd, "optim": osd}
+
+    def save_checkpoint(self, directory: Optional[Path] = None, blocking: bool = False) -> Path:
         """Write a checkpoint (see :mod:`twell.train.checkpoint`); every rank must call it.
 
         The files go to a temporary folder renamed into place once they are on disk. In the
-        run's own ``checkpoints/`` folder, only the newest ``cfg.keep`` step checkpoints stay."""
+        run's own ``checkpoints/`` folder, only the newest ``cfg.keep`` step checkpoints stay.
+
+        Sharded (FSDP) checkpoints: every rank writes its shards; where torch can, in the
+        background after a copy to host memory, so training goes on meanwhile and the folder
+        gets its name later (:meth:`wait_for_checkpoint`, called before the next checkpoint, at
+        the end of the run and with ``blocking=True``). Returns the final folder's path."""
         final = Path(directory or self.out / "checkpoints" / f"step_{self.step:06d}")
-        msd, osd = self._full_state()
+        self.wait_for_checkpoint()
         rng = {f"rng_cpu_rank{self.rank}": torch.get_rng_state()}
         if self.device.type == "cuda":
             rng[f"rng_cuda_rank{self.rank}"] = torch.cuda.get_rng_state(self.device)
@@ -329,14 +387,23 @@ class Trainer:
         acc = torch.stack([self.ce_acc, self.l1_acc, self.gn_acc])
         if self.world > 1:
             dist.all_reduce(acc)
+        if self.sharded:
+            tmp = ckpt.temporary_folder(final) if self.main else ckpt.temporary_path(final)
+            dist.barrier()  # the folder is there, and empty, before any rank writes into it
+            self._write_shards(tmp, final, managed=directory is None, blocking=blocking)
+        else:
+            msd, osd = self._full_state()
+            tmp = ckpt.temporary_folder(final) if self.main else None
         if self.main:
-            tmp = ckpt.temporary_folder(final)
-            unwrapped = self.model.module if hasattr(self.model, "module") else self.model
-            from transformers.utils import logging as hf_logging
+            if not self.sharded:
+                unwrapped = self.model.module if hasattr(self.model, "module") else self.model
+                from transformers.utils import logging as hf_logging
 
-            hf_logging.disable_progress_bar()  # its "Writing model shards" bar would break ours
-            unwrapped.save_pretrained(tmp, state_dict=msd)
-            ckpt.save_optimizer(tmp / "optimizer.safetensors", osd)
+                hf_logging.disable_progress_bar()  # its "Writing model shards" bar would break ours
+                unwrapped.save_pretrained(tmp, state_dict=msd)
+                ckpt.save_optimizer(tmp / "optimizer.safetensors", osd)
+            else:
+                self.config.save_pretrained(tmp)  # the weights are in dcp/: the model's config alone
             tensors = {k: v for r in rngs for k, v in r.items()}
             tensors.update({f"dead/{k}": dead[k] for k in ("counts", "dead", "reinit_count")})
             tensors.update({f"interval/{k}": interval[k] for k in ("active_sum", "l1_sum", "active_max")})
@@ -349,24 +416,74 @@ class Trainer:
             ckpt.save_tensors_with_meta(tmp / "trainer_state.safetensors", tensors, meta)
             (tmp / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
             self.tokenizer.save(tmp)
-            ckpt.commit(tmp, final)
-            if directory is None:  # in the run's own checkpoints/ folder
-                ckpt.prune(final.parent, self.cfg.keep, self.step)
-        if self.world > 1:
-            dist.barrier()
+            if not self.sharded:
+                ckpt.commit(tmp, final)
+                if directory is None:  # in the run's own checkpoints/ folder
+                    ckpt.prune(final.parent, self.cfg.keep, self.step)
+        if self._pending is not None and self._pending.future is None:  # written: name it now
+            self.wait_for_checkpoint()
+        if self._pending is None and self.world > 1:
+            dist.barrier()  # the folder is in place when any rank returns
         self._saved, self._last_save_time = (self.step, final), time.monotonic()
         return final
+
+    def _write_shards(self, tmp: Path, final: Path, managed: bool, blocking: bool) -> None:
+        """Every rank: this rank's shards of the weights and optimizer state into ``tmp/dcp``;
+        in the background (see :meth:`save_checkpoint`) unless ``blocking``."""
+        import torch.distributed.checkpoint as dcp
+
+        state = self._sharded_state()
+        path = str(tmp / ckpt.DCP_DIR)
+        if self._async_save and not blocking:
+            # Returns once this rank's shards are copied to host memory; the files are written
+            # by a thread, and rank 0 names the folder when its write (which waits for every
+            # rank's) is done.
+            future = dcp.async_save(state, checkpoint_id=path, process_group=self._save_group)
+            self._pending = _PendingSave(future, tmp, final, managed, self.step)
+        else:  # named at the end of save_checkpoint, after rank 0 wrote the small files
+            dcp.save(state, checkpoint_id=path, process_group=self._save_group)
+            self._pending = _PendingSave(None, tmp, final, managed, self.step)
+
+    def poll_checkpoint(self) -> None:
+        """Name the background checkpoint if its write has finished (no waiting, no collective)."""
+        if self._pending is not None and (self._pending.future is None or self._pending.future.done()):
+            self.wait_for_checkpoint()
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait for the sharded checkpoint being written (if any) and give it its name: rank 0
+        lists its files (the completeness marker), renames the folder into place and prunes."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return
+        if pending.future is not None:
+            pending.future.result()  # raises what the write raised
+        if self.main:
+            # Rank 0's write finishes after every rank's (it gathers their results and writes
+            # .metadata last), so all the shards are in place.
+            ckpt.write_manifest(pending.tmp)
+            ckpt.commit(pending.tmp, pending.final)
+            if pending.managed:
+                ckpt.prune(pending.final.parent, self.cfg.keep, pending.step)
 
     def load_checkpoint(self, directory: Path) -> None:
         """Restore weights, optimizer, scheduler, RNG, data position and dead-unit state."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
-        msd = ckpt.load_model_weights(directory)
-        if self.config.tie_word_embeddings:
-            msd.setdefault("lm_head.weight", msd["model.embed_tokens.weight"])
-        osd = ckpt.load_optimizer(directory / "optimizer.safetensors")
-        set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd,
-                       options=StateDictOptions(full_state_dict=True))
+        if ckpt.is_sharded(directory):
+            # DCP reads the pieces each rank needs, whatever the number of ranks that wrote them.
+            state = self._sharded_state()
+            ckpt.load_sharded(state, directory, self._save_group)
+            msd, osd = state["model"], state["optim"]
+            if self.config.tie_word_embeddings:
+                msd["lm_head.weight"] = msd["model.embed_tokens.weight"]
+            set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd)
+        else:
+            msd = ckpt.load_model_weights(directory)
+            if self.config.tie_word_embeddings:
+                msd.setdefault("lm_head.weight", msd["model.embed_tokens.weight"])
+            osd = ckpt.load_optimizer(directory / "optimizer.safetensors")
+            set_state_dict(self.model, self.optimizer, model_state_dict=msd, optim_state_dict=osd,
+                           options=StateDictOptions(full_state_dict=True))
         tensors, meta = ckpt.load_tensors_with_meta(directory / "trainer_state.safetensors")
         self.step, self.samples_seen = int(meta["step"]), int(meta["samples_seen"])
         self.scheduler.load_state_dict(meta["scheduler"])
@@ -459,8 +576,11 @@ class Trainer:
                         logger.log(row)
                     if (cfg.save_every and self.step % cfg.save_every == 0) or last or r.save:
                         self.save_checkpoint()
+                    else:
+                        self.poll_checkpoint()
                     if r.stop and not last:
                         raise self._interrupted()
+            self.wait_for_checkpoint()  # the last one in place before the summary names it
         finally:
             logger.close()
             self.loader.close()  # the prefetch thread: no more batches are wanted
@@ -506,6 +626,7 @@ class Trainer:
             path = self._saved[1]
         else:
             path = self.save_checkpoint()
+        self.wait_for_checkpoint()  # in place before the message names it
         resume = f"train --resume {shlex.quote(str(self.out))}{extra}"
         command = f"torchrun --nproc_per_node {self.world} -m twell {resume}" if self.world > 1 else f"twell {resume}"
         return RunStopped(f"{why} at step {self.step} of {self.cfg.steps}; {state} saved in {path}; {advice}: {command}",
