@@ -17,7 +17,7 @@ COMMANDS = {
     "export": ("twell.train.cli", "export_main", "write a checkpoint (sharded or not) as a Hugging Face folder"),
     "data": ("twell.data_cli", "data_main", "prepare a corpus: tokenize once into token shards on disk"),
     "bench": ("twell.bench.cli", "bench_main", "benchmark twell kernels against dense PyTorch"),
-    "convert": ("twell.hf", "convert_main", "sparsify a Hugging Face model folder and save it"),
+    "convert": ("twell.convert_cli", "convert_main", "sparsify a Hugging Face model folder and save it"),
 }
 
 

@@ -121,27 +121,3 @@ def convert(src: str, dst: str, dtype: Optional[str] = None) -> nn.Module:
     except (OSError, ValueError):
         pass
     return model
-
-
-def convert_main(argv=None) -> None:
-    """``twell convert SRC DST``: the command-line form of :func:`convert`."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(
-        prog="twell convert",
-        description="Swap the gated MLPs of a Hugging Face causal LM for twell's ReLU-gated sparse "
-        "MLPs and save it. ReLU for SiLU changes the function: train or fine-tune sparse afterwards.",
-    )
-    parser.add_argument("src", help="model folder (or hub name, where there is a network)")
-    parser.add_argument("dst", help="output folder")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="load and save in this dtype")
-    args = parser.parse_args(argv)
-    from transformers import AutoConfig
-
-    note = activation_note(getattr(AutoConfig.from_pretrained(args.src), "hidden_act", None))
-    if note:
-        print(f"note: {args.src}: {note}; {args.dst} is saved with hidden_act relu", file=sys.stderr)
-    model = convert(args.src, args.dst, args.dtype)
-    n = sum(1 for m in model.modules() if isinstance(m, SparseGatedMLP))
-    print(f"converted {n} MLPs of {type(model).__name__}; saved to {args.dst}")
