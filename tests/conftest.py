@@ -2,6 +2,10 @@
 
 - Without a GPU, Triton kernels run under the interpreter: TRITON_INTERPRET must be set before
   Triton compiles anything, so it is set here, before any test module imports twell.
+- Without a GPU, torch runs on one intra-op thread (unless OMP_NUM_THREADS says otherwise): the
+  tests' tensors are tiny, and on a 2-core machine shared with another busy process two OpenMP
+  threads wait for each other at every op (measured: the training tests took 55 to 67 s instead
+  of 15 s; alone on the machine, the same with one thread or two).
 - Memory that twell allocates with torch.empty/empty_like/new_empty comes back filled with NaN
   (floats) or a large sentinel (integers), so that a kernel which leaves an element unwritten,
   or reads a slot nobody wrote, fails the test instead of passing on lucky zeros.
@@ -14,6 +18,8 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

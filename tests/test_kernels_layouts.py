@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import gate_case, rel_err
+from kernel_cases import gate_case, packed, rel_err
 from test_kernels_pack import assert_same_twell
 from twell import reference as R
 from twell.format import pack_twell
@@ -65,29 +65,32 @@ def test_fused_gate_pack_last_tile_overflow_then_a_clean_row():
 
 @pytest.mark.parametrize("method", ["scan", "bits"])
 def test_pack_reads_rows_by_their_stride(method):
-    x, w, _, _ = gate_case(11, 24, 150, torch.float32, seed=5)
+    # 6 rows: a row read at the wrong offset shows from the second row on; two 64-column tiles
+    # and a partial third
+    x, w, _, _ = gate_case(6, 24, 150, torch.float32, seed=5)
     a = x @ w.T
     for view in (strided(a, 13), strided(a, 0, every=3)):
         assert view.stride(0) != a.shape[1]
         assert_same_twell(pack_relu(view, 64, 4, method=method), pack_twell(torch.relu(a), 64, 4))
 
 
-@pytest.mark.parametrize("two_pass", [False, True])
+@pytest.mark.parametrize("kernel", ["token", "token-two-pass", "rows"])
 @pytest.mark.parametrize("gated", [True, False])
-def test_ffn_from_twell_with_every_input_strided(two_pass, gated, monkeypatch):
+def test_ffn_from_twell_with_every_input_strided(kernel, gated, monkeypatch):
     """x, w_up, w_down_t, w_first and pre each with a different row stride, none equal to d or f."""
-    if two_pass:
+    if kernel == "token-two-pass":  # overflowed tiles in a second launch, as for large M
         monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+        kernel = "token"
     M, d, f = 13, 40, 100
     x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=6)
     pre = x @ wg.T
-    g = pack_relu(pre, 32, 4)
+    g = packed(pre, 128 if kernel == "rows" else 32, 4)  # the rows kernel takes one tile per row
     assert bool(g.overflowed().any())
     xs, wus, wdts, wgs, pres = strided(x, 3), strided(wu, 7), strided(wd.T.contiguous(), 11), strided(wg, 0, every=2), strided(pre, 5)
     assert len({xs.stride(0), wus.stride(0), wdts.stride(0), wgs.stride(0), pres.stride(0), d, f}) == 7
     ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double()) if gated else R.mlp(x.double(), wg.double(), wd.double())
     for kw in (dict(pre=pres), dict(w_first=wgs)):
         c = OverflowCounters.zeros("cpu")
-        y = ffn_from_twell(xs, g, wdts, w_up=wus if gated else None, counters=c, **kw)
+        y = ffn_from_twell(xs, g, wdts, w_up=wus if gated else None, counters=c, kernel=kernel, **kw)
         assert rel_err(y, ref) < 1e-5, kw.keys()
         assert int(c.tiles) == int(g.overflowed().sum())

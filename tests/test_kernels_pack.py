@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import gate_case
+from kernel_cases import case_id, gate_case
 from twell.format import pack_twell
 from twell.kernels import gate_pack_fused, pack_relu
 from twell.ops import gate_to_twell
@@ -25,18 +25,25 @@ def assert_same_twell(out, ref):
     assert not torch.isnan(out.values[used]).any()
 
 
-@pytest.mark.parametrize("dtype", CPU_DTYPES)
-@pytest.mark.parametrize(
-    "M,f,tile,compression",
-    # the last two span several 256-column steps of the pack pass (its carry across steps)
-    # (the bit-word pack: one summary word per 1024 columns, several in the 4096 tile)
-    [(13, 100, 32, 4), (6, 70, 16, 8), (9, 40, 64, 2), (5, 37, 128, 8), (9, 700, 512, 4), (9, 1500, 1024, 8),
-     (5, 2500, 4096, 8)],
+# (M, f, tile, compression): odd sizes, partial last tiles, a tile narrower than the bit-word
+# pack's 32 columns (it refuses it), one tile wider than f; in fp32 and fp16.
+NARROW = [(13, 100, 32, 4), (6, 70, 16, 8), (9, 40, 64, 2), (5, 37, 128, 8)]
+# Wide tiles, in fp32 only: their bookkeeping does not depend on the dtype, and under the
+# interpreter the bit-word pack costs time in proportion to rows x columns (each wide fp16 copy
+# took seconds). 700 / 512: two tiles, each over several 256-column steps of the pack pass (its
+# carry across steps). 1100 / 2048, bit-word pack only (the scan has no per-tile state that
+# 700 / 512 does not already cover): its summary words (one per 1024 columns), two in this tile,
+# the first one full (its bit 31 is the int32 sign bit). 5 rows: one row block of the bit-word
+# pack (row blocks that do not divide M: the narrow cases and the next test).
+PACK_CASES = (
+    [(method, dtype, *case) for method in ("scan", "bits") for case in NARROW for dtype in CPU_DTYPES]
+    + [(method, torch.float32, 5, 700, 512, 4) for method in ("scan", "bits")]
+    + [("bits", torch.float32, 5, 1100, 2048, 8)]
 )
-@pytest.mark.parametrize("method", ["scan", "bits"])
-def test_pack_relu_matches_pack_twell(dtype, M, f, tile, compression, method):
-    if f > 1000 and dtype != torch.float32:
-        pytest.skip("the wide tiles' bookkeeping does not depend on the dtype: fp32 covers it (saves 25 s of CPU)")
+
+
+@pytest.mark.parametrize("method,dtype,M,f,tile,compression", PACK_CASES, ids=case_id)
+def test_pack_relu_matches_pack_twell(method, dtype, M, f, tile, compression):
     if method == "bits" and tile < 32:
         with pytest.raises(ValueError, match="tile >= 32"):
             pack_relu(torch.zeros(M, f, dtype=dtype), tile, compression, method=method)
@@ -63,13 +70,19 @@ def test_pack_relu_all_zero_and_empty(method):
 
 def test_pack_bits_block_shapes():
     """Row blocks that do not divide M, column steps narrower than the tile, and a word whose
-    top bit (column 31 of the word, the int32 sign bit) is set."""
-    x, w, _, _ = gate_case(11, 24, 600, torch.float32, seed=3, density=0.2)
+    top bit (column 31 of the word, the int32 sign bit) is set.
+
+    Sized for the interpreter, where this pack costs time in proportion to rows x columns and
+    to the entries of the fullest row of each block: 7 rows (two blocks of 4, the second
+    partial; one partial block of 8 and of 16), 300 columns (5 to 10 steps), about 10% dense,
+    and slots (127) that the heavy last row (about half its units) overflows."""
+    x, w, _, _ = gate_case(7, 24, 300, torch.float32, seed=3, density=0.1)
     a = x @ w.T
     a[4, 31] = a[4, 63] = 1.0
-    ref = pack_twell(torch.relu(a), 1024, 4)
+    ref = pack_twell(torch.relu(a), 1024, 8)
+    assert not bool(ref.overflowed()[4]) and bool(ref.overflowed()[6])
     for cfg in [(4, 64, 1), (8, 128, 2), (16, 32, 4)]:
-        assert_same_twell(pack_relu(a, 1024, 4, method="bits", config=cfg), ref)
+        assert_same_twell(pack_relu(a, 1024, 8, method="bits", config=cfg), ref)
 
 
 @pytest.mark.parametrize("dtype", CPU_DTYPES)

@@ -1,5 +1,8 @@
 """FFN-from-TwELL kernel, ops and module kernel path against the PyTorch references
-(Triton interpreter on the CPU in fp32/fp16; GPU tests in bf16 at real shapes)."""
+(Triton interpreter on the CPU in fp32/fp16; GPU tests in bf16 at real shapes).
+
+The kernel tests take their TwELL from ``kernel_cases.packed`` (what the pack kernels write,
+built in PyTorch, unwritten slots NaN); the ops and module tests run the pack kernels too."""
 
 from __future__ import annotations
 
@@ -7,17 +10,20 @@ import pytest
 import torch
 
 import twell
-from kernel_cases import gate_case, rel_err
+from kernel_cases import case_id, gate_case, packed, rel_err
 from twell import reference as R
-from twell.kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, pack_relu, updown
+from twell.kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, updown
 from twell.ops import gate_to_twell, prepare_gated_weights, twell_gated_mlp, twell_mlp
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 SHAPES = [(13, 40, 100, 32, 4), (8, 72, 70, 16, 8), (5, 24, 37, 64, 2)]  # M, d, f, tile, C
+# Every shape in fp32; fp16 (its loads, the fp16 rounding of recomputed gates, the rows kernel's
+# tf32 dots) on the first, which has several tiles, a partial one and overflows: the other
+# shapes' geometry (padded d, one-slot tiles, one tile wider than f) does not depend on the dtype.
+CASES = [(torch.float32, *shape) for shape in SHAPES] + [(torch.float16, *SHAPES[0])]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M,d,f,tile,C", SHAPES)
+@pytest.mark.parametrize("dtype,M,d,f,tile,C", CASES, ids=case_id)
 @pytest.mark.parametrize("source", ["pre", "recompute"])
 @pytest.mark.parametrize("kernel", ["token", "token-two-pass", "rows"])
 def test_gated_from_twell(dtype, M, d, f, tile, C, source, kernel, monkeypatch):
@@ -29,7 +35,7 @@ def test_gated_from_twell(dtype, M, d, f, tile, C, source, kernel, monkeypatch):
     pre = x @ wg.T
     if kernel == "rows":  # one tile per row
         tile = 128 if f > 64 else 64
-    g = pack_relu(pre, tile, C)
+    g = packed(pre, tile, C)
     assert bool(g.overflowed().any())
     w = prepare_gated_weights(wu, wd)
     c = OverflowCounters.zeros("cpu")
@@ -56,8 +62,7 @@ def test_exact_path_is_needed():
     assert rel_err(y_bad, R.gated_mlp(x, wg, wu, wd)) > 1e-2
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("M,d,f,tile,C", SHAPES[:2])
+@pytest.mark.parametrize("dtype,M,d,f,tile,C", [case for case in CASES if case[1:] != SHAPES[2]], ids=case_id)
 @pytest.mark.parametrize("kernel", ["token", "token-two-pass", "rows"])
 def test_mlp_from_twell(dtype, M, d, f, tile, C, kernel, monkeypatch):
     if kernel == "token-two-pass":
@@ -66,7 +71,7 @@ def test_mlp_from_twell(dtype, M, d, f, tile, C, kernel, monkeypatch):
     x, wu, _, wd = gate_case(M, d, f, dtype, seed=M * 7)
     ref = R.mlp(x.double(), wu.double(), wd.double())
     pre = x @ wu.T
-    h = pack_relu(pre, 128 if kernel == "rows" else tile, C)
+    h = packed(pre, 128 if kernel == "rows" else tile, C)
     assert bool(h.overflowed().any())
     for kw in (dict(pre=pre), dict(w_first=wu)):
         y = ffn_from_twell(x, h, wd.T.contiguous(), kernel=kernel, **kw)
@@ -80,7 +85,7 @@ def test_stats_outputs(tile, two_pass, monkeypatch):
         monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
     x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=5)
     pre = x @ wg.T
-    g = pack_relu(pre, tile, 4)
+    g = packed(pre, tile, 4)
     uc = torch.zeros(100, dtype=torch.int32)
     nnz = torch.empty(13, dtype=torch.int32)
     ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, unit_counts=uc, row_nnz=nnz)
@@ -93,12 +98,12 @@ def test_rows_kernel_empty_blocks_and_many_tokens():
     x, wg, wu, wd = gate_case(37, 40, 100, torch.float32, seed=11, density=0.02, adversarial=False)
     x[:20] = 0  # the first block has no active unit
     pre = x @ wg.T
-    g = pack_relu(pre, 128, 8)
+    g = packed(pre, 128, 8)
     y = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, kernel="rows")
     assert torch.all(y[:20] == 0)
     assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 1e-5
     with pytest.raises(ValueError, match="one-tile"):
-        ffn_from_twell(x, pack_relu(pre, 32, 8), wd.T.contiguous(), w_up=wu, pre=pre, kernel="rows")
+        ffn_from_twell(x, packed(pre, 32, 8), wd.T.contiguous(), w_up=wu, pre=pre, kernel="rows")
 
 
 def test_ops_match_reference():
@@ -127,7 +132,7 @@ def test_fused_gate_then_recompute():
 
 def test_validation():
     x, wg, wu, wd = gate_case(5, 24, 37, torch.float32)
-    g = pack_relu(x @ wg.T, 16, 4)
+    g = packed(x @ wg.T, 16, 4)
     wdt = wd.T.contiguous()
     with pytest.raises(ValueError, match="pre .* or w_first"):
         ffn_from_twell(x, g, wdt, w_up=wu)
@@ -146,9 +151,9 @@ def test_validation():
     with pytest.raises(ValueError, match="w_down_t .* is required"):
         ffn_from_twell(x, g, None, w_first=wg)
     with pytest.raises(TypeError, match="pre has dtype"):
-        ffn_from_twell(x.half(), pack_relu((x @ wg.T).half(), 16, 4), wdt.half(), pre=x @ wg.T)
+        ffn_from_twell(x.half(), packed((x @ wg.T).half(), 16, 4), wdt.half(), pre=x @ wg.T)
     # a TwELL whose geometry does not cover f = 37 (2 tiles of 16) is refused, not misread
-    short = pack_relu((x @ wg.T)[:, :32], 16, 4)
+    short = packed((x @ wg.T)[:, :32], 16, 4)
     short.f = 37
     with pytest.raises(ValueError, match="inconsistent TwELL"):
         ffn_from_twell(x, short, wdt, w_first=wg)

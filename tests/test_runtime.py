@@ -78,8 +78,8 @@ def test_module_passes_its_knobs(monkeypatch):
 
     monkeypatch.setattr(LayerState, "choose", spy)
     with torch.no_grad():
-        m(torch.randn(3, 4, 40))
-    assert seen == dict(M=12, f=100, mode="prefill", max_density=0.123, capturing=False)
+        m(torch.randn(2, 3, 40))  # few tokens: the prefill kernels run under the interpreter
+    assert seen == dict(M=6, f=100, mode="prefill", max_density=0.123, capturing=False)
 
 
 def test_no_probe_and_no_poll_inside_a_capture():

@@ -8,15 +8,18 @@ from test_train_loss import small_corpus
 from twell.cli import main
 from twell.train.report import read_history
 
+# No progress bar and no training.png: drawing the plot takes about a second of CPU per run
+# (test_train_then_eval draws it).
 FAST = ["--hidden-size", "32", "--intermediate-size", "88", "--num-layers", "2", "--num-heads", "2",
-        "--seq-len", "32", "--batch-size", "4", "--val-batches", "2", "--no-progress"]
+        "--seq-len", "32", "--batch-size", "4", "--val-batches", "2", "--no-progress", "--no-plot"]
 
 
 def test_train_then_eval(tmp_path, capsys):
     data = tmp_path / "data"
     data.mkdir()
     out = tmp_path / "run"
-    main(["train", *FAST, "--data", small_corpus(data), "--val-fraction", "0.2", "--steps", "6",
+    with_plot = [a for a in FAST if a != "--no-plot"]
+    main(["train", *with_plot, "--data", small_corpus(data), "--val-fraction", "0.2", "--steps", "6",
           "--log-every", "2", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "== summary" in printed and "active units per token" in printed and "validation loss" in printed

@@ -16,14 +16,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(fn, args, timeout_s: float = 180.0, start_method: str = "spawn") -> None:
-    """mp.spawn with a deadline, so that a stuck rank fails the test instead of hanging CI.
+def _spawn(fn, args, timeout_s: float = 180.0, start_method: str = "fork") -> None:
+    """Two ranks running ``fn``, with a deadline, so that a stuck rank fails the test instead of
+    hanging CI.
 
-    ``start_method="fork"``: the ranks inherit this process's imports (torch, transformers:
-    about 15 s of a spawned rank's start on 2 cores); for ranks that build their own state."""
+    The ranks are forked from this process, not spawned: a spawned rank starts a fresh Python
+    that imports torch and transformers again (10 to 25 s per pair of ranks on a 2-core CPU,
+    far more than the training they run), while a forked one starts with them loaded. What these
+    tests check (gradients, statistics, checkpoints reduced over gloo ranks) does not depend on
+    how the ranks were started; this process never joins a process group itself, and the runs
+    are on the CPU even where there is a GPU (a forked child cannot use CUDA once its parent
+    has). PyTorch's own gloo tests fork their ranks the same way. Each worker first sets one
+    intra-op thread: OpenMP's worker threads are not forked, and a parallel region in a forked
+    child would wait for them forever."""
     import time
+    import warnings
 
-    ctx = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method=start_method)
+    with warnings.catch_warnings():  # Python >= 3.12 warns about forking with threads (see above)
+        warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+        ctx = mp.start_processes(fn, args=args, nprocs=2, join=False, start_method=start_method)
     deadline = time.monotonic() + timeout_s
     while not ctx.join(timeout=1.0):
         if time.monotonic() > deadline:
@@ -63,13 +74,16 @@ def _worker(rank, world, port, cfg, out_file):
 
 def test_two_processes_match_one(tmp_path):
     B = 2
-    common = dict(l1=0.05, dead_window=1)
+    common = dict(device="cpu", l1=0.05, dead_window=1)
     two = config(tmp_path, batch_size=B, **common)
     one = config(tmp_path, batch_size=2 * B, **common)
     out_file = tmp_path / "rank0.pt"
+    # The one-process step first: the forked ranks inherit what it imported (transformers).
+    single = Trainer(one)
+    want = _one_step(single)
+    single.loader.close()  # no prefetch thread running while the ranks are forked
     _spawn(_worker, (2, _free_port(), two, str(out_file)))
     got = torch.load(out_file, weights_only=False)
-    want = _one_step(Trainer(one))
     assert got["broadcast_buffers"] is False  # no buffer broadcast before every forward
 
     # the one-process loss is the mean of the two ranks' (equal token counts)
@@ -106,7 +120,7 @@ def test_two_process_training_matches_one(tmp_path):
     checkpoint resumes exactly."""
     from twell.train.report import read_history
 
-    common = dict(l1=0.05, steps=3, log_every=1, eval_every=3, save_every=1, dead_window=1)
+    common = dict(device="cpu", l1=0.05, steps=3, log_every=1, eval_every=3, save_every=1, dead_window=1)
     one = config(tmp_path, batch_size=4, **common, out=str(tmp_path / "one"))
     Trainer(one).fit()
     want = read_history(tmp_path / "one" / "log.csv")
@@ -170,7 +184,7 @@ def test_two_process_resume_between_windows_and_log_steps(tmp_path):
     ranks) is the uninterrupted run's."""
     from twell.train.report import read_history
 
-    common = dict(l1=0.05, steps=4, log_every=2, eval_every=4, save_every=3, dead_window=4, batch_size=2)
+    common = dict(device="cpu", l1=0.05, steps=4, log_every=2, eval_every=4, save_every=3, dead_window=4, batch_size=2)
     full = config(tmp_path, **common, out=str(tmp_path / "full"))
     _spawn(_fit_worker, (2, _free_port(), full, None))
     resumed = config(tmp_path, **common, out=str(tmp_path / "resumed"))

@@ -95,13 +95,39 @@ def test_nan_steps_in_a_row_stop_with_the_last_good_state(tmp_path, monkeypatch,
     assert all(torch.isfinite(p).all() for p in resumed.model.parameters())
 
 
-_INTERRUPTIBLE = textwrap.dedent("""
-    # Run `twell train ARGS`; before step STEP's gradients, write READY and wait for a signal.
-    import pathlib, sys, time
-    from twell.cli import main
-    from twell.train.trainer import Trainer
+def _fork(target, *args, log_dir):
+    """Run ``target(*args)`` in a forked process whose stdout and stderr go to files in
+    ``log_dir``; returns the process and a function that reads ``(stdout, stderr)``.
 
-    ready, step = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+    A real, separate process (it gets real signals, exits with its own status, can be killed
+    mid-write), forked rather than started fresh: a fresh Python would spend most of these
+    tests importing torch and transformers again (about 9 s of a 2-core CPU each). The child
+    must not use CUDA (a forked child cannot once its parent has): the tests run on the CPU."""
+    import multiprocessing
+    import warnings
+
+    paths = log_dir / "stdout.txt", log_dir / "stderr.txt"
+
+    def child():
+        for fd, path in zip((1, 2), paths):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(f, fd)
+            os.close(f)
+        sys.stdout, sys.stderr = (open(fd, "w", buffering=1, closefd=False) for fd in (1, 2))
+        # OpenMP's worker threads are not forked: a parallel region in the child would wait
+        # for them forever (as DataLoader workers do, the child computes on one thread)
+        torch.set_num_threads(1)
+        target(*args)  # SystemExit(code) ends the process with that status
+
+    proc = multiprocessing.get_context("fork").Process(target=child, daemon=True)
+    with warnings.catch_warnings():  # Python >= 3.12 warns about forking with threads (see child)
+        warnings.filterwarnings("ignore", "This process .* is multi-threaded", DeprecationWarning)
+        proc.start()
+    return proc, lambda: tuple(p.read_text() if p.exists() else "" for p in paths)
+
+
+def _interruptible(ready, step: int, argv: list) -> None:
+    """`twell train ARGV`; before step STEP's gradients, write READY and wait for a signal."""
     forward_backward = Trainer.forward_backward
 
     def waiting(self):
@@ -112,33 +138,43 @@ _INTERRUPTIBLE = textwrap.dedent("""
                 time.sleep(0.02)
         return forward_backward(self)
 
-    Trainer.forward_backward = waiting
-    main(sys.argv[3:])
-""")
+    Trainer.forward_backward = waiting  # in the child only
+    main(argv)
 
 
-def test_sigint_saves_and_resume_ends_as_the_uninterrupted_run(tmp_path):
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for the whole test, as in its forked child (see _fork): the runs it
+    compares bit for bit then do their arithmetic in the same order on any number of cores."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_sigint_saves_and_resume_ends_as_the_uninterrupted_run(tmp_path, one_thread):
     """A real SIGINT sent to a `twell train` process in step 4 of 6: it saves step 4 and prints
     one line; `--resume` then ends with the weights and log of the uninterrupted run."""
     data = tmp_path / "data"
     data.mkdir()
     args = [*FAST, "--data", small_corpus(data), "--val-fraction", "0.2", "--steps", "6", "--log-every", "1",
-            "--eval-every", "3", "--l1", "0.05"]
+            "--eval-every", "3", "--l1", "0.05", "--device", "cpu"]  # cpu: the child is forked (see _fork)
     main(["train", *args, "--out", str(tmp_path / "full")])
 
     out, ready = tmp_path / "interrupted", tmp_path / "ready"
-    proc = subprocess.Popen([sys.executable, "-c", _INTERRUPTIBLE, str(ready), "4", "train", *args, "--out", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc, output = _fork(_interruptible, ready, 4, ["train", *args, "--out", str(out)], log_dir=tmp_path)
     try:
         deadline = time.monotonic() + 120  # to start and train 3 steps
-        while not ready.exists() and proc.poll() is None and time.monotonic() < deadline:
+        while not ready.exists() and proc.is_alive() and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert ready.exists(), proc.communicate()
-        proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=120)
+        assert ready.exists(), output()
+        os.kill(proc.pid, signal.SIGINT)
+        proc.join(timeout=120)
     finally:
         proc.kill()
-    assert proc.returncode == 128 + signal.SIGINT, stderr
+        proc.join()
+    stdout, stderr = output()
+    assert proc.exitcode == 128 + signal.SIGINT, stderr
     assert "Traceback" not in stderr
     line = stderr.strip().splitlines()[-1]
     assert re.fullmatch(rf"twell train: interrupted by SIGINT at step 4 of 6; checkpoint saved in {out}/checkpoints/"
@@ -176,13 +212,9 @@ def test_sigterm_saves_at_the_end_of_the_step(tmp_path, monkeypatch):
     assert signal.getsignal(signal.SIGTERM) is handler  # the loop's handlers are gone
 
 
-_KILLED_WRITING = textwrap.dedent("""
-    # Run `twell train ARGS`, SIGKILLed halfway through writing its second checkpoint.
-    import os, signal, sys
-    from twell.cli import main
-    from twell.train import checkpoint
-
-    save_optimizer, calls = checkpoint.save_optimizer, []
+def _killed_writing(argv: list) -> None:
+    """`twell train ARGV`, SIGKILLed halfway through writing its second checkpoint."""
+    save_optimizer, calls = ckpt.save_optimizer, []
 
     def killed(path, osd):
         calls.append(path)
@@ -191,9 +223,8 @@ _KILLED_WRITING = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         save_optimizer(path, osd)
 
-    checkpoint.save_optimizer = killed
-    main(sys.argv[1:])
-""")
+    ckpt.save_optimizer = killed  # in the child only
+    main(argv)
 
 
 def test_a_kill_during_a_checkpoint_write_leaves_a_loadable_checkpoint(tmp_path):
@@ -201,10 +232,13 @@ def test_a_kill_during_a_checkpoint_write_leaves_a_loadable_checkpoint(tmp_path)
     data.mkdir()
     out = tmp_path / "run"
     args = [*FAST, "--data", small_corpus(data), "--val-fraction", "0.2", "--steps", "3", "--log-every", "1",
-            "--save-every", "1", "--out", str(out)]
-    proc = subprocess.run([sys.executable, "-c", _KILLED_WRITING, "train", *args], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
+            "--save-every", "1", "--out", str(out), "--device", "cpu"]  # cpu: the child is forked (see _fork)
+    proc, output = _fork(_killed_writing, ["train", *args], log_dir=tmp_path)
+    proc.join(timeout=300)
+    stuck = proc.is_alive()
+    proc.kill()
+    proc.join()
+    assert not stuck and proc.exitcode == -signal.SIGKILL, output()[1]  # killed by itself, not by us
     folders = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert folders == [".step_000002.tmp", "step_000001"]  # the half-written one never got its name
     assert ckpt.latest_checkpoint(out) == out / "checkpoints" / "step_000001"
