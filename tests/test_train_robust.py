@@ -362,7 +362,8 @@ def test_arguments_are_checked_before_torch_loads():
     code = textwrap.dedent("""
         import sys
         from twell.cli import main
-        for argv in (["--help"], ["train", "--help"], ["eval", "--help"], ["export", "--help"], ["train", "--steps", "0"],
+        for argv in (["--help"], ["train", "--help"], ["eval", "--help"], ["export", "--help"], ["convert", "--help"],
+                     ["bench", "--help"], ["data", "--help"], ["train", "--steps", "0"],
                      ["train", "--keep", "-1"], ["train", "--resume", "/no/such/run"], ["eval", "/no/such/run"],
                      ["export", "/no/such/run", "/no/such/out"]):
             try:
