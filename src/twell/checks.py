@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)  # what the Triton kernels take
 
 
 def check_tensor(t, name: str, dim: Optional[int] = None, dtypes=FLOAT_DTYPES) -> None:
@@ -23,6 +24,21 @@ def check_tensor(t, name: str, dim: Optional[int] = None, dtypes=FLOAT_DTYPES) -
         raise TypeError(f"{name} must have dtype in ({names}), got {t.dtype}")
     if dim is not None and t.dim() != dim:
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
+
+
+def check_weight_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.Tensor) -> None:
+    """Unless ``w`` is None: raise unless it is an ``[f, d]`` kernel-dtype tensor with unit-stride
+    rows (any row stride), on ``x``'s device with ``x``'s dtype. The kernels read one unit's row
+    of ``w`` as a contiguous run of ``d`` values."""
+    if w is None:
+        return
+    check_tensor(w, name, dim=2, dtypes=KERNEL_DTYPES)
+    if tuple(w.shape) != (f, d):
+        raise ValueError(f"{name} must be [f, d] = [{f}, {d}], got {list(w.shape)}")
+    if w.stride(1) != 1:
+        raise ValueError(f"{name} must have unit-stride rows (stride(1) == 1), got strides {w.stride()}")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise TypeError(f"{name} ({w.dtype}, {w.device}) must match x ({x.dtype}, {x.device})")
 
 
 def check_mlp_args(

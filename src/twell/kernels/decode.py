@@ -41,12 +41,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_launchable, check_tensor
+from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
 from ._launch import on_device_of
 
 __all__ = ["ffn_decode", "decode_launch", "decode_config", "DECODE_CONFIGS"]
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
@@ -172,18 +170,6 @@ def decode_config(M: int) -> tuple[int, int, int, int, int, int, int, int]:
     return DECODE_CONFIGS[max(DECODE_CONFIGS)]
 
 
-def _check_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.Tensor) -> None:
-    if w is None:
-        return
-    check_tensor(w, name, dim=2, dtypes=_KERNEL_DTYPES)
-    if tuple(w.shape) != (f, d):
-        raise ValueError(f"{name} must be [f, d] = [{f}, {d}], got {list(w.shape)}")
-    if w.stride(1) != 1:
-        raise ValueError(f"{name} must have unit-stride rows (stride(1) == 1), got strides {w.stride()}")
-    if w.dtype != x.dtype or w.device != x.device:
-        raise TypeError(f"{name} ({w.dtype}, {w.device}) must match x ({x.dtype}, {x.device})")
-
-
 def ffn_decode(
     x: torch.Tensor,
     w_first: torch.Tensor,
@@ -214,13 +200,13 @@ def ffn_decode(
     Returns:
         ``y [M, d]``: ``(relu(x w_first^T) [* (x w_up^T)]) w_down_t`` with fp32 accumulation.
     """
-    check_tensor(x, "x", dim=2, dtypes=_KERNEL_DTYPES)
+    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
     M, d = x.shape
-    check_tensor(w_first, "w_first", dim=2, dtypes=_KERNEL_DTYPES)
+    check_tensor(w_first, "w_first", dim=2, dtypes=KERNEL_DTYPES)
     f = w_first.shape[0]
-    _check_rows(w_first, "w_first", f, d, x)
-    _check_rows(w_down_t, "w_down_t", f, d, x)
-    _check_rows(w_up, "w_up", f, d, x)
+    check_weight_rows(w_first, "w_first", f, d, x)
+    check_weight_rows(w_down_t, "w_down_t", f, d, x)
+    check_weight_rows(w_up, "w_up", f, d, x)
     if x.stride(1) != 1:
         raise ValueError(f"x must have unit-stride rows, got strides {x.stride()}")
     check_launchable(x, "x")

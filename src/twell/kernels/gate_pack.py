@@ -33,13 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_launchable, check_tensor
+from ..checks import KERNEL_DTYPES, check_launchable, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
 from ._launch import on_device_of
 
 __all__ = ["pack_relu", "gate_pack_fused", "empty_twell"]
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def empty_twell(M: int, f: int, tile: int, compression: int, dtype, device) -> TwELL:
@@ -186,7 +184,7 @@ def _pack_relu_bits_kernel(
 
 
 def _check_pre(a: torch.Tensor, name: str) -> None:
-    check_tensor(a, name, dim=2, dtypes=_KERNEL_DTYPES)
+    check_tensor(a, name, dim=2, dtypes=KERNEL_DTYPES)
     check_launchable(a, name)
 
 
@@ -318,8 +316,8 @@ def gate_pack_fused(
         A kernel-written :class:`TwELL` (``overflow_values`` None: recompute overflowed tiles
         from ``x`` and ``w``). ``[M, f]`` never goes to memory.
     """
-    check_tensor(x, "x", dim=2, dtypes=_KERNEL_DTYPES)
-    check_tensor(w, "w", dim=2, dtypes=_KERNEL_DTYPES)
+    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
+    check_tensor(w, "w", dim=2, dtypes=KERNEL_DTYPES)
     if w.shape[1] != x.shape[1]:
         raise ValueError(f"w must be [f, {x.shape[1]}] for x [M, {x.shape[1]}], got {list(w.shape)}")
     if w.dtype != x.dtype or w.device != x.device:

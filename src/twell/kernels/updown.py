@@ -35,13 +35,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import check_launchable, check_tensor
+from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
 from ..format import TwELL, twell_slots
 from ._launch import on_device_of
 
 __all__ = ["ffn_from_twell", "OverflowCounters"]
-
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @dataclass
@@ -249,20 +247,6 @@ def _ffn_rows_dot_kernel(
             tl.atomic_add(uc_ptr + unit, tl.full([BE], 1, dtype=tl.int32), mask=valid & ((tl.zeros([BE], dtype=tl.int32) + dk) == 0))
 
 
-
-
-def _check_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.Tensor) -> None:
-    if w is None:
-        return
-    check_tensor(w, name, dim=2, dtypes=_KERNEL_DTYPES)
-    if tuple(w.shape) != (f, d):
-        raise ValueError(f"{name} must be [f, d] = [{f}, {d}], got {list(w.shape)}")
-    if w.stride(1) != 1:
-        raise ValueError(f"{name} must have unit-stride rows (w.stride(1) == 1), got strides {w.stride()}")
-    if w.dtype != x.dtype or w.device != x.device:
-        raise TypeError(f"{name} ({w.dtype}, {w.device}) must match x ({x.dtype}, {x.device})")
-
-
 # Tuned (entries per step, warps) per padded d, from the H200 variant sweep
 # (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements.
 TUNED: dict[int, tuple[int, int]] = {2048: (4, 4), 4096: (4, 8)}
@@ -328,7 +312,7 @@ def ffn_from_twell(
     Returns:
         ``y [M, d]``.
     """
-    check_tensor(x, "x", dim=2, dtypes=_KERNEL_DTYPES)
+    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
     if not isinstance(g, TwELL):
         raise TypeError(f"g must be a twell.TwELL, got {type(g).__name__}")
     M, d = x.shape
@@ -358,16 +342,16 @@ def ffn_from_twell(
             raise ValueError(f"{name} must be contiguous")
     if w_down_t is None:
         raise ValueError("w_down_t ([f, d], w_down.T.contiguous()) is required")
-    _check_rows(w_down_t, "w_down_t", f, d, x)
-    _check_rows(w_up, "w_up", f, d, x)
-    _check_rows(w_first, "w_first", f, d, x)
+    check_weight_rows(w_down_t, "w_down_t", f, d, x)
+    check_weight_rows(w_up, "w_up", f, d, x)
+    check_weight_rows(w_first, "w_first", f, d, x)
     if pre is None and w_first is None:
         raise ValueError(
             "pass pre ([M, f] pre-activation) or w_first (w_gate, or w_up if non-gated): "
             "overflowed tiles are recomputed from one of them"
         )
     if pre is not None:
-        check_tensor(pre, "pre", dim=2, dtypes=_KERNEL_DTYPES)
+        check_tensor(pre, "pre", dim=2, dtypes=KERNEL_DTYPES)
         if pre.dtype != x.dtype:
             raise TypeError(f"pre has dtype {pre.dtype} but x has {x.dtype}; they must match")
         if tuple(pre.shape) != (M, f) or pre.stride(1) != 1 or pre.device != x.device:
