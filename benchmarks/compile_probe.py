@@ -12,33 +12,16 @@ import sys
 import time
 
 import torch
-from torch import nn
 from torch.profiler import ProfilerActivity, profile
 
-from twell.bench.runtime import D, F, _pair, _warm
-from twell.bench.synthetic import make_ffn
+from twell.bench.runtime import _warm, residual_stacks
 from twell.bench.timing import eager_ms
 
 out_dir = sys.argv[1] if len(sys.argv) > 1 else "."
-M, layers, k = 16384, 4, 29
-pairs = [_pair(make_ffn(M, D, F, k, "even", dtype=torch.bfloat16, device="cuda", seed=100 + i)) for i in range(layers)]
-x = make_ffn(M, D, F, k, "even", dtype=torch.bfloat16, device="cuda", seed=100).x
-
-
-class Stack(nn.Module):
-    def __init__(self, mlps):
-        super().__init__()
-        self.mlps = nn.ModuleList(mlps)
-
-    def forward(self, h):
-        for m in self.mlps:
-            h = h + m(h)
-        return h
-
+(_, model), x = residual_stacks(16384, 4, 29)  # the twell stack
 
 result = {}
 with torch.no_grad():
-    model = Stack([p[1] for p in pairs]).eval()
     for m in model.mlps:
         _warm(m, x, 1)
     compiled = torch.compile(model, fullgraph=True)

@@ -126,7 +126,7 @@ def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, graph: bool = Tr
     (e.g. ``torch.compile(model)``) runs the steps instead of ``model``.
 
     Returns ``{"tokens": [B, P + new_tokens], "first_logits": [B, vocab] fp32,
-    "step_ms": median-free mean ms per timed step, "timed_steps": n, "graph": bool}``.
+    "step_ms": mean ms per timed step (one event pair around all of them), "timed_steps": n, "graph": bool}``.
     """
     from transformers import StaticCache
 
@@ -209,7 +209,7 @@ def _rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def _prefill(model, ids, nv, energy_s: float, log) -> dict:
+def _prefill(model, ids, nv, energy_s: float) -> dict:
     from .timing import eager_ms
 
     fn = lambda: model.model(input_ids=ids, use_cache=False).last_hidden_state  # noqa: E731
@@ -378,7 +378,7 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                     with torch.no_grad():
                         model.model(input_ids=ids, use_cache=False)
                     rec["lean_compile_s"] = time.time() - tc
-                p = _prefill(model, ids, nv, energy_s, log)
+                p = _prefill(model, ids, nv, energy_s)
                 rec.update({f"prefill{sfx}_ms": p["ms"], f"prefill{sfx}_tok_per_ms": ids.numel() / p["ms"],
                             f"peak_bytes{sfx}": p["peak"], f"mj_per_token{sfx}": p["mj_per_token"]})
                 if variant == "dense":

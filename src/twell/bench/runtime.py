@@ -112,28 +112,37 @@ def batch_grid(Ms=(1, 4, 16, 64, 256, 1024, 4096, 16384, 131072), ks=(29, 280), 
     return out
 
 
+class ResidualStack(nn.Module):
+    """``h + mlp(h)`` for each MLP in turn."""
+
+    def __init__(self, mlps):
+        super().__init__()
+        self.mlps = nn.ModuleList(mlps)
+
+    def forward(self, h):
+        for m in self.mlps:
+            h = h + m(h)
+        return h
+
+
+def residual_stacks(M: int = 16384, layers: int = 4, k: int = 29) -> tuple[tuple[nn.Module, nn.Module], torch.Tensor]:
+    """``((dense, twell), x)``: two residual stacks of ``layers`` MLPs with the same weights
+    (each layer made sparse at about ``k`` for its own synthetic input; only the first sees it,
+    later layers see the residual sum), eval mode, and the first layer's input ``x [M, d]``."""
+    pairs = [_pair(make_ffn(M, D, F, k, "even", dtype=torch.bfloat16, device="cuda", seed=100 + i)) for i in range(layers)]
+    x = make_ffn(M, D, F, k, "even", dtype=torch.bfloat16, device="cuda", seed=100).x
+    return tuple(ResidualStack([p[i] for p in pairs]).eval() for i in (0, 1)), x
+
+
 def compile_compare(M: int = 16384, layers: int = 4, k: int = 29, log: Callable[[str], None] = print) -> list[dict]:
     """A residual stack of ``layers`` MLPs, dense and twell, eager and ``torch.compile``d
     (default mode, ``fullgraph=True``): milliseconds per forward."""
     import torch._dynamo
 
     out = []
-    pairs = [_pair(make_ffn(M, D, F, k, "even", dtype=torch.bfloat16, device="cuda", seed=100 + i)) for i in range(layers)]
-    x = make_ffn(M, D, F, k, "even", dtype=torch.bfloat16, device="cuda", seed=100).x
-
-    class Stack(nn.Module):
-        def __init__(self, mlps):
-            super().__init__()
-            self.mlps = nn.ModuleList(mlps)
-
-        def forward(self, h):
-            for m in self.mlps:
-                h = h + m(h)
-            return h
-
+    stacks, x = residual_stacks(M, layers, k)
     with torch.no_grad():
-        for name, idx in (("dense", 0), ("twell", 1)):
-            model = Stack([p[idx] for p in pairs]).eval()
+        for name, model in zip(("dense", "twell"), stacks):
             for m in model.mlps:
                 _warm(m, x, 1)
             eager = model(x)
