@@ -57,3 +57,22 @@ def test_greedy_decode_equals_generate():
     assert out["first_logits"].shape == (2, model.config.vocab_size) and out["timed_steps"] == 4  # 6 steps, 2 untimed
     sparse = sparsify(model).eval()
     assert torch.equal(greedy_decode(sparse, prompt, 7, graph=False)["tokens"], ref)
+
+
+def test_bench_model_reads_a_trained_run(tmp_path):
+    """``twell bench model --model RUN``: the run's newest checkpoint, and its validation split as
+    the benchmark's token stream (the windows ``twell eval`` reads)."""
+    from test_train_loss import config
+
+    from twell.bench.cli import _trained_model
+    from twell.train.data import load_corpus, load_tokenizer
+    from twell.train.trainer import Trainer
+
+    cfg = config(tmp_path, steps=2, log_every=1)
+    Trainer(cfg).fit()
+    path, tokens = _trained_model(str(tmp_path / "run"))
+    assert path.endswith("step_000002")
+    _, val = load_corpus(cfg.data, load_tokenizer("bytes"), cfg.seq_len, cfg.seed, cfg.val_fraction)
+    assert tokens.dtype == torch.int64 and torch.equal(tokens, torch.as_tensor(val.tokens.astype("int64")))
+    with pytest.raises(SystemExit, match="no config.json"):
+        _trained_model(str(tmp_path / "nothing"))

@@ -73,6 +73,45 @@ def test_l1_warmup_is_linear(tmp_path):
     assert t.l1_coef(1) == 2e-5
 
 
+def test_l1_target_weights_each_layer_and_adapts_toward_the_target(tmp_path):
+    """With --l1-target, the L1 term is the mean over layers of each layer's multiplier times its
+    l1 (gradients equal the hand-written loss), and a log row moves each multiplier by
+    sqrt(active share / target) within [0.8, 1.25]; the multipliers survive a checkpoint."""
+    lam = 0.05
+    t = Trainer(config(tmp_path, l1=lam, batch_size=2, l1_target=0.1))
+    f = t.config.intermediate_size
+    row = {"active_mean_L0": 0.1 * f * 1.21, "active_mean_L1": 0.1 * f * 0.01}
+    t.adapt_l1(row)
+    assert t.l1_scale == pytest.approx([1.1, 0.8])
+    t.adapt_l1({"active_mean_L0": 100.0 * f, "active_mean_L1": 0.1 * f})
+    assert t.l1_scale == pytest.approx([1.1 * 1.25, 0.8])
+    t.forward_backward()
+    got = t.model.model.layers[0].mlp.gate_proj.weight.grad.clone()
+
+    ref = Trainer(config(tmp_path, l1=lam, batch_size=2))
+    hs = []
+    hooks = [m.register_forward_hook(lambda mod, inp, out: hs.append(
+        torch.relu(mod.gate_proj(inp[0])) * mod.up_proj(inp[0]))) for m in sparse_modules(ref.model)]
+    batch = ref.micro_batch(0)
+    logits = ref.model(input_ids=batch[:, :-1]).logits
+    ce_ref = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+    scales = torch.tensor([1.1 * 1.25, 0.8])
+    l1_ref = (torch.stack([h.abs().sum(-1).mean() for h in hs]) * scales).mean()
+    (ce_ref + lam * l1_ref).backward()
+    for h in hooks:
+        h.remove()
+    torch.testing.assert_close(got, ref.model.model.layers[0].mlp.gate_proj.weight.grad, rtol=1e-5, atol=1e-7)
+
+    t.train_step()
+    path = t.save_checkpoint(blocking=True)
+    resumed = Trainer(config(tmp_path, l1=lam, batch_size=2, l1_target=0.1), resume=str(path))
+    assert resumed.l1_scale == pytest.approx(t.l1_scale)
+    with pytest.raises(ValueError, match="l1-target"):
+        Trainer(config(tmp_path, l1=0.0, l1_target=0.1))
+    with pytest.raises(ValueError, match="L1 target"):
+        Trainer(config(tmp_path, l1=lam, l1_target=1.5))
+
+
 def test_interval_stats_match_direct_computation():
     torch.manual_seed(0)
     mlps = [SparseGatedMLP(16, 40), SparseGatedMLP(16, 40)]

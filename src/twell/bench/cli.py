@@ -3,7 +3,7 @@
     twell bench inference [--out DIR] [--quick] [--variants] [--no-grid]
     twell bench batch [--out DIR] [--quick]
     twell bench decode [--out DIR]
-    twell bench model [--out DIR] [--preset 2b] [--k 29] [--batch 16]
+    twell bench model [--out DIR] [--preset 2b] [--k 29] [--batch 16] [--model RUN_OR_CHECKPOINT]
 
 ``inference`` times the inference FFN (issue 3's grid: d 2048, f 5632, bf16,
 M in {16384, 131072}, k in {8, ..., 5632}, three unit distributions, plus d 4096, f 11008) and
@@ -22,7 +22,9 @@ against a compiled dense one: ``inference_batch_<gpu>.{json,csv,png}``.
 active units per token by construction (:func:`twell.bench.model.calibrate_sparsity`), and
 measures dense and twell on the same weights: prefill of ``--batch`` x 2048 tokens (Hugging
 Face's default path and a lean compiled one), greedy decoding at batch 1 and 16, a training step,
-peak memory and energy per token: ``model_<gpu>.{json,csv,png}``.
+peak memory and energy per token: ``model_<gpu>.{json,csv,png}``. With ``--model`` it loads a
+trained model instead (its own sparsity, ``sparsity_source`` "trained") and runs it on windows of
+its run's validation split; records of other models already in the JSON are kept.
 """
 
 from __future__ import annotations
@@ -122,6 +124,8 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--k", type=float, default=29, help="model: active units per token to construct (default 29)")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences of 2048 tokens per forward (default 16)")
     parser.add_argument("--no-lean", action="store_true", help="model: skip the compiled lean path")
+    parser.add_argument("--model", help="model: a trained model instead (a twell checkpoint, run folder or export), "
+                        "benchmarked on windows of its run's validation split; --preset then only labels it")
     args = parser.parse_args(argv)
 
     import torch
@@ -181,25 +185,34 @@ def _model_bench(args, tag: str, log, t0: float) -> None:
     ``model`` list of decode_<gpu>.json."""
     from .model import bench_model
 
-    res = bench_model(args.preset, args.k, args.batch, lean=not args.no_lean, log=log)
+    model_path, tokens = None, None
+    if args.model:
+        model_path, tokens = _trained_model(args.model)
+    res = bench_model(args.preset, args.k, args.batch, lean=not args.no_lean, log=log, model_path=model_path,
+                      tokens=tokens)
     path = os.path.join(args.out, f"model_{tag}.json")
-    trained = None
-    if os.path.exists(path):  # a trained model's section is written by its own run: keep it
+    old = {}
+    if os.path.exists(path):  # records of other models, and the trained model's section: kept
         with open(path) as fh:
-            trained = json.load(fh).get("trained")
+            old = json.load(fh)
+    source = res["records"][0]["sparsity_source"]
+    same = lambda r: (r.get("preset"), r.get("sparsity_source", "calibrated")) == (args.preset, source)  # noqa: E731
+    kept = [r for r in old.get("records", []) if not same(r)]
+    sparsity = {**old.get("sparsity_by_source", {}), source: res["sparsity"]}
     with open(path, "w") as fh:
-        json.dump({"records": res["records"], "trained": trained, "decode": res["decode"],
-                   "sparsity": res["sparsity"]}, fh, indent=1)
-    _write_csv(res["records"], os.path.splitext(path)[0] + ".csv")
+        json.dump({"records": kept + res["records"], "trained": old.get("trained"),
+                   "decode": [r for r in old.get("decode", []) if not same(r)] + res["decode"],
+                   "sparsity_by_source": sparsity}, fh, indent=1)
+    _write_csv(kept + res["records"], os.path.splitext(path)[0] + ".csv")
     decode_path = os.path.join(args.out, f"decode_{tag}.json")
     if os.path.exists(decode_path):
         with open(decode_path) as fh:
             dec = json.load(fh)
-        dec["model"] = [r for r in dec.get("model", []) if r.get("preset") != args.preset] + res["decode"]
+        dec["model"] = [r for r in dec.get("model", []) if not same(r)] + res["decode"]
         with open(decode_path, "w") as fh:
             json.dump(dec, fh, indent=1)
     plot_model(res["records"], os.path.splitext(path)[0] + ".png")
-    dense, twell = res["records"]
+    dense, twell = res["records"]  # the variants of this run
     rows = [("prefill, HF default", "prefill_tok_per_ms"), ("prefill, lean", "prefill_lean_tok_per_ms"),
             ("decode b1, HF default", "decode_tok_per_s_b1"), ("decode b16, HF default", "decode_tok_per_s_b16"),
             ("decode b1, lean", "decode_lean_tok_per_s_b1"), ("decode b16, lean", "decode_lean_tok_per_s_b16"),
@@ -216,8 +229,37 @@ def _model_bench(args, tag: str, log, t0: float) -> None:
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")
 
 
+def _trained_model(spec: str):
+    """``(checkpoint folder, validation token stream or None)`` for ``--model``: a run folder means
+    its newest checkpoint; the stream is the run's validation split when the folder names its
+    run's settings (train_config.json), as ``twell eval`` reads it."""
+    from pathlib import Path
+
+    import numpy as np
+    import torch
+
+    from ..train.checkpoint import latest_checkpoint
+    from ..train.config import TrainConfig
+    from ..train.data import load_corpus, load_tokenizer
+
+    path = Path(spec)
+    try:
+        path = latest_checkpoint(path)
+    except FileNotFoundError as err:
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"twell bench model: {err}; nor is it a save_pretrained folder (no config.json)")
+    settings = path / "train_config.json"
+    if not settings.is_file():
+        return str(path), None
+    saved = json.loads(settings.read_text())
+    cfg = TrainConfig(**{k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__})
+    tokenizer = load_tokenizer(str(path) if (path / "twell_tokenizer.json").is_file() else cfg.tokenizer)
+    _, val = load_corpus(cfg.data, tokenizer, cfg.seq_len or 2048, cfg.seed, cfg.val_fraction, cfg.text_field, cfg.max_docs)
+    return str(path), torch.as_tensor(np.asarray(val.tokens[: len(val.tokens)], dtype=np.int64))
+
+
 def _write_csv(records: list[dict], path: str) -> None:
-    keys = [k for k in records[0] if not isinstance(records[0][k], (list, dict))]
+    keys = list(dict.fromkeys(k for r in records for k in r if not isinstance(r[k], (list, dict))))
     with open(path, "w") as fh:
         fh.write(",".join(keys) + "\n")
         for r in records:

@@ -309,7 +309,8 @@ def _decode_all(model, prompts: dict, new_tokens: int, variant: str, label: str,
 
 def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2048, decode_batches=(1, 16),
                 prompt_len: int = 128, new_tokens: int = 128, train_batch: int = 8, energy_s: float = 5.0,
-                lean: bool = True, log: Callable[[str], None] = print) -> dict:
+                lean: bool = True, log: Callable[[str], None] = print, model_path: Optional[str] = None,
+                tokens: Optional[torch.Tensor] = None) -> dict:
     """Dense (Hugging Face's MLPs, ReLU) and twell (after ``twell.sparsify``) on one set of weights.
 
     Per variant, on two paths: Hugging Face's default (eager, SDPA's default choice) and a lean
@@ -323,6 +324,11 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
     kernels land). twell is checked against dense: final hidden states' relative error, greedy
     tokens.
 
+    A trained model instead (``model_path``: a twell checkpoint or export, :func:`twell.train.export.load_model`):
+    its own sparsity, no construction (``k`` is then only a label), ``sparsity_source`` "trained";
+    ``tokens`` (a 1-D id stream, e.g. its validation split) supplies the benchmark's sequences
+    and prompts, which otherwise are uniform random ids.
+
     Returns ``{"records": [per variant], "decode": [per path and batch], "sparsity": {...}}``.
     """
     from transformers import LlamaForCausalLM
@@ -332,19 +338,37 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
     from .inference import machine_info
 
     info = machine_info()
-    config = make_config(preset, 49152)
-    config.hidden_act = "relu"
     torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    if model_path is None:
+        config = make_config(preset, 49152)
+        config.hidden_act = "relu"
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    else:
+        from ..train.export import load_model
+
+        model = load_model(model_path, dtype=torch.bfloat16).to("cuda").eval()
+        config = model.config
+        if config.hidden_act != "relu":
+            raise ValueError(f"{model_path}: the MLPs use {config.hidden_act!r}; twell needs a ReLU gate")
     attention = getattr(model.config, "_attn_implementation", None)
     gen = torch.Generator(device="cuda").manual_seed(1)
-    rand = lambda *shape: torch.randint(0, config.vocab_size, shape, device="cuda", generator=gen)  # noqa: E731
+    if tokens is None:
+        rand = lambda *shape: torch.randint(0, config.vocab_size, shape, device="cuda", generator=gen)  # noqa: E731
+    else:
+        stream = tokens.reshape(-1).to("cuda", torch.long)
+
+        def rand(*shape):  # windows of the stream at random offsets
+            n = shape[-1]
+            starts = torch.randint(0, stream.numel() - n, shape[:-1], device="cuda", generator=gen)
+            return stream[starts.unsqueeze(-1) + torch.arange(n, device="cuda")]
     t0 = time.time()
-    cal = calibrate_sparsity(model, k, rand(4, seq))
+    source = "calibrated" if model_path is None else "trained"
+    cal = calibrate_sparsity(model, k, rand(4, seq)) if model_path is None else None
     ids = rand(batch, seq)
     fresh = active_units(model, ids[:2])
-    log(f"calibrated {len(cal['active_mean'])} layers in {time.time() - t0:.0f}s; on the benchmark's tokens: "
+    log(f"{'calibrated ' + str(len(cal['active_mean'])) + ' layers' if cal else 'trained model ' + model_path} in "
+        f"{time.time() - t0:.0f}s; on the benchmark's tokens: "
         f"mean active {min(fresh['active_mean']):.1f} to {max(fresh['active_mean']):.1f} per layer, "
         f"p99 up to {max(fresh['active_p99']):.0f}, max {max(fresh['active_max'])}")
     nv = _nvml_handle()
@@ -365,7 +389,7 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
         if variant == "twell":
             sparsify(model)
             model.eval()
-        rec = dict(preset=preset, sparsity_source="calibrated", variant=variant, k=k, batch=batch, seq=seq,
+        rec = dict(preset=preset, sparsity_source=source, variant=variant, k=k if cal else None, batch=batch, seq=seq,
                    attention=attention, lean_attention=lean_name)
         for path, ctx in paths:
             sfx = "" if path == "hf" else "_lean"
@@ -419,7 +443,7 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
             same = (dn["tokens"] == tw["tokens"]).all(dim=0)
             diverge = None if bool(same.all()) else int((~same).nonzero()[0]) - prompt_len
             decode.append(dict(
-                preset=preset, path=path, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, k=k,
+                preset=preset, path=path, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, k=k if cal else None, sparsity_source=source,
                 dense_tok_s=b * 1e3 / dn["step_ms"], twell_tok_s=b * 1e3 / tw["step_ms"],
                 speedup=dn["step_ms"] / tw["step_ms"], tokens_match=diverge is None, first_divergence=diverge,
                 first_logits_rel_err=_rel_err(tw["first_logits"], dn["first_logits"]),
@@ -428,7 +452,9 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                 method="Hugging Face forward with a StaticCache, greedy; prompt eager, then one CUDA graph replay "
                        "per token" + ("; decoder layers compiled" if path == "lean" else ""),
                 **info))
-    return {"records": records, "decode": decode,
-            "sparsity": {"k": k, "calibration": cal, "benchmark_tokens": fresh,
+    sparsity = {"source": source, "benchmark_tokens": fresh}
+    if cal:
+        sparsity.update({"k": k, "calibration": cal,
                          "construction": {"residual_damping": cal["residual_damping"], "scale": cal["scale"],
-                                          "scale_over_rest": SCALE_OVER_REST}}}
+                                          "scale_over_rest": SCALE_OVER_REST}})
+    return {"records": records, "decode": decode, "sparsity": sparsity}

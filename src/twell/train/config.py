@@ -44,6 +44,9 @@ class TrainConfig:
     max_bad_steps: int = 5  # non-finite loss or gradient: skip the step; stop after this many in a row
     l1: float = 2e-5
     l1_warmup: int = 0
+    # Target active units per token, as a share of f, for every layer (None: off). When set, each
+    # layer's lambda starts at l1 and is adapted at every log step (see Trainer.adapt_l1).
+    l1_target: Optional[float] = None
     dead_window: int = 25
     reinit: bool = False
     reinit_keep: float = 0.9
@@ -91,6 +94,9 @@ class TrainConfig:
             (c.lr > 0, f"lr must be > 0, got {c.lr}"),
             (c.l1 >= 0, f"the L1 coefficient must be >= 0, got {c.l1}"),
             (c.l1_warmup >= 0, f"l1 warm-up must be >= 0 steps, got {c.l1_warmup}"),
+            (c.l1_target is None or 0 < c.l1_target < 1,
+             f"the L1 target (--l1-target) is a share of the hidden units in (0, 1), got {c.l1_target}"),
+            (c.l1_target is None or c.l1 > 0, "--l1-target adapts lambda from --l1: give --l1 > 0"),
             (0 <= c.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}"),
             (c.grad_clip >= 0, f"grad clip must be >= 0 (0: off), got {c.grad_clip}"),
             (0 < c.reinit_keep <= 1, f"reinit keep must be in (0, 1], got {c.reinit_keep}"),

@@ -166,6 +166,8 @@ def make_summary(t, final: dict) -> dict:
     return {
         "preset": t.cfg.preset, "params": t.n_params, "steps": t.step, "tokens": t.samples_seen * t.cfg.seq_len,
         "lambda": t.cfg.l1, "reinit": t.cfg.reinit, "intermediate_size": f,
+        "l1_target": t.cfg.l1_target,
+        "lambda_by_layer": [t.cfg.l1 * c for c in t.l1_scale] if t.cfg.l1_target is not None else None,
         "val_loss": final["val_loss"], "ppl": final["ppl"], "val_tokens": final["tokens"],
         "val_windows": final["windows"], "seq_len": t.cfg.seq_len,
         "bits_per_byte": final["val_loss"] / math.log(2) if t.tokenizer.name == "bytes" else None,
@@ -200,6 +202,9 @@ def format_summary(s: dict) -> str:
     for i, (a, m, dv, dw) in enumerate(zip(s["active_per_token_by_layer"], s["active_max_by_layer"], s["dead_frac_val_by_layer"], win)):
         dws = "-" if dw is None else f"{round(dw * f)} ({100 * dw:.1f}%)"
         lines.append(f"{i:>5} {a:>12.1f} {m:>6} {dws:>20} {f'{round(dv * f)} ({100 * dv:.1f}%)':>18}")
+    if s.get("lambda_by_layer"):
+        lines.append(f"lambda per layer (adapted toward {100 * s['l1_target']:g}% active): "
+                     + " ".join(f"{v:.3g}" for v in s["lambda_by_layer"]))
     if s.get("dead_window_tokens"):
         lines.append(f"dead (train window): fired for none of the last {s['dead_window_tokens']:,} training tokens; "
                      "dead (validation): for none of the validation tokens")

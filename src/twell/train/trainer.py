@@ -149,6 +149,9 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self.lr_factor)
         L, f = len(self.modules), self.config.intermediate_size
         self.interval = IntervalStats(L, self.device)
+        # Per-layer multipliers of lambda, adapted toward cfg.l1_target (all 1 without a target).
+        self.l1_scale = [1.0] * L
+        self._l1_scale_t = torch.ones(L, device=self.device)
         self.dead = DeadUnits(L, f, cfg.dead_window, self.device, reinit=cfg.reinit,
                               keep=cfg.reinit_keep, std=cfg.reinit_std, seed=cfg.seed)
         self.step = 0
@@ -253,6 +256,28 @@ class Trainer:
         w = self.cfg.l1_warmup
         return self.cfg.l1 * (min(1.0, step / w) if w else 1.0)
 
+    def l1_penalty(self, l1_mean: torch.Tensor) -> torch.Tensor:
+        """The L1 term that lambda multiplies: ``l1_mean`` (the mean over layers) with one lambda,
+        or, with ``cfg.l1_target``, the mean over layers of each layer's multiplier times its l1."""
+        if self.cfg.l1_target is None:
+            return l1_mean
+        terms = torch.stack([m.l1 for m in self.modules]).float()
+        return (terms * self._l1_scale_t).mean()
+
+    def adapt_l1(self, row: dict) -> None:
+        """``cfg.l1_target``: after a log row, scale each layer's lambda by the square root of its
+        active share over the target, within [0.8, 1.25]: an integral controller in log space,
+        slow enough for the optimizer to follow. Layers above the target get more L1, layers below
+        less. Uses the row's per-layer means (already reduced over ranks: every rank agrees)."""
+        target = self.cfg.l1_target
+        if target is None:
+            return
+        f = self.config.intermediate_size
+        for i in range(len(self.l1_scale)):
+            ratio = max(row[f"active_mean_L{i}"], 1e-3) / (target * f)
+            self.l1_scale[i] *= min(1.25, max(0.8, ratio ** 0.5))
+        self._l1_scale_t.copy_(torch.tensor(self.l1_scale))
+
     def micro_batch(self, micro: int) -> torch.Tensor:
         """This rank's ``micro``-th micro-batch of the next step, ``[batch_size, seq_len + 1]``."""
         B = self.cfg.batch_size
@@ -289,7 +314,7 @@ class Trainer:
                 l1 = l1_loss(self.modules).to(ce.device)
                 self.interval.observe(self.modules)
                 self.dead.observe(self.modules)
-                ((ce + lam * l1) / cfg.grad_accum).backward()
+                ((ce + lam * self.l1_penalty(l1)) / cfg.grad_accum).backward()
             ce_sum += ce.detach()
             l1_sum += l1.detach().float()
         return ce_sum / cfg.grad_accum, l1_sum / cfg.grad_accum
@@ -412,7 +437,7 @@ class Trainer:
                     "scheduler": self.scheduler.state_dict(),
                     "dead": {k: dead[k] for k in ("steps_in_window", "windows_done", "dead_frac")},
                     "interval_tokens": interval["tokens"], "log_steps": self.n_acc,
-                    "skipped_steps": self.skipped, "bad_streak": self.bad_streak}
+                    "skipped_steps": self.skipped, "bad_streak": self.bad_streak, "l1_scale": self.l1_scale}
             ckpt.save_tensors_with_meta(tmp / "trainer_state.safetensors", tensors, meta)
             (tmp / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
             self.tokenizer.save(tmp)
@@ -501,6 +526,9 @@ class Trainer:
                 sums.copy_(acc[i])
             self.n_acc = int(meta["log_steps"])
         self.skipped, self.bad_streak = int(meta.get("skipped_steps", 0)), int(meta.get("bad_streak", 0))
+        if self.cfg.l1_target is not None and len(meta.get("l1_scale", [])) == len(self.l1_scale):
+            self.l1_scale = [float(v) for v in meta["l1_scale"]]
+            self._l1_scale_t.copy_(torch.tensor(self.l1_scale))
         self._saved = (self.step, Path(directory))
         if f"rng_cpu_rank{self.rank}" in tensors:  # a run resumed on other ranks keeps its own RNG
             torch.set_rng_state(tensors[f"rng_cpu_rank{self.rank}"])
@@ -574,6 +602,7 @@ class Trainer:
                             final = ev if last else None
                         self.history.append(row)
                         logger.log(row)
+                        self.adapt_l1(row)
                     if (cfg.save_every and self.step % cfg.save_every == 0) or last or r.save:
                         self.save_checkpoint()
                     else:
@@ -602,9 +631,14 @@ class Trainer:
             sums /= self.world
         ce, l1, grad_norm = sums.tolist()  # the one sync of a log step, with stats.reduce
         lam = self.l1_coef(self.step)
+        layers = self.interval.reduce()
+        # with per-layer lambdas: the loss of the interval's per-layer l1 means
+        penalty = l1 if cfg.l1_target is None else sum(c * v for c, v in zip(self.l1_scale, layers["l1"])) / len(self.l1_scale)
         row = {"step": self.step, "tokens": self.samples_seen * cfg.seq_len, "lr": self.scheduler.get_last_lr()[0],
-               "lambda": lam, "ce": ce, "l1": l1, "loss": ce + lam * l1, "grad_norm": grad_norm,
-               "skipped": self.skipped, "tokens_per_s": tokens_per_s, **self._layer_row(self.interval.reduce())}
+               "lambda": lam, "ce": ce, "l1": l1, "loss": ce + lam * penalty, "grad_norm": grad_norm,
+               "skipped": self.skipped, "tokens_per_s": tokens_per_s, **self._layer_row(layers)}
+        if cfg.l1_target is not None:  # the lambdas this interval trained with
+            row.update({f"lambda_L{i}": lam * c for i, c in enumerate(self.l1_scale)})
         self.ce_acc.zero_(), self.l1_acc.zero_(), self.gn_acc.zero_()
         self.n_acc = 0
         return row
