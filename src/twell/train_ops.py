@@ -40,6 +40,13 @@ __all__ = [
 ]
 
 
+# Tuning knobs of the kernels' launchers (twell.kernels.train_ffn), read at each call. Guesses
+# until measured on the GPU; the tests shrink them to walk every loop of the kernels more than once.
+PACK_CONFIG: dict = dict(block_m=4, block_f=256, num_warps=4)
+ROWS_CONFIG: dict = dict(block_e=16, block_d=None, num_warps=4)
+GRADS_CONFIG: dict = dict(block_t=16, block_d=None, num_warps=4)
+
+
 class TrainFFNOutput(NamedTuple):
     """What the sparse training FFN returns.
 
@@ -123,9 +130,9 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         f = w_up.shape[0]
         w_down_t = w_down.t().contiguous()  # row j = w_down[:, j]: one contiguous read per unit
         a = torch.mm(x, w_gate.t())
-        cols, g, counts = pack_rows(a, W)
+        cols, g, counts = pack_rows(a, W, **PACK_CONFIG)
         heavy_rows = torch.nonzero(counts > W).flatten()  # the one host sync of the call
-        y, u, l1_rows = ffn_rows_forward(x, cols, g, counts, w_down_t, w_up)
+        y, u, l1_rows = ffn_rows_forward(x, cols, g, counts, w_down_t, w_up, **ROWS_CONFIG)
         g_h = u_h = None
         if heavy_rows.numel():
             x_h = x[heavy_rows]
@@ -149,7 +156,7 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         dy = dy.contiguous()
         c = _l1_scale(dl1, M, x.device)
         w_down_t = w_down.t().contiguous()
-        dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, w_down_t, w_up, w_gate, c)
+        dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, w_down_t, w_up, w_gate, c, **ROWS_CONFIG)
         base = None
         if heavy_rows.numel():
             x_h, dy_h = x[heavy_rows], dy[heavy_rows]
@@ -160,7 +167,7 @@ class SparseGatedFFNFunction(torch.autograd.Function):
             dx[heavy_rows] = torch.mm(du_h, w_up) + torch.mm(da_h, w_gate)
             base = (torch.mm(du_h.t(), x_h), torch.mm(da_h.t(), x_h), torch.mm(h_h.t(), dy_h))
         order, offsets, _ = unit_index(cols, counts, f)
-        dw_up, dw_gate, dw_down_t = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=base, dtype=w_up.dtype)
+        dw_up, dw_gate, dw_down_t = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
         # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
         return dx, dw_gate, dw_up, dw_down_t.t(), None
 
@@ -179,9 +186,9 @@ class SparseFFNFunction(torch.autograd.Function):
         f = w_up.shape[0]
         w_down_t = w_down.t().contiguous()
         a = torch.mm(x, w_up.t())
-        cols, h, counts = pack_rows(a, W)
+        cols, h, counts = pack_rows(a, W, **PACK_CONFIG)
         heavy_rows = torch.nonzero(counts > W).flatten()  # the one host sync of the call
-        y, _, l1_rows = ffn_rows_forward(x, cols, h, counts, w_down_t)
+        y, _, l1_rows = ffn_rows_forward(x, cols, h, counts, w_down_t, **ROWS_CONFIG)
         h_h = None
         if heavy_rows.numel():
             h_h = torch.relu(a[heavy_rows])
@@ -202,7 +209,7 @@ class SparseFFNFunction(torch.autograd.Function):
         dy = dy.contiguous()
         c = _l1_scale(dl1, M, x.device)
         w_down_t = w_down.t().contiguous()
-        dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, w_down_t, w_up, None, c)
+        dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, w_down_t, w_up, None, c, **ROWS_CONFIG)
         base = None
         if heavy_rows.numel():
             x_h, dy_h = x[heavy_rows], dy[heavy_rows]
@@ -211,7 +218,7 @@ class SparseFFNFunction(torch.autograd.Function):
             dx[heavy_rows] = torch.mm(dh_h, w_up)
             base = (torch.mm(dh_h.t(), x_h), None, torch.mm(h_h.t(), dy_h))
         order, offsets, _ = unit_index(cols, counts, f)
-        dw_up, _, dw_down_t = ffn_weight_grads(order, offsets, x, dy, h, None, dh, None, base=base, dtype=w_up.dtype)
+        dw_up, _, dw_down_t = ffn_weight_grads(order, offsets, x, dy, h, None, dh, None, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
         return dx, dw_up, dw_down_t.t(), None
 
 
