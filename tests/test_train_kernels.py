@@ -118,6 +118,23 @@ def boundary_width(tensors):
     raise AssertionError("no boundary width in this case")
 
 
+def test_pack_rows():
+    """Light rows as pack_hybrid stores them; slots past the count written as zeros. (First in
+    the file: a wrong pack leaves stray columns that later tests would gather out of bounds.)"""
+    x, wg, _, _ = (t.float() for t in make_case(13, 40, 75, seed=10))
+    a = x @ wg.T
+    cols, vals, counts = pack_rows(a, 12, block_m=4, block_f=16, num_warps=1)
+    ref = pack_hybrid(torch.relu(a), width=12)
+    assert cols.dtype == torch.int16 and torch.equal(counts, ref.counts)
+    light = counts <= 12
+    assert torch.equal(cols[light].int(), ref.cols[light]) and torch.equal(vals[light], ref.values[light])
+    used = torch.arange(12) < counts.unsqueeze(1)
+    assert torch.all(vals[~used] == 0) and torch.all(cols[~used] == 0)
+    heavy = ~light  # the first W entries of a heavy row
+    nz = torch.nonzero(a[heavy][0] > 0).flatten()[:12]
+    assert torch.equal(cols[heavy][0].long(), nz)
+
+
 @pytest.mark.parametrize("dtype,M", [(torch.float32, 37), (torch.float16, 16)], ids=case_id)
 def test_gated_adversarial(dtype, M, small_blocks):
     """Empty, full, heavy and exactly-W rows; a dead unit, a unit fed only by a heavy row, a hot
@@ -191,22 +208,6 @@ def test_matches_hybrid_reference():
     ref = R.gated_mlp_backward(x, g, wg, wu, wd, dy, l1_coef=lam / M)
     for gr, gr_ref in zip(grads, ref):
         assert rel_err(gr, gr_ref) < 2e-6
-
-
-def test_pack_rows(monkeypatch):
-    """Light rows as pack_hybrid stores them; slots past the count written as zeros."""
-    x, wg, _, _ = (t.float() for t in make_case(13, 40, 75, seed=10))
-    a = x @ wg.T
-    cols, vals, counts = pack_rows(a, 12, block_m=4, block_f=16, num_warps=1)
-    ref = pack_hybrid(torch.relu(a), width=12)
-    assert cols.dtype == torch.int16 and torch.equal(counts, ref.counts)
-    light = counts <= 12
-    assert torch.equal(cols[light].int(), ref.cols[light]) and torch.equal(vals[light], ref.values[light])
-    used = torch.arange(12) < counts.unsqueeze(1)
-    assert torch.all(vals[~used] == 0) and torch.all(cols[~used] == 0)
-    heavy = ~light  # the first W entries of a heavy row
-    nz = torch.nonzero(a[heavy][0] > 0).flatten()[:12]
-    assert torch.equal(cols[heavy][0].long(), nz)
 
 
 def test_saves_no_dense_intermediate():
