@@ -27,7 +27,7 @@ SMALL = dict(
     ROWS_CONFIG=dict(block_e=4, block_d=32, num_warps=1),
     GRADS_CONFIG=dict(block_t=4, block_d=32, num_warps=1),
 )
-TOL = {torch.float32: 2e-6, torch.float16: 5e-3}
+TOL = {torch.float32: 2e-6, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 DEAD, ONLY_HEAVY, HOT = 10, 70, 3  # units of make_case(adversarial=True), f = 75
 
 
@@ -82,13 +82,13 @@ def compare(tensors, width, dtype, gated=True, lam=0.37, seed=1):
     check y, l1, every gradient and the statistics. Returns (out, grads, dense grads)."""
     tensors = [t.to(dtype) for t in tensors]
     M, d = tensors[0].shape
-    r = torch.randn(M, d, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    r = torch.randn(M, d, generator=torch.Generator().manual_seed(seed)).to(dtype)  # both see the same r
     if gated:
-        out, grads = run(lambda *t: sparse_gated_ffn(*t, width), tensors, r.to(dtype), lam)
-        ref, ref_grads = run(lambda x, wg, wu, wd: dense_ffn(x, wg, wu, wd), [t.double() for t in tensors], r, lam)
+        out, grads = run(lambda *t: sparse_gated_ffn(*t, width), tensors, r, lam)
+        ref, ref_grads = run(lambda x, wg, wu, wd: dense_ffn(x, wg, wu, wd), [t.double() for t in tensors], r.double(), lam)
     else:
-        out, grads = run(lambda *t: sparse_ffn(*t, width), tensors, r.to(dtype), lam)
-        ref, ref_grads = run(lambda x, wu, wd: dense_ffn(x, wu, None, wd), [t.double() for t in tensors], r, lam)
+        out, grads = run(lambda *t: sparse_ffn(*t, width), tensors, r, lam)
+        ref, ref_grads = run(lambda x, wu, wd: dense_ffn(x, wu, None, wd), [t.double() for t in tensors], r.double(), lam)
     assert out.y.dtype == dtype and out.y.shape == (M, d)
     assert out.l1.dtype == torch.float32 and out.l1.dim() == 0
     tol = TOL[dtype]
@@ -135,7 +135,7 @@ def test_pack_rows():
     assert torch.equal(cols[heavy][0].long(), nz)
 
 
-@pytest.mark.parametrize("dtype,M", [(torch.float32, 37), (torch.float16, 16)], ids=case_id)
+@pytest.mark.parametrize("dtype,M", [(torch.float32, 37), (torch.float16, 16), (torch.bfloat16, 16)], ids=case_id)
 def test_gated_adversarial(dtype, M, small_blocks):
     """Empty, full, heavy and exactly-W rows; a dead unit, a unit fed only by a heavy row, a hot
     unit; M, d, f multiples of no block."""
@@ -150,7 +150,7 @@ def test_gated_adversarial(dtype, M, small_blocks):
     dx, dwg, dwu, dwd = grads
     # a unit with no token gets exact zero gradients (dense's are exact zeros too)
     assert torch.all(dwg[DEAD] == 0) and torch.all(dwu[DEAD] == 0) and torch.all(dwd[:, DEAD] == 0)
-    # the unit fed only by the heavy row: its gradients come from the dense backup alone
+    # the unit fed only by heavy rows: its gradients come from the dense backup alone
     assert rel_err(dwu[ONLY_HEAVY], ref_grads[2][ONLY_HEAVY]) < TOL[dtype]
     assert rel_err(dwd[:, ONLY_HEAVY], ref_grads[3][:, ONLY_HEAVY]) < TOL[dtype]
 
@@ -293,7 +293,7 @@ def test_gpu_bf16_real_shape(gated):
         tensors = [tensors[0], tensors[1], tensors[3]]
     M, d = tensors[0].shape
     r = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
-    lam = 2e-5 * 1000  # large enough that the L1 path moves the gradients measurably
+    lam = 0.25 * M  # c = lam / M = 0.25 against |dy . w_down^T[j]| ~ 0.6: the L1 path counts
     width = choose_width(29.0)
     if gated:
         out, grads = run(lambda *t: sparse_gated_ffn(*t, width), tensors, r, lam)

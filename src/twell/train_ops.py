@@ -25,9 +25,10 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .checks import KERNEL_DTYPES, check_launchable, check_mlp_args, check_tensor
-from .kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, pack_rows, unit_index
+from .kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, light_unit_counts, pack_rows, unit_index
 
 __all__ = [
     "TrainFFNOutput",
@@ -42,6 +43,7 @@ __all__ = [
 
 # Tuning knobs of the kernels' launchers (twell.kernels.train_ffn), read at each call. Guesses
 # until measured on the GPU; the tests shrink them to walk every loop of the kernels more than once.
+# block_d None: d in one step up to 512 columns (row kernels) or 256 (weight gradients).
 PACK_CONFIG: dict = dict(block_m=4, block_f=256, num_warps=4)
 ROWS_CONFIG: dict = dict(block_e=16, block_d=None, num_warps=4)
 GRADS_CONFIG: dict = dict(block_t=16, block_d=None, num_warps=4)
@@ -101,9 +103,9 @@ def _check_args(x, w_up, w_down, w_gate, width) -> int:
     return min(width, max(f, 1))  # a row never has more than f entries
 
 
-def _stats(cols, counts, heavy_active, heavy_rows, f, W):
+def _stats(cols, counts, heavy_active, heavy_rows, f):
     """unit_counts [f] int64 (light slots per unit + the heavy rows' active units) and n_heavy."""
-    _, _, per_unit = unit_index(cols, counts, f)
+    per_unit = light_unit_counts(cols, counts, f)
     if heavy_active is not None:
         per_unit = per_unit + heavy_active.sum(0, dtype=torch.int64)
     n_heavy = torch.full((), heavy_rows.numel(), dtype=torch.int64, device=counts.device)
@@ -143,12 +145,13 @@ class SparseGatedFFNFunction(torch.autograd.Function):
             l1_rows[heavy_rows] = h_h.float().abs().sum(1)
         del a
         l1 = l1_rows.sum() / max(M, 1)
-        unit_counts, n_heavy = _stats(cols, counts, None if g_h is None else g_h > 0, heavy_rows, f, W)
+        unit_counts, n_heavy = _stats(cols, counts, None if g_h is None else g_h > 0, heavy_rows, f)
         ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy, dl1, *_):
         x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h = ctx.saved_tensors
         M, d = x.shape
@@ -166,7 +169,7 @@ class SparseGatedFFNFunction(torch.autograd.Function):
             du_h, da_h = (dh * g_h.float()).to(x.dtype), (dh * u_h.float()).to(x.dtype)
             dx[heavy_rows] = torch.mm(du_h, w_up) + torch.mm(da_h, w_gate)
             base = (torch.mm(du_h.t(), x_h), torch.mm(da_h.t(), x_h), torch.mm(h_h.t(), dy_h))
-        order, offsets, _ = unit_index(cols, counts, f)
+        order, offsets = unit_index(cols, counts, f)
         dw_up, dw_gate, dw_down_t = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
         # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
         return dx, dw_gate, dw_up, dw_down_t.t(), None
@@ -196,12 +199,13 @@ class SparseFFNFunction(torch.autograd.Function):
             l1_rows[heavy_rows] = h_h.float().sum(1)  # h >= 0
         del a
         l1 = l1_rows.sum() / max(M, 1)
-        unit_counts, n_heavy = _stats(cols, counts, None if h_h is None else h_h > 0, heavy_rows, f, W)
+        unit_counts, n_heavy = _stats(cols, counts, None if h_h is None else h_h > 0, heavy_rows, f)
         ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy_rows, h_h)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dy, dl1, *_):
         x, w_up, w_down, cols, h, counts, heavy_rows, h_h = ctx.saved_tensors
         M, d = x.shape
@@ -217,7 +221,7 @@ class SparseFFNFunction(torch.autograd.Function):
             dh_h = ((torch.mm(dy_h, w_down).float() + c) * on).to(x.dtype)  # sign(h) = 1 on the pattern
             dx[heavy_rows] = torch.mm(dh_h, w_up)
             base = (torch.mm(dh_h.t(), x_h), None, torch.mm(h_h.t(), dy_h))
-        order, offsets, _ = unit_index(cols, counts, f)
+        order, offsets = unit_index(cols, counts, f)
         dw_up, _, dw_down_t = ffn_weight_grads(order, offsets, x, dy, h, None, dh, None, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
         return dx, dw_up, dw_down_t.t(), None
 

@@ -41,6 +41,7 @@ __all__ = [
     "ffn_rows_forward",
     "ffn_rows_backward",
     "unit_index",
+    "light_unit_counts",
     "ffn_weight_grads",
     "col_dtype",
 ]
@@ -52,9 +53,11 @@ def col_dtype(f: int) -> torch.dtype:
     return torch.int16 if f <= 32768 else torch.int32
 
 
-def _block_d(d: int, block_d: Optional[int]) -> int:
+def _block_d(d: int, block_d: Optional[int], cap: int) -> int:
+    """Columns of d per step: ``block_d``, or by default d rounded up to a power of two, at most
+    ``cap`` (so that a [slots, columns] tile stays near 8K fp32 values per program)."""
     if block_d is None:
-        return min(triton.next_power_of_2(max(d, 1)), 1024)
+        return min(triton.next_power_of_2(max(d, 1)), cap)
     if block_d < 16 or block_d & (block_d - 1):
         raise ValueError(f"block_d must be a power of two >= 16, got {block_d}")
     return block_d
@@ -124,7 +127,9 @@ def _pack_rows_kernel(
         col = c0 + cin
         mask = rmask[:, None] & (col < f)[None, :]
         a = tl.load(a_ptr + rows[:, None] * stride_am + col[None, :], mask=mask, other=0.0)
-        nz = (a > 0) & mask  # strict: relu'(0) = 0, a zero gate is not active
+        # strict: relu'(0) = 0, a zero gate is not active. Compared in fp32: the Triton interpreter
+        # compares bf16 as its raw bits (every negative value counted positive).
+        nz = (a.to(tl.float32) > 0) & mask
         nzi = nz.to(tl.int32)
         slot = run[:, None] + tl.cumsum(nzi, axis=1) - 1
         keep = nz & (slot < W)
@@ -285,7 +290,7 @@ def ffn_rows_forward(
     check_weight_rows(w_up, "w_up", f, d, x)
     check_launchable(x, "x")
     _check_pow2(block_e, "block_e", 1, 256)
-    BD = _block_d(d, block_d)
+    BD = _block_d(d, block_d, 512)
     gated = w_up is not None
     y = torch.empty(M, d, dtype=x.dtype, device=x.device)
     u = torch.empty(M, W, dtype=x.dtype, device=x.device) if gated else None
@@ -425,7 +430,7 @@ def ffn_rows_backward(
     _check_same(l1_scale, "l1_scale", dy, "dy", dtype=False)
     check_launchable(dy, "dy")
     _check_pow2(block_e, "block_e", 1, 256)
-    BD = _block_d(d, block_d)
+    BD = _block_d(d, block_d, 512)
     dx = torch.empty(M, d, dtype=dy.dtype, device=dy.device)
     du = torch.empty(M, W, dtype=torch.float32, device=dy.device)
     da = torch.empty(M, W, dtype=torch.float32, device=dy.device) if gated else None
@@ -448,7 +453,25 @@ def ffn_rows_backward(
 # ---------------------------------------------------------------------------------------------
 
 
-def unit_index(cols: torch.Tensor, counts: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _slot_keys(cols: torch.Tensor, counts: torch.Tensor, f: int) -> torch.Tensor:
+    """``[M W]`` int32: the unit of each used slot of a light row, f for every other slot."""
+    W = cols.shape[1]
+    used = torch.arange(W, device=cols.device) < torch.where(counts > W, 0, counts).unsqueeze(1)
+    return torch.where(used, cols.to(torch.int32), f).flatten()
+
+
+def _per_key(key: torch.Tensor, f: int) -> torch.Tensor:
+    # scatter_add, not bincount: bincount on CUDA reads the maximum back to the host
+    ones = torch.ones_like(key, dtype=torch.int64)
+    return torch.zeros(f + 1, dtype=torch.int64, device=key.device).scatter_add_(0, key.long(), ones)
+
+
+def light_unit_counts(cols: torch.Tensor, counts: torch.Tensor, f: int) -> torch.Tensor:
+    """``[f]`` int64: how many light rows' used slots hold each unit (no host sync)."""
+    return _per_key(_slot_keys(cols, counts, f), f)[:f]
+
+
+def unit_index(cols: torch.Tensor, counts: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The transposed (per-unit, CSC) view of the light rows' used slots, in PyTorch, on the
     device, with no host sync.
 
@@ -456,20 +479,16 @@ def unit_index(cols: torch.Tensor, counts: torch.Tensor, f: int) -> tuple[torch.
         cols ``[M, W]``, counts ``[M]`` int32: ELL rows; f: number of units.
 
     Returns:
-        ``(order [M W] int64, offsets [f + 1] int64, per_unit [f] int64)``: the flat slot
-        indices ``m W + s`` grouped by unit (unit j's are ``order[offsets[j]:offsets[j + 1]]``,
-        ascending, so its tokens come in order), and how many light slots each unit has. Unused
-        slots and heavy rows' slots are keyed f and sorted past every unit.
+        ``(order [M W] int64, offsets [f + 1] int64)``: the flat slot indices ``m W + s``
+        grouped by unit (unit j's are ``order[offsets[j]:offsets[j + 1]]``, ascending, so its
+        tokens come in order). Unused slots and heavy rows' slots are keyed f and sorted past
+        every unit.
     """
-    M, W = cols.shape
-    used = torch.arange(W, device=cols.device) < torch.where(counts > W, 0, counts).unsqueeze(1)
-    key = torch.where(used, cols.to(torch.int32), f).flatten()
+    key = _slot_keys(cols, counts, f)
     order = torch.sort(key, stable=True).indices
-    # scatter_add, not bincount: bincount on CUDA reads the maximum back to the host
-    per_key = torch.zeros(f + 1, dtype=torch.int64, device=cols.device).scatter_add_(0, key.long(), torch.ones_like(key, dtype=torch.int64))
     offsets = torch.zeros(f + 1, dtype=torch.int64, device=cols.device)
-    torch.cumsum(per_key[:f], 0, out=offsets[1:])
-    return order, offsets, per_key[:f]
+    torch.cumsum(_per_key(key, f)[:f], 0, out=offsets[1:])
+    return order, offsets
 
 
 @triton.jit
@@ -591,7 +610,7 @@ def ffn_weight_grads(
         dwdt = torch.empty(f, d, dtype=dtype, device=x.device)
     check_launchable(x, "x")
     _check_pow2(block_t, "block_t", 1, 256)
-    BD = _block_d(d, block_d)
+    BD = _block_d(d, block_d, 256)
     if f == 0 or d == 0:
         return dwu, dwg, dwdt
     with on_device_of(x):
