@@ -26,6 +26,8 @@ _EXPORTS = {
     "l1_loss": "nn",
     "sparse_modules": "nn",
     "sparsify": "hf",
+    "sparse_gated_ffn": "train_ops",
+    "sparse_ffn": "train_ops",
 }
 
 __all__ = list(_EXPORTS)

@@ -1,4 +1,4 @@
-"""Triton kernels for TwELL inference, one file per op family.
+"""Triton kernels, one file per op family: TwELL inference, and training on ELL rows.
 
 - :mod:`.gate_pack`: ``relu(x w^T)`` into TwELL. Two ways: a light pack pass over a dense
   pre-activation that cuBLAS computed (:func:`pack_relu`), or a Triton matmul whose epilogue
@@ -7,6 +7,8 @@
   ``[M, f]``-sized is written) or the non-gated down projection, with the exact path for
   overflowed tiles and its counters.
 - :mod:`.elementwise`: ``relu(g) * u`` in one pass, for the modules' dense inference branch.
+- :mod:`.train_ffn`: training forward and backward of the FFN on ELL rows (pack, rows forward,
+  rows backward, per-unit weight gradients); :mod:`twell.train_ops` wraps them in autograd.
 
 The launchers validate their arguments, accept any ``M``, ``d`` and ``f``, and launch on the
 caller's current CUDA stream (Triton's default). They keep no state between calls.

@@ -1,0 +1,278 @@
+"""Sparse FFN training ops: forward and exact backward on the hybrid format, with autograd.
+
+One call of :func:`sparse_gated_ffn` (``y = (relu(x w_gate^T) * (x w_up^T)) w_down^T``)::
+
+    a = x w_gate^T                         cuBLAS, the only dense matmul of the light rows
+    cols, g, counts = pack_rows(a, W)      ELL rows: the first W positives of each row
+    heavy = rows with counts > W           torch.nonzero: the call's one host sync
+    light rows: Triton (twell.kernels.train_ffn), every product restricted to the pattern
+    heavy rows: dense PyTorch on just those rows (the hybrid format's dense backup), however
+                many there are: nothing is dropped
+
+and the L1 term ``l1 = mean over tokens of sum over units |h|`` (:func:`twell.reference.l1_penalty`)
+is returned beside y, so that ``loss = task_loss(y) + lam * l1`` back-propagates through both.
+
+Saved for backward (no ``[M, f]`` tensor): x, the weights (held by the model anyway), the ELL
+rows ``cols [M, W]`` (int16 when f <= 32768), ``g [M, W]``, ``u [M, W]`` (gated), ``counts [M]``
+int32, the heavy rows' indices and their dense ``g`` and ``u`` (``[n_heavy, f]``; non-gated: h).
+:func:`saved_bytes` measures it.
+
+The results equal dense autograd up to rounding, for every input: any M, d, f, any pattern.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .checks import KERNEL_DTYPES, check_launchable, check_mlp_args, check_tensor
+from .kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, light_unit_counts, pack_rows, unit_index
+
+__all__ = [
+    "TrainFFNOutput",
+    "SparseGatedFFNFunction",
+    "SparseFFNFunction",
+    "sparse_gated_ffn",
+    "sparse_ffn",
+    "choose_width",
+    "saved_bytes",
+]
+
+
+# Tuning knobs of the kernels' launchers (twell.kernels.train_ffn), read at each call. Guesses
+# until measured on the GPU; the tests shrink them to walk every loop of the kernels more than once.
+# block_d None: d in one step up to 512 columns (row kernels) or 256 (weight gradients).
+PACK_CONFIG: dict = dict(block_m=4, block_f=256, num_warps=4)
+ROWS_CONFIG: dict = dict(block_e=16, block_d=None, num_warps=4)
+GRADS_CONFIG: dict = dict(block_t=16, block_d=None, num_warps=4)
+
+
+class TrainFFNOutput(NamedTuple):
+    """What the sparse training FFN returns.
+
+    Attributes:
+        y: ``[M, d]`` the FFN output (differentiable).
+        l1: fp32 scalar, mean over tokens of the sum over units of ``|h|`` (differentiable).
+        row_counts: ``[M]`` int32, active units of each token.
+        unit_counts: ``[f]`` int64, tokens each unit fired for.
+        n_heavy: int64 scalar tensor, rows that had more than W active units and took the dense
+            backup.
+    """
+
+    y: torch.Tensor
+    l1: torch.Tensor
+    row_counts: torch.Tensor
+    unit_counts: torch.Tensor
+    n_heavy: torch.Tensor
+
+
+def choose_width(active_mean: float, active_max: Optional[int] = None, f: Optional[int] = None) -> int:
+    """ELL width W for a layer whose tokens have ``active_mean`` active units on average.
+
+    Rule: the multiple of 16 at or above twice the mean, clamped to [16, 512]; narrower when
+    ``active_max`` says every row fits in less (rounded up to 16); at most ``f``. Rows heavier
+    than W are exact anyway (dense backup): W trades the ELL buffers' size (and the row kernels'
+    padding) against how many rows go dense. At the paper's 29 of 5632 units: W = 64.
+
+    >>> choose_width(29.0), choose_width(29.0, active_max=40), choose_width(3.0, f=10)
+    (64, 48, 10)
+    """
+    if active_mean < 0 or active_mean != active_mean:
+        raise ValueError(f"active_mean must be a number >= 0, got {active_mean}")
+    w = min(max(16, 16 * -(-int(2 * active_mean + 0.999999) // 16)), 512)
+    if active_max is not None:
+        w = min(w, max(16, 16 * -(-int(active_max) // 16)))
+    if f is not None:
+        w = min(w, max(1, int(f)))
+    return w
+
+
+def _check_args(x, w_up, w_down, w_gate, width) -> int:
+    d, f = check_mlp_args(x, w_up, w_down, w_gate)
+    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
+    if not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [M, d] tensor, got strides {x.stride()}")
+    for w, name in ((w_gate, "w_gate"), (w_up, "w_up")):
+        if w is not None and w.stride(1) != 1:
+            raise ValueError(f"{name} must have unit-stride rows (stride(1) == 1), got strides {w.stride()}")
+    check_launchable(x, "x")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be an int >= 1, got {width!r}")
+    return min(width, max(f, 1))  # a row never has more than f entries
+
+
+def _stats(cols, counts, heavy_active, heavy_rows, f):
+    """unit_counts [f] int64 (light slots per unit + the heavy rows' active units) and n_heavy."""
+    per_unit = light_unit_counts(cols, counts, f)
+    if heavy_active is not None:
+        per_unit = per_unit + heavy_active.sum(0, dtype=torch.int64)
+    n_heavy = torch.full((), heavy_rows.numel(), dtype=torch.int64, device=counts.device)
+    return per_unit, n_heavy
+
+
+def _l1_scale(dl1: Optional[torch.Tensor], M: int, device) -> torch.Tensor:
+    if dl1 is None:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return (dl1.float() / max(M, 1)).reshape(1).contiguous()
+
+
+class SparseGatedFFNFunction(torch.autograd.Function):
+    """``y = (relu(x w_gate^T) * (x w_up^T)) w_down^T`` and its L1 term on the hybrid format.
+
+    ``apply(x, w_gate, w_up, w_down, width)`` -> ``(y, l1, row_counts, unit_counts, n_heavy)``;
+    use :func:`sparse_gated_ffn`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, width):
+        W = _check_args(x, w_up, w_down, w_gate, width)
+        M, d = x.shape
+        f = w_up.shape[0]
+        w_down_t = w_down.t().contiguous()  # row j = w_down[:, j]: one contiguous read per unit
+        a = torch.mm(x, w_gate.t())
+        cols, g, counts = pack_rows(a, W, **PACK_CONFIG)
+        heavy_rows = torch.nonzero(counts > W).flatten()  # the one host sync of the call
+        y, u, l1_rows = ffn_rows_forward(x, cols, g, counts, w_down_t, w_up, **ROWS_CONFIG)
+        g_h = u_h = None
+        if heavy_rows.numel():
+            x_h = x[heavy_rows]
+            g_h = torch.relu(a[heavy_rows])
+            u_h = torch.mm(x_h, w_up.t())
+            h_h = g_h * u_h
+            y[heavy_rows] = torch.mm(h_h, w_down.t())
+            l1_rows[heavy_rows] = h_h.float().abs().sum(1)
+        del a
+        l1 = l1_rows.sum() / max(M, 1)
+        unit_counts, n_heavy = _stats(cols, counts, None if g_h is None else g_h > 0, heavy_rows, f)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h)
+        ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
+        return y, l1, counts, unit_counts, n_heavy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dl1, *_):
+        x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h = ctx.saved_tensors
+        M, d = x.shape
+        f = w_up.shape[0]
+        dy = dy.contiguous()
+        c = _l1_scale(dl1, M, x.device)
+        w_down_t = w_down.t().contiguous()
+        dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, w_down_t, w_up, w_gate, c, **ROWS_CONFIG)
+        base = None
+        if heavy_rows.numel():
+            x_h, dy_h = x[heavy_rows], dy[heavy_rows]
+            h_h = g_h * u_h
+            # dh on the pattern: the dense product masked by g > 0, plus c sign(h) (zero off it)
+            dh = torch.mm(dy_h, w_down).float() * (g_h > 0) + c * torch.sign(h_h.float())
+            du_h, da_h = (dh * g_h.float()).to(x.dtype), (dh * u_h.float()).to(x.dtype)
+            dx[heavy_rows] = torch.mm(du_h, w_up) + torch.mm(da_h, w_gate)
+            base = (torch.mm(du_h.t(), x_h), torch.mm(da_h.t(), x_h), torch.mm(h_h.t(), dy_h))
+        order, offsets = unit_index(cols, counts, f)
+        dw_up, dw_gate, dw_down_t = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
+        # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
+        return dx, dw_gate, dw_up, dw_down_t.t(), None
+
+
+class SparseFFNFunction(torch.autograd.Function):
+    """``y = relu(x w_up^T) w_down^T`` and its L1 term on the hybrid format.
+
+    ``apply(x, w_up, w_down, width)`` -> ``(y, l1, row_counts, unit_counts, n_heavy)``; use
+    :func:`sparse_ffn`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_up, w_down, width):
+        W = _check_args(x, w_up, w_down, None, width)
+        M, d = x.shape
+        f = w_up.shape[0]
+        w_down_t = w_down.t().contiguous()
+        a = torch.mm(x, w_up.t())
+        cols, h, counts = pack_rows(a, W, **PACK_CONFIG)
+        heavy_rows = torch.nonzero(counts > W).flatten()  # the one host sync of the call
+        y, _, l1_rows = ffn_rows_forward(x, cols, h, counts, w_down_t, **ROWS_CONFIG)
+        h_h = None
+        if heavy_rows.numel():
+            h_h = torch.relu(a[heavy_rows])
+            y[heavy_rows] = torch.mm(h_h, w_down.t())
+            l1_rows[heavy_rows] = h_h.float().sum(1)  # h >= 0
+        del a
+        l1 = l1_rows.sum() / max(M, 1)
+        unit_counts, n_heavy = _stats(cols, counts, None if h_h is None else h_h > 0, heavy_rows, f)
+        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy_rows, h_h)
+        ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
+        return y, l1, counts, unit_counts, n_heavy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dl1, *_):
+        x, w_up, w_down, cols, h, counts, heavy_rows, h_h = ctx.saved_tensors
+        M, d = x.shape
+        f = w_up.shape[0]
+        dy = dy.contiguous()
+        c = _l1_scale(dl1, M, x.device)
+        w_down_t = w_down.t().contiguous()
+        dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, w_down_t, w_up, None, c, **ROWS_CONFIG)
+        base = None
+        if heavy_rows.numel():
+            x_h, dy_h = x[heavy_rows], dy[heavy_rows]
+            on = h_h > 0
+            dh_h = ((torch.mm(dy_h, w_down).float() + c) * on).to(x.dtype)  # sign(h) = 1 on the pattern
+            dx[heavy_rows] = torch.mm(dh_h, w_up)
+            base = (torch.mm(dh_h.t(), x_h), None, torch.mm(h_h.t(), dy_h))
+        order, offsets = unit_index(cols, counts, f)
+        dw_up, _, dw_down_t = ffn_weight_grads(order, offsets, x, dy, h, None, dh, None, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
+        return dx, dw_up, dw_down_t.t(), None
+
+
+def sparse_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:
+    """Gated FFN for training on the hybrid format, with its L1 term.
+
+    Args:
+        x: ``[M, d]`` contiguous tokens (fp32, fp16 or bf16; CUDA, or CPU under the Triton
+            interpreter).
+        w_gate, w_up: ``[f, d]`` (nn.Linear layout, unit-stride rows); w_down: ``[d, f]``; all
+            of x's dtype and device.
+        width: ELL width W (see :func:`choose_width`); rows with more active units take the
+            dense backup. Values above f are treated as f.
+
+    Returns:
+        :class:`TrainFFNOutput`; ``y`` and ``l1`` carry gradients to x and the three weights
+        equal to dense autograd's of ``(relu(x w_gate^T) * (x w_up^T)) w_down^T`` and
+        ``l1_penalty(h)`` up to rounding. With M = 0, l1 is 0.
+    """
+    return TrainFFNOutput(*SparseGatedFFNFunction.apply(x, w_gate, w_up, w_down, width))
+
+
+def sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:
+    """Non-gated FFN ``y = relu(x w_up^T) w_down^T`` for training; as :func:`sparse_gated_ffn`."""
+    return TrainFFNOutput(*SparseFFNFunction.apply(x, w_up, w_down, width))
+
+
+def saved_bytes(fn: Callable[..., object], *inputs: torch.Tensor) -> int:
+    """Bytes that autograd keeps for the backward of ``fn(*inputs)``, besides the inputs.
+
+    Runs ``fn`` once (inputs that are floating tensors are detached and made to require grad)
+    and sums, over the distinct tensors saved for backward, those that share no storage with an
+    input: for :func:`sparse_gated_ffn` with inputs (x, w_gate, w_up, w_down) that is the ELL
+    rows, counts and the heavy rows' data; for the dense FFN, its ``[M, f]`` intermediates. x
+    and the weights, which both keep, are not counted.
+
+    Example::
+
+        saved_bytes(lambda *t: sparse_gated_ffn(*t, 64), x, w_gate, w_up, w_down)
+    """
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs]
+    input_storages = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+    seen: dict[tuple, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in input_storages:
+            seen[(ptr, t.storage_offset(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*leaves)
+    return sum(seen.values())

@@ -1,0 +1,312 @@
+"""Sparse FFN training kernels (twell.train_ops on twell.kernels.train_ffn) against dense
+PyTorch autograd: y, l1 and every gradient, with the L1 term in the loss, on adversarial
+patterns (Triton interpreter on the CPU in fp32/fp16; GPU tests in bf16 at real shapes).
+
+Patterns are set by construction: column 0 of x is 1 and column 0 of w_gate holds minus a
+threshold (the density), and then single rows and units are edited (see ``make_case``)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import twell.train_ops as T
+from kernel_cases import case_id, rel_err
+from twell import reference as R
+from twell.format import pack_hybrid
+from twell.kernels.train_ffn import pack_rows
+from twell.train_ops import choose_width, saved_bytes, sparse_ffn, sparse_gated_ffn
+
+# Small blocks, so that every loop of the kernels runs more than once at test shapes: pack walks
+# f in 16-column steps, the row kernels take 4 slots and 32 columns of d per step (d = 40 here), the
+# weight gradients 4 (token, slot) pairs per step.
+SMALL = dict(
+    PACK_CONFIG=dict(block_m=2, block_f=16, num_warps=1),
+    ROWS_CONFIG=dict(block_e=4, block_d=32, num_warps=1),
+    GRADS_CONFIG=dict(block_t=4, block_d=32, num_warps=1),
+)
+TOL = {torch.float32: 2e-6, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
+DEAD, ONLY_HEAVY, HOT = 10, 70, 3  # units of make_case(adversarial=True), f = 75
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    for name, cfg in SMALL.items():
+        monkeypatch.setattr(T, name, cfg)
+
+
+def make_case(M, d, f, seed=0, density=0.12, adversarial=True):
+    """``(x [M, d], w_gate [f, d], w_up [f, d], w_down [d, f])`` in float64.
+
+    adversarial (needs M >= 8, f = 75): row 1 has no active unit (x[1] = 0: every gate is
+    exactly 0, and relu'(0) = 0), row 2
+    every unit (heavy), row 5 about half (heavy); unit DEAD never fires (its gate is exactly 0),
+    unit ONLY_HEAVY fires only in heavy rows (2, perhaps 5), unit HOT fires in every row with x[m, 0] = 1."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(M, d, generator=g, dtype=torch.float64)
+    wg = torch.randn(f, d, generator=g, dtype=torch.float64) / math.sqrt(d - 1)
+    x[:, 0] = 1.0
+    wg[:, 0] = -float(torch.special.ndtri(torch.tensor(1.0 - density, dtype=torch.float64)))
+    if adversarial:
+        x[1] = 0.0
+        x[2, 0] = -40.0
+        x[5, 0] = 0.0
+        wg[DEAD] = 0.0
+        wg[ONLY_HEAVY, 0] = -30.0  # a = -30 + z where x[m, 0] = 1, +1200 in row 2
+        wg[HOT, 0] = 30.0
+    wu = torch.randn(f, d, generator=g, dtype=torch.float64) / math.sqrt(d)
+    wd = torch.randn(d, f, generator=g, dtype=torch.float64) / math.sqrt(f)
+    return x, wg, wu, wd
+
+
+def dense_ffn(x, wg, wu, wd):
+    """The dense oracle: y and the L1 term (reference.l1_penalty) of the gated or plain FFN."""
+    h = torch.relu(x @ wg.T) * (x @ wu.T) if wu is not None else torch.relu(x @ wg.T)
+    return h @ wd.T, R.l1_penalty(h)
+
+
+def run(fn, tensors, r, lam):
+    """Leaves from ``tensors``, ``out = fn(*leaves)``, backward of (y r).sum() + lam l1."""
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    out = fn(*leaves)
+    y, l1 = out[0], out[1]
+    ((y * r).sum() + lam * l1).backward()
+    detached = [t.detach() for t in out]
+    return (type(out)(*detached) if hasattr(out, "_fields") else detached), [t.grad for t in leaves]
+
+
+def compare(tensors, width, dtype, gated=True, lam=0.37, seed=1):
+    """Run the sparse op in ``dtype`` and dense autograd in float64 on the same (rounded) inputs;
+    check y, l1, every gradient and the statistics. Returns (out, grads, dense grads)."""
+    tensors = [t.to(dtype) for t in tensors]
+    M, d = tensors[0].shape
+    r = torch.randn(M, d, generator=torch.Generator().manual_seed(seed)).to(dtype)  # both see the same r
+    if gated:
+        out, grads = run(lambda *t: sparse_gated_ffn(*t, width), tensors, r, lam)
+        ref, ref_grads = run(lambda x, wg, wu, wd: dense_ffn(x, wg, wu, wd), [t.double() for t in tensors], r.double(), lam)
+    else:
+        out, grads = run(lambda *t: sparse_ffn(*t, width), tensors, r, lam)
+        ref, ref_grads = run(lambda x, wu, wd: dense_ffn(x, wu, None, wd), [t.double() for t in tensors], r.double(), lam)
+    assert out.y.dtype == dtype and out.y.shape == (M, d)
+    assert out.l1.dtype == torch.float32 and out.l1.dim() == 0
+    tol = TOL[dtype]
+    assert rel_err(out.y, ref[0]) < tol
+    assert abs(float(out.l1) - float(ref[1])) <= tol * max(float(ref[1]), 1e-30)
+    for name, gr, gr_ref, t in zip(("dx", "dw_gate", "dw_up", "dw_down") if gated else ("dx", "dw_up", "dw_down"), grads, ref_grads, tensors):
+        assert gr.dtype == dtype and gr.shape == t.shape, name
+        assert rel_err(gr, gr_ref) < tol, (name, rel_err(gr, gr_ref))
+    a = tensors[0] @ tensors[1].T
+    assert out.row_counts.dtype == torch.int32 and torch.equal(out.row_counts.long(), (a > 0).sum(1))
+    assert out.unit_counts.dtype == torch.int64 and torch.equal(out.unit_counts, (a > 0).sum(0))
+    W = min(width, a.shape[1])
+    assert out.n_heavy.dtype == torch.int64 and int(out.n_heavy) == int(((a > 0).sum(1) > W).sum())
+    for t in (out.row_counts, out.unit_counts, out.n_heavy):
+        assert not t.requires_grad
+    return out, grads, ref_grads
+
+
+def boundary_width(tensors):
+    """A width W such that some row has exactly W active units (light, every slot used), some
+    has more (heavy) and at least half the rows have fewer."""
+    counts = ((tensors[0] @ tensors[1].T) > 0).sum(1)
+    for c in sorted(set(counts.tolist())):
+        if c >= 2 and int((counts < c).sum()) >= counts.numel() // 2:
+            assert bool((counts > c).any())
+            return c
+    raise AssertionError("no boundary width in this case")
+
+
+def test_pack_rows():
+    """Light rows as pack_hybrid stores them; slots past the count written as zeros. (First in
+    the file: a wrong pack leaves stray columns that later tests would gather out of bounds.)"""
+    x, wg, _, _ = (t.float() for t in make_case(13, 40, 75, seed=10))
+    a = x @ wg.T
+    cols, vals, counts = pack_rows(a, 12, block_m=4, block_f=16, num_warps=1)
+    ref = pack_hybrid(torch.relu(a), width=12)
+    assert cols.dtype == torch.int16 and torch.equal(counts, ref.counts)
+    light = counts <= 12
+    assert torch.equal(cols[light].int(), ref.cols[light]) and torch.equal(vals[light], ref.values[light])
+    used = torch.arange(12) < counts.unsqueeze(1)
+    assert torch.all(vals[~used] == 0) and torch.all(cols[~used] == 0)
+    heavy = ~light  # the first W entries of a heavy row
+    nz = torch.nonzero(a[heavy][0] > 0).flatten()[:12]
+    assert torch.equal(cols[heavy][0].long(), nz)
+
+
+@pytest.mark.parametrize("dtype,M", [(torch.float32, 37), (torch.float16, 16), (torch.bfloat16, 16)], ids=case_id)
+def test_gated_adversarial(dtype, M, small_blocks):
+    """Empty, full, heavy and exactly-W rows; a dead unit, a unit fed only by a heavy row, a hot
+    unit; M, d, f multiples of no block."""
+    tensors = make_case(M, 40, 75)
+    W = boundary_width(tensors)
+    out, grads, ref_grads = compare(tensors, W, dtype)
+    assert int(out.n_heavy) >= 3 and int(out.row_counts[1]) == 0 and int(out.row_counts[2]) == 73  # all but DEAD and HOT
+    a = tensors[0].to(dtype) @ tensors[1].to(dtype).T
+    fired = a[:, ONLY_HEAVY] > 0
+    assert int(out.unit_counts[DEAD]) == 0 and bool(fired.any()) and bool(torch.all(out.row_counts[fired] > W))
+    assert torch.all(out.y[1] == 0)
+    dx, dwg, dwu, dwd = grads
+    # a unit with no token gets exact zero gradients (dense's are exact zeros too)
+    assert torch.all(dwg[DEAD] == 0) and torch.all(dwu[DEAD] == 0) and torch.all(dwd[:, DEAD] == 0)
+    # the unit fed only by heavy rows: its gradients come from the dense backup alone
+    assert rel_err(dwu[ONLY_HEAVY], ref_grads[2][ONLY_HEAVY]) < TOL[dtype]
+    assert rel_err(dwd[:, ONLY_HEAVY], ref_grads[3][:, ONLY_HEAVY]) < TOL[dtype]
+
+
+def test_gated_single_row():
+    """M = 1, with the launchers' default blocks."""
+    x, wg, wu, wd = make_case(1, 24, 37, seed=4, adversarial=False)
+    out, _, _ = compare((x, wg, wu, wd), 16, torch.float32)
+    assert int(out.row_counts[0]) > 0
+
+
+def test_every_row_heavy(small_blocks):
+    tensors = make_case(9, 40, 75, seed=5, density=0.4, adversarial=False)
+    out, _, _ = compare(tensors, 4, torch.float32)
+    assert int(out.n_heavy) == 9
+
+
+def test_all_units_active(small_blocks):
+    """a = +1 everywhere and W = f (and a width above f): every row fills its ELL row, none is heavy."""
+    x, wg, wu, wd = make_case(3, 24, 21, seed=6, adversarial=False)
+    wg.zero_()
+    wg[:, 0] = 1.0
+    for width in (21, 200):
+        out, _, _ = compare((x, wg, wu, wd), width, torch.float32)
+        assert int(out.n_heavy) == 0 and torch.all(out.row_counts == 21)
+
+
+def test_no_active_unit(small_blocks):
+    """No positive at all: y, l1 and every gradient are exact zeros (no NaN)."""
+    x, wg, wu, wd = make_case(11, 40, 75, seed=7, adversarial=False)
+    wg[:, 0] = -100.0
+    out, grads, ref_grads = compare((x, wg, wu, wd), 16, torch.float32)
+    assert float(out.l1) == 0.0 and torch.equal(out.y, torch.zeros_like(out.y))
+    for gr in grads:
+        assert torch.equal(gr, torch.zeros_like(gr))
+    assert int(out.unit_counts.sum()) == 0
+
+
+def test_non_gated(small_blocks):
+    x, wg, _, wd = make_case(37, 40, 75, seed=8)
+    W = boundary_width((x, wg))
+    out, grads, _ = compare((x, wg, wd), W, torch.float32, gated=False)
+    assert int(out.n_heavy) >= 3
+    assert torch.all(grads[1][DEAD] == 0) and torch.all(grads[2][:, DEAD] == 0)
+
+
+def test_matches_hybrid_reference():
+    """Same gradients as reference.gated_mlp_backward on the gate in Hybrid form, with
+    l1_coef = lam / M, which is what the l1 output's gradient feeds into dh."""
+    x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=9))
+    lam, M = 0.5, 37
+    dy = torch.randn(M, 40, generator=torch.Generator().manual_seed(2))
+    _, grads = run(lambda *t: sparse_gated_ffn(*t, 12), (x, wg, wu, wd), dy, lam)
+    g = pack_hybrid(torch.relu(x @ wg.T), width=12)
+    ref = R.gated_mlp_backward(x, g, wg, wu, wd, dy, l1_coef=lam / M)
+    for gr, gr_ref in zip(grads, ref):
+        assert rel_err(gr, gr_ref) < 2e-6
+
+
+def test_saves_no_dense_intermediate():
+    """Backward keeps the ELL rows and the heavy rows, nothing [M, f]; fewer bytes than dense."""
+    x, wg, wu, wd = (t.float() for t in make_case(64, 40, 75, seed=11, density=0.05))
+    M, f = 64, 75
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = sparse_gated_ffn(*leaves, 16)
+    assert 0 < int(out.n_heavy) < M
+    assert (M, f) not in shapes and (f, M) not in shapes
+    sparse = saved_bytes(lambda *t: sparse_gated_ffn(*t, 16), x, wg, wu, wd)
+    dense = saved_bytes(dense_ffn, x, wg, wu, wd)
+    assert 0 < sparse < dense
+
+
+def test_choose_width():
+    assert choose_width(29.0) == 64
+    assert choose_width(0.0) == 16 and choose_width(1000.0) == 512
+    assert choose_width(29.0, active_max=40) == 48
+    assert choose_width(29.0, f=20) == 20
+
+
+def test_validation():
+    x, wg, wu, wd = (t.float() for t in make_case(5, 24, 37, adversarial=False))
+    with pytest.raises(TypeError, match="dtype"):
+        sparse_gated_ffn(x, wg, wu.half(), wd, 16)
+    with pytest.raises(TypeError, match="dtype in"):
+        sparse_gated_ffn(x.double(), wg.double(), wu.double(), wd.double(), 16)
+    with pytest.raises(ValueError, match=r"w_down must be \[24, 37\]"):
+        sparse_gated_ffn(x, wg, wu, wd.T.contiguous(), 16)
+    with pytest.raises(ValueError, match="2-D"):
+        sparse_gated_ffn(x.view(1, 5, 24), wg, wu, wd, 16)
+    with pytest.raises(ValueError, match="contiguous"):
+        sparse_gated_ffn(x.T.contiguous().T, wg, wu, wd, 16)
+    with pytest.raises(ValueError, match="unit-stride rows"):
+        sparse_gated_ffn(x, wg.T.contiguous().T, wu, wd, 16)
+    with pytest.raises(ValueError, match="width"):
+        sparse_gated_ffn(x, wg, wu, wd, 0)
+    with pytest.raises(ValueError, match="w_up must be"):
+        sparse_ffn(x, wu[:, :20], wd, 16)
+
+
+def test_cpu_tensors_need_the_interpreter(monkeypatch):
+    x, wg, wu, wd = (t.float() for t in make_case(5, 24, 37, adversarial=False))
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        sparse_gated_ffn(x, wg, wu, wd, 16)
+    with pytest.raises(ValueError, match="CUDA tensor"):
+        sparse_ffn(x, wu, wd, 16)
+
+
+# --- GPU, bf16, real shapes --------------------------------------------------------------------
+
+
+def _gpu_tensors(M=4096, d=2048, f=5632, k=29):
+    """bf16 CUDA tensors with about k of f units active per token (set by column 0), plus an
+    empty row and a fully dense (heavy) row."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, d, generator=g, device="cuda")
+    wg = torch.randn(f, d, generator=g, device="cuda") / math.sqrt(d - 1)
+    x[:, 0] = 1.0
+    wg[:, 0] = -float(torch.special.ndtri(torch.tensor(1.0 - k / f, dtype=torch.float64)))
+    x[5, 1:] = 0.0
+    x[7, 0] = -50.0
+    wu = torch.randn(f, d, generator=g, device="cuda") / math.sqrt(d)
+    wd = torch.randn(d, f, generator=g, device="cuda") / math.sqrt(f)
+    return [t.to(torch.bfloat16) for t in (x, wg, wu, wd)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("gated", [True, False])
+def test_gpu_bf16_real_shape(gated):
+    tensors = _gpu_tensors()
+    if not gated:
+        tensors = [tensors[0], tensors[1], tensors[3]]
+    M, d = tensors[0].shape
+    r = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
+    lam = 0.25 * M  # c = lam / M = 0.25 against |dy . w_down^T[j]| ~ 0.6: the L1 path counts
+    width = choose_width(29.0)
+    if gated:
+        out, grads = run(lambda *t: sparse_gated_ffn(*t, width), tensors, r, lam)
+        ref, ref_grads = run(lambda x, wg, wu, wd: dense_ffn(x, wg, wu, wd), tensors, r, lam)
+        fp32, fp32_grads = run(lambda x, wg, wu, wd: dense_ffn(x, wg, wu, wd), [t.float() for t in tensors], r.float(), lam)
+    else:
+        out, grads = run(lambda *t: sparse_ffn(*t, width), tensors, r, lam)
+        ref, ref_grads = run(lambda x, wu, wd: dense_ffn(x, wu, None, wd), tensors, r, lam)
+        fp32, fp32_grads = run(lambda x, wu, wd: dense_ffn(x, wu, None, wd), [t.float() for t in tensors], r.float(), lam)
+    assert int(out.n_heavy) >= 1
+    assert rel_err(out.y, ref[0]) <= 1e-2 and rel_err(out.y, fp32[0]) <= 1e-2
+    assert abs(float(out.l1) - float(fp32[1])) <= 1e-2 * float(fp32[1])
+    for gr, gr_ref, gr32 in zip(grads, ref_grads, fp32_grads):
+        assert rel_err(gr, gr_ref) <= 1e-2 and rel_err(gr, gr32) <= 1e-2
+    a = tensors[0] @ tensors[1].T
+    assert torch.equal(out.row_counts.long(), (a > 0).sum(1)) and torch.equal(out.unit_counts, (a > 0).sum(0))
