@@ -23,11 +23,12 @@ if not torch.cuda.is_available():
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:
-    if t.is_floating_point() or t.is_complex():
-        return t.fill_(float("nan"))
-    if t.dtype == torch.bool:
-        return t.fill_(True)
-    return t.fill_(torch.iinfo(t.dtype).max // 3)
+    with torch.no_grad():  # torch.empty(..., requires_grad=True) (torch.utils.checkpoint makes one) too
+        if t.is_floating_point() or t.is_complex():
+            return t.fill_(float("nan"))
+        if t.dtype == torch.bool:
+            return t.fill_(True)
+        return t.fill_(torch.iinfo(t.dtype).max // 3)
 
 
 @pytest.fixture(autouse=True)

@@ -27,13 +27,18 @@ SMALL = dict(
     ROWS_CONFIG=dict(block_e=4, block_d=32, num_warps=1),
     GRADS_CONFIG=dict(block_t=4, block_d=32, num_warps=1),
 )
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 TOL = {torch.float32: 2e-6, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 DEAD, ONLY_HEAVY, HOT = 10, 70, 3  # units of make_case(adversarial=True), f = 75
 
 
-@pytest.fixture
-def small_blocks(monkeypatch):
-    for name, cfg in SMALL.items():
+# The same with block_d None: rows of d whole in registers, the one-pass kernels (d <= FULL_D_MAX).
+SMALL_FULL = {name: {**cfg, "block_d": None} if "block_d" in cfg else cfg for name, cfg in SMALL.items()}
+
+
+@pytest.fixture(params=["blocked", "one-pass"])
+def small_blocks(request, monkeypatch):
+    for name, cfg in (SMALL if request.param == "blocked" else SMALL_FULL).items():
         monkeypatch.setattr(T, name, cfg)
 
 
@@ -58,7 +63,7 @@ def make_case(M, d, f, seed=0, density=0.12, adversarial=True):
         wg[HOT, 0] = 30.0
     wu = torch.randn(f, d, generator=g, dtype=torch.float64) / math.sqrt(d)
     wd = torch.randn(d, f, generator=g, dtype=torch.float64) / math.sqrt(f)
-    return x, wg, wu, wd
+    return tuple(t.to(DEV) for t in (x, wg, wu, wd))
 
 
 def dense_ffn(x, wg, wu, wd):
@@ -82,7 +87,7 @@ def compare(tensors, width, dtype, gated=True, lam=0.37, seed=1):
     check y, l1, every gradient and the statistics. Returns (out, grads, dense grads)."""
     tensors = [t.to(dtype) for t in tensors]
     M, d = tensors[0].shape
-    r = torch.randn(M, d, generator=torch.Generator().manual_seed(seed)).to(dtype)  # both see the same r
+    r = torch.randn(M, d, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)  # both see the same r
     if gated:
         out, grads = run(lambda *t: sparse_gated_ffn(*t, width), tensors, r, lam)
         ref, ref_grads = run(lambda x, wg, wu, wd: dense_ffn(x, wg, wu, wd), [t.double() for t in tensors], r.double(), lam)
@@ -128,7 +133,7 @@ def test_pack_rows():
     assert cols.dtype == torch.int16 and torch.equal(counts, ref.counts)
     light = counts <= 12
     assert torch.equal(cols[light].int(), ref.cols[light]) and torch.equal(vals[light], ref.values[light])
-    used = torch.arange(12) < counts.unsqueeze(1)
+    used = torch.arange(12, device=DEV) < counts.unsqueeze(1)
     assert torch.all(vals[~used] == 0) and torch.all(cols[~used] == 0)
     heavy = ~light  # the first W entries of a heavy row
     nz = torch.nonzero(a[heavy][0] > 0).flatten()[:12]
@@ -202,7 +207,7 @@ def test_matches_hybrid_reference():
     l1_coef = lam / M, which is what the l1 output's gradient feeds into dh."""
     x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=9))
     lam, M = 0.5, 37
-    dy = torch.randn(M, 40, generator=torch.Generator().manual_seed(2))
+    dy = torch.randn(M, 40, generator=torch.Generator().manual_seed(2)).to(DEV)
     _, grads = run(lambda *t: sparse_gated_ffn(*t, 12), (x, wg, wu, wd), dy, lam)
     g = pack_hybrid(torch.relu(x @ wg.T), width=12)
     ref = R.gated_mlp_backward(x, g, wg, wu, wd, dy, l1_coef=lam / M)
@@ -258,7 +263,7 @@ def test_validation():
 
 
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
-    x, wg, wu, wd = (t.float() for t in make_case(5, 24, 37, adversarial=False))
+    x, wg, wu, wd = (t.float().cpu() for t in make_case(5, 24, 37, adversarial=False))
     if not torch.cuda.is_available():
         monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(ValueError, match="CUDA tensor"):
@@ -310,3 +315,23 @@ def test_gpu_bf16_real_shape(gated):
         assert rel_err(gr, gr_ref) <= 1e-2 and rel_err(gr, gr32) <= 1e-2
     a = tensors[0] @ tensors[1].T
     assert torch.equal(out.row_counts.long(), (a > 0).sum(1)) and torch.equal(out.unit_counts, (a > 0).sum(0))
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_hot_units_take_the_dense_columns(gated, monkeypatch):
+    """Units held by far more slots than the mean (HOT fires in every ordinary row) get their
+    weight gradients from the dense [M, n_hot] block: the same gradients."""
+    for name, cfg in SMALL_FULL.items():
+        monkeypatch.setattr(T, name, cfg)
+    monkeypatch.setattr(T, "HOT_MIN", 4)
+    monkeypatch.setattr(T, "HOT_FACTOR", 2.0)
+    x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=5))
+    a = x @ wg.T
+    counts = (a > 0).sum(1).int()
+    cols, _, cnt = pack_rows(a, 12)
+    from twell.kernels.train_ffn import light_unit_counts
+
+    _, hot = T._heavy_and_hot(cnt, 12, light_unit_counts(cols, cnt, 75), 75)
+    assert HOT in hot.tolist() and 0 < hot.numel() < 75
+    compare((x, wg, wu, wd) if gated else (x, wg, wd), 12, torch.float32, gated=gated)
+    assert int((counts > 12).sum()) > 0  # heavy rows too: both dense contributions meet

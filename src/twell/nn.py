@@ -71,6 +71,11 @@ class _SparseFFN(nn.Module):
         # share of active units.
         self.kernel_mode = "auto"
         self.kernel_max_density: Optional[float] = None
+        # Training path (gradients wanted) on CUDA, see twell.train_path: "auto" takes the sparse
+        # training kernels while this layer's measured sparsity makes them pay, "dense" or
+        # "sparse" force one; train_max_density (None: the measured default) is the break-even.
+        self.train_kernels = "auto"
+        self.train_max_density: Optional[float] = None
         self.l1: Optional[torch.Tensor] = None
         self.stats: Optional[SparsityStats] = None
         f = self.intermediate_size
@@ -83,14 +88,17 @@ class _SparseFFN(nn.Module):
     def _new_layer_state(self) -> None:
         from .dispatch import LayerState
 
+        from .train_path import TrainPath
+
         state = LayerState(self)
         self.__dict__["_twell_layer"] = state
         self.__dict__["_twell_key"] = state.key  # the registry key (twell.dispatch.layer_state)
+        self.__dict__["_twell_train"] = TrainPath()
 
     def __getstate__(self):
         state = dict(self.__dict__)
-        state.pop("_twell_layer", None)
-        state.pop("_twell_key", None)
+        for key in ("_twell_layer", "_twell_key", "_twell_train"):
+            state.pop(key, None)
         return state
 
     def __setstate__(self, state):
@@ -101,6 +109,12 @@ class _SparseFFN(nn.Module):
     def last_path(self) -> Optional[str]:
         """The inference path of the last kernel-eligible call: "dense", "decode" or "prefill"."""
         return self._twell_layer.last_path
+
+    @property
+    def last_train_path(self) -> Optional[str]:
+        """The path of the last call that wanted gradients on CUDA: "dense" or "sparse" (the
+        training kernels); None before any."""
+        return self._twell_train.last_path
 
     @property
     def overflow_counters(self):
@@ -174,6 +188,56 @@ class _SparseFFN(nn.Module):
 
     def _weights_require_grad(self) -> bool:
         raise NotImplementedError
+
+    # -- training path --------------------------------------------------------------------------
+
+    def _train_choice(self, x: torch.Tensor) -> Optional[tuple[str, int]]:
+        """``(path, width)`` of a call that wants gradients and may take the training kernels
+        (CUDA, or the Triton interpreter with ``train_kernels = "sparse"`` for tests; no bias;
+        fp32/fp16/bf16 after autocast); None: the plain dense math, no choice made."""
+        if not torch.is_grad_enabled() or self.down_proj.bias is not None:
+            return None
+        if not x.is_cuda and not (self.train_kernels == "sparse" and triton_interpreting()):
+            return None
+        return self._twell_train.choose(self.train_kernels, self.intermediate_size, self.train_max_density)
+
+    def _train_sparse(self, x: torch.Tensor, width: int, weights: tuple) -> torch.Tensor:
+        """The FFN of ``x [..., d]`` by the sparse training kernels (:mod:`twell.train_ops`), with
+        the L1 term and the statistics from the same kernels. Under autocast the input and the
+        weights are cast to its dtype here (differentiably: gradients reach fp32 weights in fp32)."""
+        from .train_ops import sparse_ffn, sparse_gated_ffn
+
+        shape = x.shape
+        x2 = x.reshape(-1, self.hidden_size)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            dt = torch.get_autocast_dtype(dev)
+            x2, weights = x2.to(dt), tuple(w.to(dt) for w in weights)
+        with torch.autocast(dev, enabled=False):
+            fn = sparse_gated_ffn if len(weights) == 3 else sparse_ffn
+            out = fn(x2.contiguous(), *weights, width)
+        self.l1 = out.l1 if self.training else None
+        if self._tracking():
+            self._record_counts(out.row_counts, out.unit_counts)
+        state = self._twell_train
+        if state.want_probe():
+            state.publish(out.row_counts)
+        state.last_path = "sparse"
+        return out.y.reshape(shape)
+
+    def _train_dense_done(self, first: torch.Tensor) -> None:
+        """After a dense training call that made a path choice: note it, and publish the row
+        counts on probe calls (from the statistics when they were kept)."""
+        state = self._twell_train
+        state.last_path = "dense"
+        if state.want_probe():
+            with torch.no_grad():
+                per_token = (first > 0).sum(dim=1) if not self._tracking() else None
+                if per_token is None:
+                    st = self.stats
+                    state.publish_values(st.active_mean, st.active_max)
+                else:
+                    state.publish(per_token)
 
     def _infer(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor]) -> torch.Tensor:
         # kept lean: at one token per call this Python is most of the call's cost
@@ -296,12 +360,17 @@ class SparseGatedMLP(_SparseFFN):
         self._check_input(x, w_down)
         if self._inference_ok(x, w_down):
             return self._infer(x, self.gate_proj.weight, w_down, self.up_proj.weight)
+        choice = self._train_choice(x)
+        if choice is not None and choice[0] == "sparse":
+            return self._train_sparse(x, choice[1], (self.gate_proj.weight, self.up_proj.weight, w_down))
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         g = torch.relu(self.gate_proj(x2))
         h = g * self.up_proj(x2)
         y = self.down_proj(h)
         self._record(g, h)
+        if choice is not None:
+            self._train_dense_done(g)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:
@@ -334,11 +403,16 @@ class SparseMLP(_SparseFFN):
         self._check_input(x, w_down)
         if self._inference_ok(x, w_down):
             return self._infer(x, self.up_proj.weight, w_down, None)
+        choice = self._train_choice(x)
+        if choice is not None and choice[0] == "sparse":
+            return self._train_sparse(x, choice[1], (self.up_proj.weight, w_down))
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         h = torch.relu(self.up_proj(x2))
         y = self.down_proj(h)
         self._record(h, h)
+        if choice is not None:
+            self._train_dense_done(h)
         return y.reshape(shape)
 
     def extra_repr(self) -> str:

@@ -9,6 +9,11 @@ One call of :func:`sparse_gated_ffn` (``y = (relu(x w_gate^T) * (x w_up^T)) w_do
     heavy rows: dense PyTorch on just those rows (the hybrid format's dense backup), however
                 many there are: nothing is dropped
 
+In the backward, the weight gradients of the light rows go unit by unit (a per-unit kernel over
+the slots sorted by unit), except for hot units (far more tokens than the mean: see ``HOT_MIN``),
+whose share is one cuBLAS product over a dense ``[M, n_hot]`` block. The forward finds both the
+heavy rows and the hot units, in its one host synchronisation; the backward has none.
+
 and the L1 term ``l1 = mean over tokens of sum over units |h|`` (:func:`twell.reference.l1_penalty`)
 is returned beside y, so that ``loss = task_loss(y) + lam * l1`` back-propagates through both.
 
@@ -41,12 +46,15 @@ __all__ = [
 ]
 
 
-# Tuning knobs of the kernels' launchers (twell.kernels.train_ffn), read at each call. Guesses
-# until measured on the GPU; the tests shrink them to walk every loop of the kernels more than once.
-# block_d None: d in one step up to 512 columns (row kernels) or 256 (weight gradients).
+# Tuning knobs of the kernels' launchers (twell.kernels.train_ffn), read at each call: the
+# fastest of `twell bench training --variants` on the H200 (d 2048, M 16384, k 29; the row
+# kernels' block_e 2 against 4: 0.54 against 0.58 ms forward). The tests shrink them to walk
+# every loop of the kernels more than once.
+# block_d None: the whole row of d in registers (one-pass kernels) up to FULL_D_MAX columns, else
+# d in steps of 512 (row kernels) or 256 (weight gradients).
 PACK_CONFIG: dict = dict(block_m=4, block_f=256, num_warps=4)
-ROWS_CONFIG: dict = dict(block_e=16, block_d=None, num_warps=4)
-GRADS_CONFIG: dict = dict(block_t=16, block_d=None, num_warps=4)
+ROWS_CONFIG: dict = dict(block_e=2, block_d=None, num_warps=4)
+GRADS_CONFIG: dict = dict(block_t=2, block_d=None, num_warps=8)
 
 
 class TrainFFNOutput(NamedTuple):
@@ -103,13 +111,56 @@ def _check_args(x, w_up, w_down, w_gate, width) -> int:
     return min(width, max(f, 1))  # a row never has more than f entries
 
 
-def _stats(cols, counts, heavy_active, heavy_rows, f):
+def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(heavy_rows, hot)``: rows with more than W active units, and the hot units (see HOT_MIN)
+    of the light rows (``per_unit``: their slots per unit). The forward's host sync: the first
+    nonzero waits for the GPU's queue (the row kernels launched before it keep it busy), the
+    second only for itself."""
+    limit = torch.clamp(per_unit.sum() * (HOT_FACTOR / max(f, 1)), min=HOT_MIN)
+    hot_mask = per_unit > limit
+    heavy_rows = torch.nonzero(counts > W).flatten()
+    return heavy_rows, torch.nonzero(hot_mask).flatten()
+
+
+def _stats(per_unit, heavy_active, heavy_rows):
     """unit_counts [f] int64 (light slots per unit + the heavy rows' active units) and n_heavy."""
-    per_unit = light_unit_counts(cols, counts, f)
     if heavy_active is not None:
         per_unit = per_unit + heavy_active.sum(0, dtype=torch.int64)
-    n_heavy = torch.full((), heavy_rows.numel(), dtype=torch.int64, device=counts.device)
+    n_heavy = torch.full((), heavy_rows.numel(), dtype=torch.int64, device=per_unit.device)
     return per_unit, n_heavy
+
+
+# Hot units: a unit held by more than max(HOT_MIN, HOT_FACTOR x the mean) light-row slots gets
+# its weight gradients from cuBLAS over a dense [M, n_hot] block instead of the per-unit kernel,
+# whose one program per unit would otherwise walk thousands of tokens serially (skewed layers:
+# a few units fire for a large share of the tokens). The column counterpart of the heavy rows.
+HOT_MIN = 256
+HOT_FACTOR = 8.0
+
+
+def _hot_dense(cols, counts, hot, f, *slot_values):
+    """Dense ``[M, n_hot]`` fp32 blocks of per-slot values (``[M, W]`` each) at the hot units'
+    slots of the light rows; zero elsewhere."""
+    M, W = cols.shape
+    pos = torch.full((f,), -1, dtype=torch.int64, device=cols.device)
+    pos[hot] = torch.arange(hot.numel(), device=cols.device)
+    used = torch.arange(W, device=cols.device) < torch.where(counts > W, 0, counts).unsqueeze(1)
+    slot_pos = torch.where(used, pos[cols.long()], -1)
+    r, s = torch.nonzero(slot_pos >= 0, as_tuple=True)
+    c = slot_pos[r, s]
+    out = []
+    for v in slot_values:
+        block = torch.zeros(M, hot.numel(), dtype=torch.float32, device=cols.device)
+        block[r, c] = v[r, s].float()
+        out.append(block)
+    return out
+
+
+def _add_hot(grads, hot, blocks, sources):
+    """``grads[i][hot] += blocks[i]^T sources[i]`` (cuBLAS in the sources' dtype)."""
+    for g, b, src in zip(grads, blocks, sources):
+        if g is not None:
+            g[hot] += torch.mm(b.to(src.dtype).t(), src).to(g.dtype)
 
 
 def _l1_scale(dl1: Optional[torch.Tensor], M: int, device) -> torch.Tensor:
@@ -133,8 +184,9 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         w_down_t = w_down.t().contiguous()  # row j = w_down[:, j]: one contiguous read per unit
         a = torch.mm(x, w_gate.t())
         cols, g, counts = pack_rows(a, W, **PACK_CONFIG)
-        heavy_rows = torch.nonzero(counts > W).flatten()  # the one host sync of the call
         y, u, l1_rows = ffn_rows_forward(x, cols, g, counts, w_down_t, w_up, **ROWS_CONFIG)
+        per_unit = light_unit_counts(cols, counts, f)
+        heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
         g_h = u_h = None
         if heavy_rows.numel():
             x_h = x[heavy_rows]
@@ -145,15 +197,15 @@ class SparseGatedFFNFunction(torch.autograd.Function):
             l1_rows[heavy_rows] = h_h.float().abs().sum(1)
         del a
         l1 = l1_rows.sum() / max(M, 1)
-        unit_counts, n_heavy = _stats(cols, counts, None if g_h is None else g_h > 0, heavy_rows, f)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h)
+        unit_counts, n_heavy = _stats(per_unit, None if g_h is None else g_h > 0, heavy_rows)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h, hot)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h = ctx.saved_tensors
+        x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h, hot = ctx.saved_tensors
         M, d = x.shape
         f = w_up.shape[0]
         dy = dy.contiguous()
@@ -169,8 +221,15 @@ class SparseGatedFFNFunction(torch.autograd.Function):
             du_h, da_h = (dh * g_h.float()).to(x.dtype), (dh * u_h.float()).to(x.dtype)
             dx[heavy_rows] = torch.mm(du_h, w_up) + torch.mm(da_h, w_gate)
             base = (torch.mm(du_h.t(), x_h), torch.mm(da_h.t(), x_h), torch.mm(h_h.t(), dy_h))
-        order, offsets = unit_index(cols, counts, f)
+        exclude = None
+        if hot.numel():
+            exclude = torch.zeros(f, dtype=torch.bool, device=x.device).index_fill_(0, hot, True)
+        order, offsets = unit_index(cols, counts, f, exclude)
         dw_up, dw_gate, dw_down_t = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
+        if hot.numel():
+            h_light = g.float() * u.float()
+            blocks = _hot_dense(cols, counts, hot, f, du, da, h_light)
+            _add_hot((dw_up, dw_gate, dw_down_t), hot, blocks, (x, x, dy))
         # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
         return dx, dw_gate, dw_up, dw_down_t.t(), None
 
@@ -190,8 +249,9 @@ class SparseFFNFunction(torch.autograd.Function):
         w_down_t = w_down.t().contiguous()
         a = torch.mm(x, w_up.t())
         cols, h, counts = pack_rows(a, W, **PACK_CONFIG)
-        heavy_rows = torch.nonzero(counts > W).flatten()  # the one host sync of the call
         y, _, l1_rows = ffn_rows_forward(x, cols, h, counts, w_down_t, **ROWS_CONFIG)
+        per_unit = light_unit_counts(cols, counts, f)
+        heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
         h_h = None
         if heavy_rows.numel():
             h_h = torch.relu(a[heavy_rows])
@@ -199,15 +259,15 @@ class SparseFFNFunction(torch.autograd.Function):
             l1_rows[heavy_rows] = h_h.float().sum(1)  # h >= 0
         del a
         l1 = l1_rows.sum() / max(M, 1)
-        unit_counts, n_heavy = _stats(cols, counts, None if h_h is None else h_h > 0, heavy_rows, f)
-        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy_rows, h_h)
+        unit_counts, n_heavy = _stats(per_unit, None if h_h is None else h_h > 0, heavy_rows)
+        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy_rows, h_h, hot)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        x, w_up, w_down, cols, h, counts, heavy_rows, h_h = ctx.saved_tensors
+        x, w_up, w_down, cols, h, counts, heavy_rows, h_h, hot = ctx.saved_tensors
         M, d = x.shape
         f = w_up.shape[0]
         dy = dy.contiguous()
@@ -221,8 +281,14 @@ class SparseFFNFunction(torch.autograd.Function):
             dh_h = ((torch.mm(dy_h, w_down).float() + c) * on).to(x.dtype)  # sign(h) = 1 on the pattern
             dx[heavy_rows] = torch.mm(dh_h, w_up)
             base = (torch.mm(dh_h.t(), x_h), None, torch.mm(h_h.t(), dy_h))
-        order, offsets = unit_index(cols, counts, f)
+        exclude = None
+        if hot.numel():
+            exclude = torch.zeros(f, dtype=torch.bool, device=x.device).index_fill_(0, hot, True)
+        order, offsets = unit_index(cols, counts, f, exclude)
         dw_up, _, dw_down_t = ffn_weight_grads(order, offsets, x, dy, h, None, dh, None, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
+        if hot.numel():
+            blocks = _hot_dense(cols, counts, hot, f, dh, h)
+            _add_hot((dw_up, dw_down_t), hot, blocks, (x, dy))
         return dx, dw_up, dw_down_t.t(), None
 
 

@@ -4,6 +4,7 @@
     twell bench batch [--out DIR] [--quick]
     twell bench decode [--out DIR]
     twell bench model [--out DIR] [--preset 2b] [--k 29] [--batch 16] [--model RUN_OR_CHECKPOINT]
+    twell bench training [--out DIR] [--quick] [--variants] [--no-grid]
 
 ``inference`` times the inference FFN (issue 3's grid: d 2048, f 5632, bf16,
 M in {16384, 131072}, k in {8, ..., 5632}, three unit distributions, plus d 4096, f 11008) and
@@ -25,6 +26,11 @@ Face's default path and a lean compiled one), greedy decoding at batch 1 and 16,
 peak memory and energy per token: ``model_<gpu>.{json,csv,png}``. With ``--model`` it loads a
 trained model instead (its own sparsity, ``sparsity_source`` "trained") and runs it on windows of
 its run's validation split; records of other models already in the JSON are kept.
+
+``training`` times the gated FFN's forward + backward, dense PyTorch against twell's sparse
+training kernels (M 16384 and 65536, k 8 to 5632, three distributions), with every gradient's
+error and the bytes saved for backward, then training steps of the 0.5b preset with constructed
+sparsity on dense and on sparse kernels: ``training_mlp_<gpu>.{json,csv,png}``.
 """
 
 from __future__ import annotations
@@ -114,7 +120,7 @@ def _table(records: list[dict]) -> str:
 
 def bench_main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["inference", "batch", "decode", "model"], help="which benchmark")
+    parser.add_argument("what", choices=["inference", "batch", "decode", "model", "training"], help="which benchmark")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the result files")
     parser.add_argument("--quick", action="store_true", help="a small grid (M 16384, k 29/56/280, even)")
     parser.add_argument("--variants", action="store_true", help="also time the design variants")
@@ -142,6 +148,9 @@ def bench_main(argv=None) -> None:
     t0 = time.time()
     if args.what == "model":
         _model_bench(args, tag, log, t0)
+        return
+    if args.what == "training":
+        _training_bench(args, tag, log, t0)
         return
     if args.what in ("batch", "decode"):
         _runtime_bench(args, tag, log, t0)
@@ -227,6 +236,84 @@ def _model_bench(args, tag: str, log, t0: float) -> None:
             scale = 2**30 if "bytes" in key else 1
             log(f"{name:22s} {dense[key] / scale:10.3f} {twell[key] / scale:10.3f} {twell[key] / dense[key]:6.3f}x")
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")
+
+
+def _training_bench(args, tag: str, log, t0: float) -> None:
+    """``twell bench training``: training_mlp_<gpu>.{json,csv,png}."""
+    from .training import run_training_grid, train_step_records, tune_configs
+
+    path = os.path.join(args.out, f"training_mlp_{tag}.json")
+    partial = os.path.splitext(path)[0] + ".partial.jsonl"
+    if os.path.exists(partial):
+        os.remove(partial)
+    tuning = None
+    if args.variants:
+        tuning = tune_configs(log=log)
+        with open(os.path.join(args.out, f"training_tuning_{tag}.json"), "w") as fh:
+            json.dump(tuning, fh, indent=1)
+    if args.no_grid:
+        return
+    if args.quick:
+        records = run_training_grid(Ms=(16384,), ks=(8, 29, 56, 280, 5632), distributions=("even", "heavy"),
+                                    rep=args.rep, log=log, partial_path=partial)
+    else:
+        records = run_training_grid(rep=args.rep, log=log, partial_path=partial)
+    steps = train_step_records(args.preset if args.preset != "2b" else "0.5b", k=args.k, log=log)
+    with open(path, "w") as fh:
+        json.dump({"records": records, "train_step": steps, "tuning": tuning}, fh, indent=1)
+    os.remove(partial)
+    _write_csv(records, os.path.splitext(path)[0] + ".csv")
+    plot_training(records, steps, os.path.splitext(path)[0] + ".png")
+    log(f"\n{'M':>6} {'k':>5} {'dist':7} {'dense':>7} {'sparse':>7} {'x':>5} {'twell':>6} {'x':>5} {'grad err':>8} "
+        f"{'row':>8} {'drow':>8} {'saved MiB':>12}")
+    for r in records:
+        log(f"{r['M']:>6} {r['k']:>5} {r['distribution']:7} {r['dense_ms']:7.2f} {r['sparse_ms']:7.2f} "
+            f"{r['sparse_speedup']:5.2f} {r['twell_path']:>6} {r['speedup']:5.2f} {max(r['grad_rel_err'].values()):8.1e} "
+            f"{r['max_row_err']:8.1e} {r['dense_max_row_err']:8.1e} {r['saved_bytes'] / 2**20:5.0f}/{r['dense_saved_bytes'] / 2**20:<6.0f}")
+    if len(steps) == 2:
+        dn, sp = steps
+        log(f"train step {dn['preset']}: dense {dn['tokens_per_s']:.0f} tokens/s, sparse {sp['tokens_per_s']:.0f} "
+            f"({sp['tokens_per_s'] / dn['tokens_per_s']:.3f}x); peak {dn['peak_bytes'] / 2**30:.1f} / "
+            f"{sp['peak_bytes'] / 2**30:.1f} GiB; final loss {dn['losses'][-1]:.4f} / {sp['losses'][-1]:.4f}")
+    log(f"done in {time.time() - t0:.0f}s; wrote {path}")
+
+
+def plot_training(records: list[dict], steps: list[dict], path_png: str) -> None:
+    """Forward + backward speedup against k (one line per M and distribution), and the train
+    steps' loss curves with dense and sparse kernels."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    styles = {"even": "-", "skewed": "--", "heavy": ":"}
+    groups: dict = {}
+    for r in records:
+        groups.setdefault((r["M"], r["distribution"]), []).append(r)
+    for (M, dist), rs in sorted(groups.items()):
+        rs = sorted(rs, key=lambda r: r["k"])
+        axes[0].plot([r["k"] for r in rs], [r["sparse_speedup"] for r in rs], styles.get(dist, "-"), marker="o", ms=3,
+                     label=f"M={M} {dist}")
+    axes[0].axhline(1.0, color="k", lw=0.8)
+    axes[0].set_xscale("log")
+    axes[0].set_yscale("log")
+    axes[0].set_xlabel("k: mean active units per token")
+    axes[0].set_ylabel("forward + backward speedup over dense bf16 PyTorch")
+    axes[0].set_title("sparse training kernels (d 2048, f 5632)", fontsize=10)
+    axes[0].grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    for s in steps:
+        axes[1].plot(range(1, len(s["losses"]) + 1), s["losses"], label=f"{s['kernels']}: {s['tokens_per_s']:.0f} tok/s")
+    axes[1].set_xlabel("step (5 warm-up steps first)")
+    axes[1].set_ylabel("cross entropy")
+    axes[1].set_title(f"{steps[0]['preset'] if steps else ''} train steps, same weights and batches", fontsize=10)
+    axes[1].legend(fontsize=8)
+    gpu = records[0].get("gpu", "") if records else ""
+    fig.suptitle(f"twell training FFN, bf16, {gpu}", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+    plt.close(fig)
 
 
 def _trained_model(spec: str):

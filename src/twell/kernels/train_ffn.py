@@ -254,6 +254,61 @@ def _forward_rows_kernel(
     tl.store(l1_ptr + m, l1)
 
 
+@triton.jit
+def _forward_rows_full_kernel(
+    x_ptr, stride_xm, col_ptr, g_ptr, cnt_ptr,
+    wu_ptr, stride_wu, wdt_ptr, stride_wdt,
+    u_ptr, y_ptr, stride_ym, l1_ptr,
+    d, W,
+    BE: tl.constexpr, D: tl.constexpr, GATED: tl.constexpr,
+):
+    # The whole row of d in registers: one pass over the slots, BE at a time, each reading its
+    # w_up row and w_down^T row once (u is used as soon as it is made, as the inference kernel
+    # does). For d up to FULL_D_MAX; wider rows take _forward_rows_kernel.
+    m = tl.program_id(0).to(tl.int64)
+    cnt = tl.load(cnt_ptr + m)
+    n = tl.where(cnt > W, 0, cnt)
+    es = tl.arange(0, BE)
+    dd = tl.arange(0, D)
+    dm = dd < d
+    row = m * W
+    if GATED:
+        x = tl.load(x_ptr + m * stride_xm + dd, mask=dm, other=0.0).to(tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    l1 = tl.sum(tl.zeros([BE], dtype=tl.float32), axis=0)
+    for s0 in range(0, n, BE):
+        s = s0 + es
+        valid = s < n
+        j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
+        h = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
+        wmask = valid[:, None] & dm[None, :]
+        if GATED:
+            w = tl.load(wu_ptr + j[:, None] * stride_wu + dd[None, :], mask=wmask, other=0.0)
+            # u rounded to the input dtype, as dense autograd keeps it
+            u = tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(u_ptr.dtype.element_ty)
+            tl.store(u_ptr + row + s, u, mask=valid)
+            h = h * u.to(tl.float32)
+        l1 += tl.sum(tl.abs(h), axis=0)
+        wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=wmask, other=0.0)
+        acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+    if GATED:  # u past the row's entries (all of a heavy row's) is zero: nothing reads unwritten memory
+        for s0 in range(0, W, BE):
+            s = s0 + es
+            tl.store(u_ptr + row + s, tl.zeros([BE], dtype=u_ptr.dtype.element_ty), mask=(s >= n) & (s < W))
+    tl.store(y_ptr + m * stride_ym + dd, acc.to(y_ptr.dtype.element_ty), mask=dm)
+    tl.store(l1_ptr + m, l1)
+
+
+# Rows of d up to this many columns are held whole in registers (the one-pass kernels).
+FULL_D_MAX = 4096
+
+
+def _full_d(d: int, block_d: Optional[int]) -> Optional[int]:
+    """The one-pass kernels' D (d rounded up to a power of two) when block_d is None and d fits."""
+    D = triton.next_power_of_2(max(d, 1))
+    return D if block_d is None and D <= FULL_D_MAX else None
+
+
 def ffn_rows_forward(
     x: torch.Tensor,
     cols: torch.Tensor,
@@ -298,6 +353,17 @@ def ffn_rows_forward(
     if M == 0:
         return y, u, l1_rows
     wu = w_up if gated else w_down_t  # an unused pointer when non-gated
+    D = _full_d(d, block_d)
+    if D is not None:
+        with on_device_of(x):
+            _forward_rows_full_kernel[(M,)](
+                x, x.stride(0), cols, values, counts,
+                wu, wu.stride(0), w_down_t, w_down_t.stride(0),
+                u if gated else l1_rows, y, y.stride(0), l1_rows,
+                d, W,
+                BE=block_e, D=D, GATED=gated, num_warps=num_warps,
+            )
+        return y, u, l1_rows
     with on_device_of(x):
         _forward_rows_kernel[(M,)](
             x, x.stride(0), cols, values, counts,
@@ -376,6 +442,54 @@ def _backward_rows_kernel(
         tl.store(dx_ptr + m * stride_dxm + dd, acc_x.to(dx_ptr.dtype.element_ty), mask=dm)
 
 
+@triton.jit
+def _backward_rows_full_kernel(
+    dy_ptr, stride_dym, col_ptr, g_ptr, u_ptr, cnt_ptr,
+    wdt_ptr, stride_wdt, wu_ptr, stride_wu, wg_ptr, stride_wg,
+    c_ptr, du_ptr, da_ptr, dx_ptr, stride_dxm,
+    d, W,
+    BE: tl.constexpr, D: tl.constexpr, GATED: tl.constexpr,
+):
+    # One pass over the slots with the whole row of d in registers: for BE slots, dh from their
+    # w_down^T rows, then du, da and their share of dx from their w_up and w_gate rows.
+    m = tl.program_id(0).to(tl.int64)
+    cnt = tl.load(cnt_ptr + m)
+    n = tl.where(cnt > W, 0, cnt)
+    es = tl.arange(0, BE)
+    dd = tl.arange(0, D)
+    dm = dd < d
+    row = m * W
+    c = tl.load(c_ptr)
+    dyv = tl.load(dy_ptr + m * stride_dym + dd, mask=dm, other=0.0).to(tl.float32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s0 in range(0, n, BE):
+        s = s0 + es
+        valid = s < n
+        j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
+        wmask = valid[:, None] & dm[None, :]
+        wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=wmask, other=0.0)
+        g = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
+        if GATED:
+            u = tl.load(u_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
+            h = g * u
+        else:
+            h = g
+        sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+        dh = tl.sum(wd.to(tl.float32) * dyv[None, :], axis=1) + c * sign
+        wu = tl.load(wu_ptr + j[:, None] * stride_wu + dd[None, :], mask=wmask, other=0.0)
+        if GATED:
+            du = dh * g
+            da = dh * u
+            tl.store(du_ptr + row + s, du, mask=valid)
+            tl.store(da_ptr + row + s, da, mask=valid)
+            wg = tl.load(wg_ptr + j[:, None] * stride_wg + dd[None, :], mask=wmask, other=0.0)
+            acc += tl.sum(du[:, None] * wu.to(tl.float32) + da[:, None] * wg.to(tl.float32), axis=0)
+        else:
+            tl.store(du_ptr + row + s, dh, mask=valid)
+            acc += tl.sum(dh[:, None] * wu.to(tl.float32), axis=0)
+    tl.store(dx_ptr + m * stride_dxm + dd, acc.to(dx_ptr.dtype.element_ty), mask=dm)
+
+
 def ffn_rows_backward(
     dy: torch.Tensor,
     cols: torch.Tensor,
@@ -437,6 +551,17 @@ def ffn_rows_backward(
     if M == 0:
         return dx, du, da
     wg = w_gate if gated else w_up
+    D = _full_d(d, block_d)
+    if D is not None:
+        with on_device_of(dy):
+            _backward_rows_full_kernel[(M,)](
+                dy, dy.stride(0), cols, values, u if gated else values, counts,
+                w_down_t, w_down_t.stride(0), w_up, w_up.stride(0), wg, wg.stride(0),
+                l1_scale, du, da if gated else du, dx, dx.stride(0),
+                d, W,
+                BE=block_e, D=D, GATED=gated, num_warps=num_warps,
+            )
+        return dx, du, da
     with on_device_of(dy):
         _backward_rows_kernel[(M,)](
             dy, dy.stride(0), cols, values, u if gated else values, counts,
@@ -471,20 +596,26 @@ def light_unit_counts(cols: torch.Tensor, counts: torch.Tensor, f: int) -> torch
     return _per_key(_slot_keys(cols, counts, f), f)[:f]
 
 
-def unit_index(cols: torch.Tensor, counts: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
+def unit_index(cols: torch.Tensor, counts: torch.Tensor, f: int,
+               exclude: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """The transposed (per-unit, CSC) view of the light rows' used slots, in PyTorch, on the
     device, with no host sync.
 
     Args:
         cols ``[M, W]``, counts ``[M]`` int32: ELL rows; f: number of units.
+        exclude: optional ``[f]`` bool, units to leave out (their ranges come out empty: the
+            caller handles them otherwise, e.g. densely).
 
     Returns:
         ``(order [M W] int64, offsets [f + 1] int64)``: the flat slot indices ``m W + s``
         grouped by unit (unit j's are ``order[offsets[j]:offsets[j + 1]]``, ascending, so its
-        tokens come in order). Unused slots and heavy rows' slots are keyed f and sorted past
-        every unit.
+        tokens come in order). Unused slots, heavy rows' slots and excluded units' slots are
+        keyed f and sorted past every unit.
     """
     key = _slot_keys(cols, counts, f)
+    if exclude is not None:
+        out = torch.cat([exclude.to(torch.bool), exclude.new_zeros(1, dtype=torch.bool)])
+        key = torch.where(out[key.long()], f, key)
     order = torch.sort(key, stable=True).indices
     offsets = torch.zeros(f + 1, dtype=torch.int64, device=cols.device)
     torch.cumsum(_per_key(key, f)[:f], 0, out=offsets[1:])
@@ -513,6 +644,54 @@ def _weight_grads_kernel(
     acc_u = tl.zeros([BD], dtype=tl.float32)
     acc_g = tl.zeros([BD], dtype=tl.float32)
     acc_d = tl.zeros([BD], dtype=tl.float32)
+    for p0 in range(start, end, BT):
+        p = p0 + ts
+        pm = p < end
+        flat = tl.load(order_ptr + p, mask=pm, other=0)
+        m = flat // W
+        mask = pm[:, None] & dm[None, :]
+        xr = tl.load(x_ptr + m[:, None] * stride_xm + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+        dyr = tl.load(dy_ptr + m[:, None] * stride_dym + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+        du = tl.load(du_ptr + flat, mask=pm, other=0.0)
+        h = tl.load(g_ptr + flat, mask=pm, other=0.0).to(tl.float32)
+        acc_u += tl.sum(du[:, None] * xr, axis=0)
+        if GATED:
+            da = tl.load(da_ptr + flat, mask=pm, other=0.0)
+            acc_g += tl.sum(da[:, None] * xr, axis=0)
+            h = h * tl.load(u_ptr + flat, mask=pm, other=0.0).to(tl.float32)
+        acc_d += tl.sum(h[:, None] * dyr, axis=0)
+    out = j * d + dd
+    if HAS_BASE:  # the heavy rows' dense contribution, already in the output buffers
+        acc_u += tl.load(dwu_ptr + out, mask=dm, other=0.0).to(tl.float32)
+        acc_d += tl.load(dwdt_ptr + out, mask=dm, other=0.0).to(tl.float32)
+        if GATED:
+            acc_g += tl.load(dwg_ptr + out, mask=dm, other=0.0).to(tl.float32)
+    tl.store(dwu_ptr + out, acc_u.to(dwu_ptr.dtype.element_ty), mask=dm)
+    tl.store(dwdt_ptr + out, acc_d.to(dwdt_ptr.dtype.element_ty), mask=dm)
+    if GATED:
+        tl.store(dwg_ptr + out, acc_g.to(dwg_ptr.dtype.element_ty), mask=dm)
+
+
+@triton.jit
+def _weight_grads_full_kernel(
+    order_ptr, off_ptr,
+    x_ptr, stride_xm, dy_ptr, stride_dym,
+    du_ptr, da_ptr, g_ptr, u_ptr,
+    dwu_ptr, dwg_ptr, dwdt_ptr,
+    d, W,
+    BT: tl.constexpr, D: tl.constexpr, GATED: tl.constexpr, HAS_BASE: tl.constexpr,
+):
+    # Unit j with the whole row of d in registers: its (token, slot) pairs BT at a time, each
+    # gathering the rows x[m] and dy[m] once for all three gradients.
+    j = tl.program_id(0).to(tl.int64)
+    dd = tl.arange(0, D)
+    dm = dd < d
+    start = tl.load(off_ptr + j)
+    end = tl.load(off_ptr + j + 1)
+    ts = tl.arange(0, BT)
+    acc_u = tl.zeros([D], dtype=tl.float32)
+    acc_g = tl.zeros([D], dtype=tl.float32)
+    acc_d = tl.zeros([D], dtype=tl.float32)
     for p0 in range(start, end, BT):
         p = p0 + ts
         pm = p < end
@@ -612,6 +791,17 @@ def ffn_weight_grads(
     _check_pow2(block_t, "block_t", 1, 256)
     BD = _block_d(d, block_d, 256)
     if f == 0 or d == 0:
+        return dwu, dwg, dwdt
+    D = _full_d(d, block_d)
+    if D is not None:
+        with on_device_of(x):
+            _weight_grads_full_kernel[(f,)](
+                order, offsets, x, x.stride(0), dy, dy.stride(0),
+                du, da if gated else du, values, u if gated else values,
+                dwu, dwg if gated else dwu, dwdt,
+                d, W,
+                BT=block_t, D=D, GATED=gated, HAS_BASE=base is not None, num_warps=num_warps,
+            )
         return dwu, dwg, dwdt
     with on_device_of(x):
         _weight_grads_kernel[(f, triton.cdiv(d, BD))](

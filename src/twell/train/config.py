@@ -61,6 +61,7 @@ class TrainConfig:
     seed: int = 0
     device: Optional[str] = None
     precision: Optional[str] = None
+    kernels: str = "auto"  # the MLPs' training kernels on CUDA: auto, dense or sparse (twell.train_path)
     grad_checkpointing: bool = False
     fsdp: bool = False
     progress: bool = True
@@ -103,6 +104,7 @@ class TrainConfig:
             (c.save_minutes >= 0, f"save_minutes (--save-minutes) must be >= 0 (0: off), got {c.save_minutes}"),
             (c.keep >= 0, f"keep (--keep) must be >= 0 (0: keep every checkpoint), got {c.keep}"),
             (c.precision in (None, "bf16", "fp32"), f"precision must be bf16 or fp32, got {c.precision!r}"),
+            (c.kernels in ("auto", "dense", "sparse"), f"kernels must be auto, dense or sparse, got {c.kernels!r}"),
             (not (c.fsdp and c.reinit), "--reinit with --fsdp is not supported (the gate rows are sharded)"),
         ]
         for ok, msg in checks:

@@ -136,6 +136,8 @@ class Trainer:
         if cfg.grad_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.modules = sparse_modules(self.model)
+        for m in self.modules:
+            m.train_kernels = cfg.kernels
         self.n_params = count_params(self.model)
         self.wrapped = self._wrap(self.model, recipe)
 

@@ -1,0 +1,295 @@
+"""Training benchmark of the gated FFN: forward + backward, dense PyTorch against twell's sparse
+training kernels (:func:`twell.train_ops.sparse_gated_ffn`), side by side in one process.
+
+For each ``(M, k, distribution)`` (inputs from :func:`twell.bench.synthetic.make_ffn`, bf16,
+d 2048, f 5632) it times, with CUDA events through ``triton.testing.do_bench`` (medians, after
+warm-up):
+
+- dense: ``torch.autograd.grad`` of the three-Linear PyTorch MLP for the gradient ``dy`` of y:
+  what a user's training step runs today (no L1 term, which would only add to dense's time);
+- sparse: the same gradients from :func:`sparse_gated_ffn`, with its L1 term in the loss
+  (``y . dy + lam * l1``, as training runs it);
+- twell: what :class:`twell.SparseGatedMLP` picks for this sparsity (:func:`twell.train_path.use_sparse`).
+
+Gradients are compared with fp32 autograd of the same bf16 inputs: relative error of each
+(x, gate, up, down), and the worst row of dx against dense bf16's worst row. ``saved_bytes`` are
+what autograd keeps for backward besides x and the weights (both keep those).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+
+from .inference import bench_ms, machine_info
+from .synthetic import make_ffn
+
+__all__ = ["run_training_grid", "train_step_records"]
+
+LAM = 2e-5  # the L1 coefficient in the sparse variant's loss (its gradient path is timed too)
+
+
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    a, ref = a.float(), ref.float()
+    return float((a - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def _worst_row(a: torch.Tensor, ref: torch.Tensor) -> float:
+    from .inference import errors
+
+    return errors(a, ref.float())[1]
+
+
+def _fp32_grads(x, wg, wu, wd, dy, chunk: int = 16384):
+    """fp32 autograd of the dense gated MLP on the bf16 inputs, in row chunks (memory)."""
+    ws = [w.detach().float().requires_grad_(True) for w in (wg, wu, wd)]
+    dx = torch.empty(x.shape, dtype=torch.float32, device=x.device)
+    for s in range(0, x.shape[0], chunk):
+        xs = x[s : s + chunk].detach().float().requires_grad_(True)
+        y = (torch.relu(xs @ ws[0].T) * (xs @ ws[1].T)) @ ws[2].T
+        y.backward(dy[s : s + chunk].float())
+        dx[s : s + chunk] = xs.grad
+    return dx, ws[0].grad, ws[1].grad, ws[2].grad
+
+
+def _dense_fn(x, wg, wu, wd, dy) -> Callable[[], tuple]:
+    F = torch.nn.functional
+
+    def run():
+        y = F.linear(torch.relu(F.linear(x, wg)) * F.linear(x, wu), wd)
+        return torch.autograd.grad(y, (x, wg, wu, wd), dy)
+
+    return run
+
+
+def _sparse_fn(x, wg, wu, wd, dy, width: int) -> Callable[[], tuple]:
+    from ..train_ops import sparse_gated_ffn
+
+    lam = torch.full((), LAM, device=x.device)
+
+    def run():
+        out = sparse_gated_ffn(x, wg, wu, wd, width)
+        return torch.autograd.grad((out.y, out.l1), (x, wg, wu, wd), (dy, lam))
+
+    return run
+
+
+def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632),
+                      distributions=("even", "skewed", "heavy"), d: int = 2048, f: int = 5632, rep: int = 100,
+                      log: Callable[[str], None] = print, partial_path: Optional[str] = None) -> list[dict]:
+    """One record per ``(M, k, distribution)`` (see the module's text); ``partial_path``: a JSONL
+    file each record is appended to as it is measured, so a cut run keeps what it did."""
+    import json
+
+    from ..train_ops import choose_width, saved_bytes, sparse_gated_ffn
+    from ..train_path import use_sparse
+
+    info = machine_info()
+    records = []
+    for M in Ms:
+        for dist in distributions:
+            for k in ks:
+                if dist == "skewed" and k > 0.35 * f:
+                    log(f"M {M} k {k} skewed: skipped (this distribution reaches at most 0.35 f active units)")
+                    continue
+                ffn = make_ffn(M, d, f, k, dist, torch.bfloat16, "cuda", seed=k)
+                x = ffn.x.requires_grad_(True)
+                wg, wu, wd = (w.requires_grad_(True) for w in (ffn.w_gate, ffn.w_up, ffn.w_down))
+                dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16) / math.sqrt(d)
+                with torch.no_grad():
+                    counts = (torch.mm(x, wg.t()) > 0).sum(1)
+                k_mean, k_max = float(counts.float().mean()), int(counts.max())
+                width = choose_width(k_mean, k_max, f)
+                dense, sparse = _dense_fn(x, wg, wu, wd, dy), _sparse_fn(x, wg, wu, wd, dy, width)
+                ref = _fp32_grads(x, wg, wu, wd, dy)
+                g_dense = dense()
+                names = ("x", "gate", "up", "down")
+                # the sparse loss adds lam * l1: its gradient is compared without it
+                out = sparse_gated_ffn(x, wg, wu, wd, width)
+                g_plain = torch.autograd.grad(out.y, (x, wg, wu, wd), dy)
+                n_heavy = int(out.n_heavy)
+                del out
+                rec = dict(M=M, d=d, f=f, k=k, distribution=dist, k_measured=k_mean, k_max=k_max, width=width,
+                           heavy_rows=n_heavy,
+                           grad_rel_err={n: _rel(a, r) for n, a, r in zip(names, g_plain, ref)},
+                           dense_grad_rel_err={n: _rel(a, r) for n, a, r in zip(names, g_dense, ref)},
+                           max_row_err=_worst_row(g_plain[0], ref[0]), dense_max_row_err=_worst_row(g_dense[0], ref[0]))
+                del g_plain, g_dense, ref
+                rec["dense_ms"] = bench_ms(dense, rep=rep)
+                rec["sparse_ms"] = bench_ms(sparse, rep=rep)
+                rec["sparse_speedup"] = rec["dense_ms"] / rec["sparse_ms"]
+                rec["twell_path"] = "sparse" if use_sparse(k_mean, f) else "dense"
+                rec["twell_ms"] = rec["sparse_ms"] if rec["twell_path"] == "sparse" else bench_ms(dense, rep=rep)
+                rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
+                F = torch.nn.functional
+                rec["dense_saved_bytes"] = saved_bytes(lambda a, b, c, e: F.linear(torch.relu(F.linear(a, b)) * F.linear(a, c), e),
+                                                       x, wg, wu, wd)
+                rec["saved_bytes"] = saved_bytes(lambda a, b, c, e: sparse_gated_ffn(a, b, c, e, width), x, wg, wu, wd)
+                rec.update(info)
+                records.append(rec)
+                e = rec["grad_rel_err"]
+                log(f"M {M:>6} k {k:>5} {dist:6} (mean {k_mean:7.1f}, W {width:3}, heavy {n_heavy:6}): dense "
+                    f"{rec['dense_ms']:7.3f} ms, sparse {rec['sparse_ms']:7.3f} ({rec['sparse_speedup']:.2f}x), twell "
+                    f"{rec['twell_path']} {rec['speedup']:.2f}x | err x {e['x']:.1e} g {e['gate']:.1e} u {e['up']:.1e} "
+                    f"d {e['down']:.1e} | saved {rec['saved_bytes'] / 2**20:.0f} / {rec['dense_saved_bytes'] / 2**20:.0f} MiB")
+                if partial_path:
+                    with open(partial_path, "a") as fh:
+                        fh.write(json.dumps(rec) + "\n")
+                del x, wg, wu, wd, dy, ffn, dense, sparse
+                torch.cuda.empty_cache()
+    return records
+
+
+def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq: int = 2048, steps: int = 50,
+                       lr: float = 3e-4, log: Callable[[str], None] = print) -> list[dict]:
+    """Training steps of ``preset`` (constructed sparsity: :func:`twell.bench.model.calibrate_sparsity`)
+    with the MLPs' dense and sparse kernels, from the same weights and batches: tokens/s over the
+    steps after 5 warm-up steps, peak memory, and the loss curve (AdamW, bf16 autocast, L1 term)."""
+    import time
+
+    from transformers import LlamaForCausalLM
+
+    from .. import sparsify
+    from ..nn import l1_loss, sparse_modules
+    from ..train.model import make_config
+    from .model import calibrate_sparsity
+
+    info = machine_info()
+    config = make_config(preset, 49152)
+    config.hidden_act = "relu"
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(config)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    ids = torch.randint(0, config.vocab_size, (steps + 5, batch, seq + 1), device="cuda", generator=gen)
+    with torch.no_grad():
+        calibrate_sparsity(base.to(torch.bfloat16), k, ids[0, :4, :seq])
+    state = {n: t.detach().float().clone() for n, t in base.state_dict().items()}
+    del base
+    out = []
+    for kernels in ("dense", "sparse"):
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = LlamaForCausalLM(config)
+        model.load_state_dict(state)
+        sparsify(model)
+        model.train()
+        for m in sparse_modules(model):
+            m.train_kernels = kernels
+        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        losses = []
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        t0 = None
+        for i in range(steps + 5):
+            if i == 5:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+            batch_ids = ids[i]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                logits = model(input_ids=batch_ids[:, :-1], use_cache=False).logits
+            ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch_ids[:, 1:].reshape(-1))
+            loss = ce + 2e-5 * l1_loss(model).to(ce.device)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            losses.append(ce.detach())
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        mods = sparse_modules(model)
+        paths = sorted({m.last_train_path for m in mods if getattr(m, "last_train_path", None)})
+        rec = dict(preset=preset, kernels=kernels, k=k, batch=batch, seq=seq, steps=steps,
+                   tokens_per_s=steps * batch * seq / seconds, peak_bytes=int(torch.cuda.max_memory_allocated()),
+                   losses=[float(v) for v in torch.stack(losses)], paths=paths,
+                   active_mean_last_step=[float(m.stats.active_mean) for m in mods],
+                   active_max_last_step=[int(m.stats.active_max) for m in mods], **info)
+        out.append(rec)
+        log(f"train step {preset} kernels {kernels}: {rec['tokens_per_s']:.0f} tokens/s, peak "
+            f"{rec['peak_bytes'] / 2**30:.1f} GiB, loss {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}, paths {paths}, "
+            f"active per layer at the end {[round(v, 1) for v in rec['active_mean_last_step']]}, "
+            f"max {rec['active_max_last_step']}")
+        del model, opt
+        torch.cuda.empty_cache()
+    return out
+
+
+def tune_configs(M: int = 16384, k: float = 29, d: int = 2048, f: int = 5632, rep: int = 50,
+                 log: Callable[[str], None] = print) -> dict:
+    """Time each stage of the sparse forward + backward at one shape, and each kernel over a few
+    launch configurations; the fastest become :mod:`twell.train_ops`' configs for this process.
+
+    Returns ``{"stages_ms": {...}, "candidates": [...], "best": {...}}``.
+    """
+    import itertools
+
+    from .. import train_ops
+    from ..kernels import train_ffn as K
+
+    ffn = make_ffn(M, d, f, k, "even", torch.bfloat16, "cuda", seed=1)
+    x, wg, wu, wd = ffn.x, ffn.w_gate, ffn.w_up, ffn.w_down
+    dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16) / math.sqrt(d)
+    with torch.no_grad():
+        a = torch.mm(x, wg.t())
+    counts = (a > 0).sum(1)
+    W = train_ops.choose_width(float(counts.float().mean()), None, f)
+    wdt = wd.t().contiguous()
+    cols, g, cnt = K.pack_rows(a, W, **train_ops.PACK_CONFIG)
+    y, u, _ = K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **train_ops.ROWS_CONFIG)
+    c = torch.zeros(1, device="cuda")
+    dx, du, da = K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **train_ops.ROWS_CONFIG)
+    order, offsets = K.unit_index(cols, cnt, f)
+    stages = {
+        "gate_mm": lambda: torch.mm(x, wg.t()),
+        "w_down_t": lambda: wd.t().contiguous(),
+        "pack": lambda: K.pack_rows(a, W, **train_ops.PACK_CONFIG),
+        "heavy_nonzero": lambda: torch.nonzero(cnt > W),
+        "forward_rows": lambda: K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **train_ops.ROWS_CONFIG),
+        "backward_rows": lambda: K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **train_ops.ROWS_CONFIG),
+        "unit_index": lambda: K.unit_index(cols, cnt, f),
+        "weight_grads": lambda: K.ffn_weight_grads(order, offsets, x, dy, g, u, du, da, dtype=wu.dtype, **train_ops.GRADS_CONFIG),
+        "dense_gate_mm_x3": lambda: (torch.mm(x, wg.t()), torch.mm(x, wu.t())),
+    }
+    stage_ms = {name: bench_ms(fn, rep=rep) for name, fn in stages.items()}
+    log(f"tune at M {M} k {k} (W {W}): " + ", ".join(f"{n} {v:.3f}" for n, v in stage_ms.items()) + " ms")
+    cands, best = [], {}
+
+    def trial(kind, cfg, fn):
+        try:
+            ms = bench_ms(fn, rep=rep)
+        except Exception as e:  # a configuration the compiler or the GPU refuses: recorded, skipped
+            log(f"  {kind} {cfg}: failed ({type(e).__name__}: {str(e)[:120]})")
+            return
+        cands.append({"kernel": kind, "config": cfg, "ms": ms})
+        if kind not in best or ms < best[kind][1]:
+            best[kind] = (cfg, ms)
+
+    for bm, bf, nw in itertools.product((1, 4, 8), (256, 1024), (4, 8)):
+        cfg = dict(block_m=bm, block_f=bf, num_warps=nw)
+        trial("pack", cfg, lambda cfg=cfg: K.pack_rows(a, W, **cfg))
+    for be, bd, nw in itertools.product((2, 4, 8, 16), (None, 512), (4, 8)):
+        cfg = dict(block_e=be, block_d=bd, num_warps=nw)
+        trial("forward_rows", cfg, lambda cfg=cfg: K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **cfg))
+        trial("backward_rows", cfg, lambda cfg=cfg: K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **cfg))
+    for bt, bd, nw in itertools.product((2, 4, 8, 32), (None, 256), (4, 8)):
+        cfg = dict(block_t=bt, block_d=bd, num_warps=nw)
+        trial("weight_grads", cfg, lambda cfg=cfg: K.ffn_weight_grads(order, offsets, x, dy, g, u, du, da, dtype=wu.dtype, **cfg))
+    for kind, (cfg, ms) in best.items():
+        log(f"  best {kind}: {cfg} {ms:.3f} ms (default {stage_ms.get(kind, float('nan')):.3f})")
+    # forward and backward rows share ROWS_CONFIG: the pair's best sum
+    rows = {}
+    for cnd in cands:
+        if cnd["kernel"] in ("forward_rows", "backward_rows"):
+            key = tuple(sorted(cnd["config"].items(), key=lambda kv: kv[0]))
+            rows[key] = rows.get(key, 0.0) + cnd["ms"]
+    if "pack" in best:
+        train_ops.PACK_CONFIG = dict(best["pack"][0])
+    if rows:
+        train_ops.ROWS_CONFIG = dict(min(rows, key=rows.get))
+    if "weight_grads" in best:
+        train_ops.GRADS_CONFIG = dict(best["weight_grads"][0])
+    chosen = {"pack": train_ops.PACK_CONFIG, "rows": train_ops.ROWS_CONFIG, "grads": train_ops.GRADS_CONFIG}
+    log(f"  chosen: {chosen}")
+    return {"M": M, "k": k, "width": W, "stages_ms": stage_ms, "candidates": cands, "chosen": chosen}

@@ -1,0 +1,115 @@
+"""Which kernels a sparse FFN trains with: dense PyTorch or twell's sparse training kernels.
+
+A module in training (gradients wanted) on CUDA calls :meth:`TrainPath.choose` once per
+forward. With ``train_kernels = "auto"`` (the default) the sparse kernels
+(:mod:`twell.train_ops`) run while the layer's measured mean of active units per token is at
+most ``MAX_DENSITY * f`` (:func:`use_sparse`) and ``AUTO_SPARSE`` is on (it is off for now: see
+there), with the ELL width from :func:`twell.train_ops.choose_width`; else dense PyTorch.
+``"dense"`` and ``"sparse"`` force one.
+
+The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the layer copies the
+mean and max of its row counts to pinned host memory without blocking, and a later call reads
+them once their CUDA event has completed (the first calls run dense until then).
+
+The choice changes only in a forward that runs outside a backward pass: the recomputation of
+an activation-checkpointed forward (which runs inside the backward) takes the same path, with
+the same width, as the forward it recomputes, so its saved tensors match.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+__all__ = ["TrainPath", "use_sparse", "TRAIN_MODES"]
+
+TRAIN_MODES = ("auto", "dense", "sparse")
+
+# Break-even share of active units per token: the sparse kernels' forward + backward beat dense
+# below it (H200, bf16, d 2048, f 5632, M 16384 and 65536: at k = 29 of 5632 even 1.12x and
+# 1.22x, at k = 56 0.71x and 0.74x; benchmarks/results/training_mlp_h200.json).
+MAX_DENSITY = 0.006
+
+
+# Whether "auto" may take the sparse kernels at all. Off: in a whole training step (0.5b preset,
+# 8 x 2048 tokens, 1 to 15 active units per layer) the sparse kernels made the step slower
+# (83.5k against 96.8k tokens/s, 0.86x) although each FFN alone is faster at that sparsity;
+# until the step gains, "auto" trains dense and "sparse" is the opt-in (for its memory).
+AUTO_SPARSE = False
+
+
+def use_sparse(active_mean: float, f: int, max_density: Optional[float] = None) -> bool:
+    """Whether ``"auto"`` trains a layer with ``active_mean`` active units per token (of f) sparse."""
+    return active_mean <= (MAX_DENSITY if max_density is None else max_density) * f
+
+
+def _in_backward() -> bool:
+    """True inside autograd's backward (where checkpointed forwards are recomputed)."""
+    task = getattr(torch._C, "_current_graph_task_id", None)
+    return task is not None and task() != -1
+
+
+class TrainPath:
+    """Per-layer state of the training path choice (see the module's text).
+
+    Attributes:
+        k_mean, k_max: the last measured mean and max of active units per token (None before).
+        path, width: the current choice (``"dense"`` or ``"sparse"``) and ELL width.
+        last_path: the path of the last training call.
+    """
+
+    PROBE_EVERY = 16
+
+    def __init__(self) -> None:
+        self.k_mean: Optional[float] = None
+        self.k_max: Optional[int] = None
+        self.path = "dense"
+        self.width = 16
+        self.last_path: Optional[str] = None
+        self._calls = 0
+        self._host: Optional[torch.Tensor] = None
+        self._event = None
+
+    def choose(self, mode: str, f: int, max_density: Optional[float] = None) -> tuple[str, int]:
+        """``(path, width)`` for this call; ``mode`` one of :data:`TRAIN_MODES`."""
+        from .train_ops import choose_width
+
+        if mode not in TRAIN_MODES:
+            raise ValueError(f"train_kernels must be one of {TRAIN_MODES}, got {mode!r}")
+        if not _in_backward():
+            self._calls += 1
+            if self._event is not None and self._event.query():
+                mean, top = (float(v) for v in self._host.tolist())
+                self.k_mean, self.k_max = mean, int(top)
+                self._event = None
+                self.width = choose_width(mean, None, f)
+                self.path = "sparse" if AUTO_SPARSE and use_sparse(mean, f, max_density) else "dense"
+        if mode == "dense":
+            return "dense", self.width
+        if mode == "sparse":
+            return "sparse", self.width if self.k_mean is not None else 64
+        return self.path, self.width
+
+    def want_probe(self) -> bool:
+        """Whether this call should publish its row counts (every ``PROBE_EVERY`` calls, one in flight)."""
+        return self._event is None and (self.k_mean is None or self._calls % self.PROBE_EVERY == 1)
+
+    def publish(self, row_counts: torch.Tensor) -> None:
+        """Copy the mean and max of ``row_counts [M]`` to pinned host memory without blocking."""
+        if not row_counts.is_cuda or row_counts.numel() == 0:
+            return
+        with torch.no_grad():
+            rc = row_counts.float()
+            self.publish_values(rc.mean(), rc.max())
+
+    def publish_values(self, mean: torch.Tensor, top: torch.Tensor) -> None:
+        """As :meth:`publish`, from the mean and max already computed (scalar tensors)."""
+        if not mean.is_cuda:
+            return
+        values = torch.stack([mean.float(), top.float()])
+        if self._host is None:
+            self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        self._host.copy_(values, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()

@@ -1,0 +1,111 @@
+"""The modules' training path: SparseGatedMLP / SparseMLP on the sparse training kernels give
+dense autograd's outputs, L1 term, statistics and gradients (Triton interpreter on the CPU), and
+the per-layer choice between dense and sparse (twell.train_path)."""
+
+import pytest
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from twell import SparseGatedMLP, SparseMLP
+from twell.train_path import TrainPath, use_sparse
+
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
+
+
+def _pair(cls, d=24, f=40, seed=0):
+    torch.manual_seed(seed)
+    dense = cls(d, f).to(DEV)
+    sparse = cls(d, f).to(DEV)
+    sparse.load_state_dict(dense.state_dict())
+    with torch.no_grad():  # about a quarter of the units fire: a real pattern, light and heavy rows
+        dense._first_projection().weight.add_(-0.15)
+        sparse._first_projection().weight.copy_(dense._first_projection().weight)
+    sparse.train_kernels = "sparse"
+    return dense, sparse
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+@pytest.mark.parametrize("use_checkpoint", [False, True])
+def test_module_on_the_training_kernels_equals_dense(cls, use_checkpoint):
+    dense, sparse = _pair(cls)
+    x = torch.randn(3, 7, 24, device=DEV)
+    r = torch.randn(3, 7, 24, device=DEV)
+    lam = 0.3  # large: a wrong L1 gradient shows
+    grads = []
+    for m in (dense, sparse):
+        m.train()
+        xi = x.clone().requires_grad_(True)
+        y = checkpoint(m, xi, use_reentrant=False) if use_checkpoint else m(xi)
+        ((y * r).sum() + lam * m.l1).backward()
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+        m.out = y.detach()
+    assert sparse.last_train_path == "sparse"
+    torch.testing.assert_close(sparse.out, dense.out, rtol=1e-5, atol=1e-5)
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(sparse.stats.unit_counts, dense.stats.unit_counts)
+    torch.testing.assert_close(sparse.stats.active_mean, dense.stats.active_mean)
+    assert int(sparse.stats.active_max) == int(dense.stats.active_max)
+    assert torch.equal(sparse.fire_counts, dense.fire_counts)
+
+
+def test_l1_only_in_training_mode_and_no_path_without_gradients():
+    _, sparse = _pair(SparseGatedMLP)
+    sparse.eval()
+    x = torch.randn(5, 24, device=DEV, requires_grad=True)
+    sparse(x).sum().backward()  # eval mode, grads wanted: the training kernels, no L1 term
+    assert sparse.l1 is None and sparse.last_train_path == "sparse"
+    sparse.train()
+    with torch.no_grad():
+        sparse(torch.randn(5, 24, device=DEV))
+    assert sparse.l1 is None
+
+
+def test_train_path_choice():
+    tp = TrainPath()
+    assert tp.choose("auto", 5632) == ("dense", 16)  # nothing measured yet
+    assert tp.choose("dense", 5632)[0] == "dense"
+    assert tp.choose("sparse", 5632) == ("sparse", 64)
+    with pytest.raises(ValueError, match="train_kernels"):
+        tp.choose("fast", 5632)
+    assert use_sparse(29, 5632) and not use_sparse(280, 5632) and use_sparse(280, 5632, max_density=0.06)
+    assert tp.want_probe()
+    tp.publish(torch.tensor([3, 4]))  # CPU tensors: nothing to copy asynchronously, no state change
+    assert tp.want_probe() and tp.k_mean is None
+
+
+def test_train_path_changes_only_outside_backward(monkeypatch):
+    """A measurement that arrives while autograd recomputes a checkpointed forward must not
+    change the path: the recomputation must save what the forward saved."""
+    import twell.train_path as train_path
+
+    class Done:
+        def query(self):
+            return True
+
+    tp = TrainPath()
+    tp._host, tp._event = torch.tensor([29.0, 80.0]), Done()
+    assert tp.choose("auto", 5632) == ("dense", 64)  # by default auto trains dense whatever it measures
+    assert tp.k_mean == 29.0
+    monkeypatch.setattr(train_path, "AUTO_SPARSE", True)
+    tp = TrainPath()
+    tp._host, tp._event = torch.tensor([29.0, 80.0]), Done()
+    monkeypatch.setattr(train_path, "_in_backward", lambda: True)
+    assert tp.choose("auto", 5632) == ("dense", 16)
+    monkeypatch.setattr(train_path, "_in_backward", lambda: False)
+    assert tp.choose("auto", 5632) == ("sparse", 64)
+    assert (tp.k_mean, tp.k_max) == (29.0, 80)
+    tp._host, tp._event = torch.tensor([300.0, 800.0]), Done()
+    assert tp.choose("auto", 5632)[0] == "dense"
+
+
+def test_trainer_kernels_setting(tmp_path):
+    from test_train_loss import config
+
+    from twell.train.trainer import Trainer
+
+    t = Trainer(config(tmp_path, kernels="sparse"))
+    assert all(m.train_kernels == "sparse" for m in t.modules)
+    with pytest.raises(ValueError, match="kernels"):
+        Trainer(config(tmp_path, kernels="fast"))
