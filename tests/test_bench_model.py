@@ -70,9 +70,38 @@ def test_bench_model_reads_a_trained_run(tmp_path):
 
     cfg = config(tmp_path, steps=2, log_every=1)
     Trainer(cfg).fit()
-    path, tokens = _trained_model(str(tmp_path / "run"))
-    assert path.endswith("step_000002")
+    path, tokens, preset = _trained_model(str(tmp_path / "run"))
+    assert path.endswith("step_000002") and preset == "tiny"
     _, val = load_corpus(cfg.data, load_tokenizer("bytes"), cfg.seq_len, cfg.seed, cfg.val_fraction)
     assert tokens.dtype == torch.int64 and torch.equal(tokens, torch.as_tensor(val.tokens.astype("int64")))
     with pytest.raises(SystemExit, match="no config.json"):
         _trained_model(str(tmp_path / "nothing"))
+
+
+def test_model_results_merge_keeps_other_models(tmp_path):
+    """A run replaces the records of its own (preset, sparsity source) only; files of the first
+    version (one "sparsity" entry) keep their construction under the model's key."""
+    import json
+
+    from twell.bench.cli import merge_model_results
+
+    def run(preset, source, value):
+        rec = lambda v: dict(preset=preset, sparsity_source=source, variant=v, prefill_ms=value)  # noqa: E731
+        return {"records": [rec("dense"), rec("twell")], "decode": [dict(preset=preset, sparsity_source=source, batch=1)],
+                "sparsity": {"source": source, "value": value}}
+
+    path = tmp_path / "model_h200.json"
+    first = run("2b", "calibrated", 1.0)
+    path.write_text(json.dumps({"records": first["records"], "trained": {"val_loss": 0.7}, "decode": first["decode"],
+                                "sparsity": {"k": 29}}))
+    merged = merge_model_results(str(path), run("0.5b", "trained", 2.0), "0.5b")
+    assert merged["sparsity_by_model"] == {"2b calibrated": {"k": 29}, "0.5b trained": {"source": "trained", "value": 2.0}}
+    assert merged["trained"] == {"val_loss": 0.7} and len(merged["records"]) == 4 and len(merged["decode"]) == 2
+    path.write_text(json.dumps(merged))
+    again = merge_model_results(str(path), run("0.5b", "calibrated", 3.0), "0.5b")
+    assert sorted((r["preset"], r["sparsity_source"], r["prefill_ms"]) for r in again["records"]) == sorted(
+        [("2b", "calibrated", 1.0)] * 2 + [("0.5b", "trained", 2.0)] * 2 + [("0.5b", "calibrated", 3.0)] * 2)
+    path.write_text(json.dumps(again))
+    redo = merge_model_results(str(path), run("2b", "calibrated", 4.0), "2b")
+    assert sorted(r["prefill_ms"] for r in redo["records"]) == [2.0, 2.0, 3.0, 3.0, 4.0, 4.0]
+    assert set(redo["sparsity_by_model"]) == {"2b calibrated", "0.5b trained", "0.5b calibrated"}

@@ -106,6 +106,13 @@ def test_l1_target_weights_each_layer_and_adapts_toward_the_target(tmp_path):
     path = t.save_checkpoint(blocking=True)
     resumed = Trainer(config(tmp_path, l1=lam, batch_size=2, l1_target=0.1), resume=str(path))
     assert resumed.l1_scale == pytest.approx(t.l1_scale)
+    # bounded, and still while lambda ramps up (sparsity cannot answer yet: the multiplier would run away)
+    for _ in range(200):
+        resumed.adapt_l1({"active_mean_L0": float(f), "active_mean_L1": 0.0})
+    assert resumed.l1_scale == pytest.approx([1e6, 1e-6])
+    ramping = Trainer(config(tmp_path, l1=lam, l1_target=0.1, l1_warmup=50))
+    ramping.adapt_l1({"active_mean_L0": float(f), "active_mean_L1": 0.0})
+    assert ramping.l1_scale == [1.0, 1.0]
     with pytest.raises(ValueError, match="l1-target"):
         Trainer(config(tmp_path, l1=0.0, l1_target=0.1))
     with pytest.raises(ValueError, match="L1 target"):

@@ -50,6 +50,62 @@ def test_module_on_the_training_kernels_equals_dense(cls, use_checkpoint):
     assert torch.equal(sparse.fire_counts, dense.fire_counts)
 
 
+def test_module_on_the_training_kernels_with_heavy_rows_and_hot_units(monkeypatch):
+    """A narrow ELL width (rows heavier than it take the dense backup) and a low hot-unit bar
+    (units far above the mean take the dense columns), under activation checkpointing: still
+    dense autograd's gradients."""
+    import twell.train_ops as T
+
+    monkeypatch.setattr(T, "HOT_MIN", 2)
+    monkeypatch.setattr(T, "HOT_FACTOR", 1.5)
+    dense, sparse = _pair(SparseGatedMLP, seed=3)
+    calls = []
+    add_hot = T._add_hot
+    monkeypatch.setattr(T, "_add_hot", lambda *a: calls.append(a[1].numel()) or add_hot(*a))
+    with torch.no_grad():  # unit 0 fires for every token: hot
+        for m in (dense, sparse):
+            m.gate_proj.weight[0] = 0.0
+    x = torch.randn(2, 9, 24, device=DEV)
+    x[..., 0] = 1.0
+    with torch.no_grad():
+        for m in (dense, sparse):
+            m.gate_proj.weight[0, 0] = 5.0
+    state = sparse._twell_train
+    state.k_mean, state.width = 4.0, 8  # as if measured: W = 8
+    counts = (x.reshape(-1, 24) @ sparse.gate_proj.weight.T > 0).sum(1)
+    assert int((counts > 8).sum()) > 0 and int((counts <= 8).sum()) > 0
+    r = torch.randn(2, 9, 24, device=DEV)
+    grads = []
+    for m in (dense, sparse):
+        m.train()
+        xi = x.clone().requires_grad_(True)
+        y = checkpoint(m, xi, use_reentrant=False)
+        ((y * r).sum() + 0.3 * m.l1).backward()
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    assert sparse.last_train_path == "sparse" and calls and calls[0] >= 1  # the hot-unit path ran
+    for a, b in zip(grads[1], grads[0]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_old_pickles_and_float64_train_dense():
+    """A module pickled before train_kernels existed trains after loading; a float64 module
+    asked for the sparse kernels (which take fp32/fp16/bf16) trains on the dense math."""
+    import pickle
+
+    m = SparseGatedMLP(8, 16)
+    state = m.__getstate__()
+    for key in ("train_kernels", "train_max_density"):
+        state.pop(key)
+    old = SparseGatedMLP.__new__(SparseGatedMLP)
+    old.__setstate__(state)
+    assert old.train_kernels == "auto"
+    old(torch.randn(3, 8)).sum().backward()
+    m64 = pickle.loads(pickle.dumps(m)).double()
+    m64.train_kernels = "sparse"
+    m64(torch.randn(3, 8, dtype=torch.float64)).sum().backward()
+    assert m64.last_train_path is None
+
+
 def test_l1_only_in_training_mode_and_no_path_without_gradients():
     _, sparse = _pair(SparseGatedMLP)
     sparse.eval()

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from . import reference
-from .checks import triton_interpreting
+from .checks import KERNEL_DTYPES, triton_interpreting
 
 __all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules"]
 
@@ -102,6 +102,9 @@ class _SparseFFN(nn.Module):
         return state
 
     def __setstate__(self, state):
+        # modules pickled before these settings existed
+        state.setdefault("train_kernels", "auto")
+        state.setdefault("train_max_density", None)
         super().__setstate__(state)
         self._new_layer_state()
 
@@ -199,6 +202,10 @@ class _SparseFFN(nn.Module):
             return None
         if not x.is_cuda and not (self.train_kernels == "sparse" and triton_interpreting()):
             return None
+        dev = x.device.type
+        dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
+        if dtype not in KERNEL_DTYPES:
+            return None  # float64 and the like: the dense math
         return self._twell_train.choose(self.train_kernels, self.intermediate_size, self.train_max_density)
 
     def _train_sparse(self, x: torch.Tensor, width: int, weights: tuple) -> torch.Tensor:

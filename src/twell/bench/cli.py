@@ -126,7 +126,8 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--variants", action="store_true", help="also time the design variants")
     parser.add_argument("--no-grid", action="store_true", help="skip the main grid")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms")
-    parser.add_argument("--preset", default="2b", help="model: the preset whose shape is built (default 2b)")
+    parser.add_argument("--preset", help="model: the preset whose shape is built (default 2b; with --model, the "
+                        "run's own preset labels it); training: the train steps' preset (default 0.5b)")
     parser.add_argument("--k", type=float, default=29, help="model: active units per token to construct (default 29)")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences of 2048 tokens per forward (default 16)")
     parser.add_argument("--no-lean", action="store_true", help="model: skip the compiled lean path")
@@ -194,25 +195,19 @@ def _model_bench(args, tag: str, log, t0: float) -> None:
     ``model`` list of decode_<gpu>.json."""
     from .model import bench_model
 
-    model_path, tokens = None, None
+    model_path, tokens, preset = None, None, args.preset or "2b"
     if args.model:
-        model_path, tokens = _trained_model(args.model)
-    res = bench_model(args.preset, args.k, args.batch, lean=not args.no_lean, log=log, model_path=model_path,
+        model_path, tokens, run_preset = _trained_model(args.model)
+        preset = args.preset or run_preset or "model"
+    res = bench_model(preset, args.k, args.batch, lean=not args.no_lean, log=log, model_path=model_path,
                       tokens=tokens)
     path = os.path.join(args.out, f"model_{tag}.json")
-    old = {}
-    if os.path.exists(path):  # records of other models, and the trained model's section: kept
-        with open(path) as fh:
-            old = json.load(fh)
-    source = res["records"][0]["sparsity_source"]
-    same = lambda r: (r.get("preset"), r.get("sparsity_source", "calibrated")) == (args.preset, source)  # noqa: E731
-    kept = [r for r in old.get("records", []) if not same(r)]
-    sparsity = {**old.get("sparsity_by_source", {}), source: res["sparsity"]}
+    merged = merge_model_results(path, res, preset)
     with open(path, "w") as fh:
-        json.dump({"records": kept + res["records"], "trained": old.get("trained"),
-                   "decode": [r for r in old.get("decode", []) if not same(r)] + res["decode"],
-                   "sparsity_by_source": sparsity}, fh, indent=1)
-    _write_csv(kept + res["records"], os.path.splitext(path)[0] + ".csv")
+        json.dump(merged, fh, indent=1)
+    _write_csv(merged["records"], os.path.splitext(path)[0] + ".csv")
+    source = res["records"][0]["sparsity_source"]
+    same = lambda r: (r.get("preset"), r.get("sparsity_source", "calibrated")) == (preset, source)  # noqa: E731
     decode_path = os.path.join(args.out, f"decode_{tag}.json")
     if os.path.exists(decode_path):
         with open(decode_path) as fh:
@@ -238,6 +233,31 @@ def _model_bench(args, tag: str, log, t0: float) -> None:
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")
 
 
+def merge_model_results(path: str, res: dict, preset: str) -> dict:
+    """The content of model_<gpu>.json after a ``twell bench model`` run of ``preset``: this run's
+    records, decode records and sparsity replace those of the same (preset, sparsity source);
+    those of other models and the trained model's section are kept. Files of older versions
+    (one ``sparsity`` entry, or ``sparsity_by_source``) are read too."""
+    old = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            old = json.load(fh)
+    source = res["records"][0]["sparsity_source"]
+    same = lambda r: (r.get("preset"), r.get("sparsity_source", "calibrated")) == (preset, source)  # noqa: E731
+    sparsity = dict(old.get("sparsity_by_model", {}))
+    if "sparsity" in old:  # the first version: the calibrated model's construction only
+        calibrated = {r.get("preset") for r in old.get("records", []) if r.get("sparsity_source", "calibrated") == "calibrated"}
+        sparsity.setdefault(f"{min(calibrated) if calibrated else '2b'} calibrated", old["sparsity"])
+    for src, value in old.get("sparsity_by_source", {}).items():  # the second: keyed by source only
+        presets = {r.get("preset") for r in old.get("records", []) if r.get("sparsity_source", "calibrated") == src}
+        sparsity.setdefault(f"{min(presets) if presets else '?'} {src}", value)
+    sparsity[f"{preset} {source}"] = res["sparsity"]
+    return {"records": [r for r in old.get("records", []) if not same(r)] + res["records"],
+            "trained": old.get("trained"),
+            "decode": [r for r in old.get("decode", []) if not same(r)] + res["decode"],
+            "sparsity_by_model": sparsity}
+
+
 def _training_bench(args, tag: str, log, t0: float) -> None:
     """``twell bench training``: training_mlp_<gpu>.{json,csv,png}."""
     from .training import run_training_grid, train_step_records, tune_configs
@@ -258,17 +278,17 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
                                     rep=args.rep, log=log, partial_path=partial)
     else:
         records = run_training_grid(rep=args.rep, log=log, partial_path=partial)
-    steps = train_step_records(args.preset if args.preset != "2b" else "0.5b", k=args.k, log=log)
+    steps = train_step_records(args.preset or "0.5b", k=args.k, log=log)
     with open(path, "w") as fh:
         json.dump({"records": records, "train_step": steps, "tuning": tuning}, fh, indent=1)
     os.remove(partial)
     _write_csv(records, os.path.splitext(path)[0] + ".csv")
     plot_training(records, steps, os.path.splitext(path)[0] + ".png")
-    log(f"\n{'M':>6} {'k':>5} {'dist':7} {'dense':>7} {'sparse':>7} {'x':>5} {'twell':>6} {'x':>5} {'grad err':>8} "
+    log(f"\n{'M':>6} {'k':>5} {'dist':7} {'dense':>7} {'sparse':>7} {'x':>5} {'rule':>6} {'auto':>6} {'grad err':>8} "
         f"{'row':>8} {'drow':>8} {'saved MiB':>12}")
     for r in records:
         log(f"{r['M']:>6} {r['k']:>5} {r['distribution']:7} {r['dense_ms']:7.2f} {r['sparse_ms']:7.2f} "
-            f"{r['sparse_speedup']:5.2f} {r['twell_path']:>6} {r['speedup']:5.2f} {max(r['grad_rel_err'].values()):8.1e} "
+            f"{r['sparse_speedup']:5.2f} {r['breakeven_path']:>6} {r['auto_path']:>6} {max(r['grad_rel_err'].values()):8.1e} "
             f"{r['max_row_err']:8.1e} {r['dense_max_row_err']:8.1e} {r['saved_bytes'] / 2**20:5.0f}/{r['dense_saved_bytes'] / 2**20:<6.0f}")
     if len(steps) == 2:
         dn, sp = steps
@@ -317,7 +337,8 @@ def plot_training(records: list[dict], steps: list[dict], path_png: str) -> None
 
 
 def _trained_model(spec: str):
-    """``(checkpoint folder, validation token stream or None)`` for ``--model``: a run folder means
+    """``(checkpoint folder, validation token stream or None, the run's preset or None)`` for
+    ``--model``: a run folder means
     its newest checkpoint; the stream is the run's validation split when the folder names its
     run's settings (train_config.json), as ``twell eval`` reads it."""
     from pathlib import Path
@@ -337,12 +358,12 @@ def _trained_model(spec: str):
             raise SystemExit(f"twell bench model: {err}; nor is it a save_pretrained folder (no config.json)")
     settings = path / "train_config.json"
     if not settings.is_file():
-        return str(path), None
+        return str(path), None, None
     saved = json.loads(settings.read_text())
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__})
     tokenizer = load_tokenizer(str(path) if (path / "twell_tokenizer.json").is_file() else cfg.tokenizer)
     _, val = load_corpus(cfg.data, tokenizer, cfg.seq_len or 2048, cfg.seed, cfg.val_fraction, cfg.text_field, cfg.max_docs)
-    return str(path), torch.as_tensor(np.asarray(val.tokens[: len(val.tokens)], dtype=np.int64))
+    return str(path), torch.as_tensor(np.asarray(val.tokens[: len(val.tokens)], dtype=np.int64)), saved.get("preset")
 
 
 def _write_csv(records: list[dict], path: str) -> None:

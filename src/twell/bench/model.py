@@ -357,6 +357,8 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
         rand = lambda *shape: torch.randint(0, config.vocab_size, shape, device="cuda", generator=gen)  # noqa: E731
     else:
         stream = tokens.reshape(-1).to("cuda", torch.long)
+        if stream.numel() <= max(seq, prompt_len):
+            raise ValueError(f"tokens: {stream.numel()} ids, fewer than one sequence of {max(seq, prompt_len)} and one more")
 
         def rand(*shape):  # windows of the stream at random offsets
             n = shape[-1]

@@ -7,9 +7,12 @@ warm-up):
 
 - dense: ``torch.autograd.grad`` of the three-Linear PyTorch MLP for the gradient ``dy`` of y:
   what a user's training step runs today (no L1 term, which would only add to dense's time);
-- sparse: the same gradients from :func:`sparse_gated_ffn`, with its L1 term in the loss
-  (``y . dy + lam * l1``, as training runs it);
-- twell: what :class:`twell.SparseGatedMLP` picks for this sparsity (:func:`twell.train_path.use_sparse`).
+- twell (``twell_ms``, ``speedup``): the same gradients from twell's sparse training kernels
+  (:func:`sparse_gated_ffn`), with its L1 term in the loss (``y . dy + lam * l1``, as training
+  runs it); ``sparse_ms``/``sparse_speedup`` repeat them under their older names;
+- ``breakeven_path``: the op-level rule :func:`twell.train_path.use_sparse` for this sparsity;
+  ``auto_path``: what the modules' ``train_kernels = "auto"`` trains with (dense while
+  ``twell.train_path.AUTO_SPARSE`` is off).
 
 Gradients are compared with fp32 autograd of the same bf16 inputs: relative error of each
 (x, gate, up, down), and the worst row of dx against dense bf16's worst row. ``saved_bytes`` are
@@ -84,6 +87,7 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
     import json
 
     from ..train_ops import choose_width, saved_bytes, sparse_gated_ffn
+    from .. import train_path
     from ..train_path import use_sparse
 
     info = machine_info()
@@ -118,11 +122,10 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                            max_row_err=_worst_row(g_plain[0], ref[0]), dense_max_row_err=_worst_row(g_dense[0], ref[0]))
                 del g_plain, g_dense, ref
                 rec["dense_ms"] = bench_ms(dense, rep=rep)
-                rec["sparse_ms"] = bench_ms(sparse, rep=rep)
-                rec["sparse_speedup"] = rec["dense_ms"] / rec["sparse_ms"]
-                rec["twell_path"] = "sparse" if use_sparse(k_mean, f) else "dense"
-                rec["twell_ms"] = rec["sparse_ms"] if rec["twell_path"] == "sparse" else bench_ms(dense, rep=rep)
-                rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
+                rec["twell_ms"] = rec["sparse_ms"] = bench_ms(sparse, rep=rep)
+                rec["speedup"] = rec["sparse_speedup"] = rec["dense_ms"] / rec["sparse_ms"]
+                rec["breakeven_path"] = "sparse" if use_sparse(k_mean, f) else "dense"
+                rec["auto_path"] = "sparse" if (train_path.AUTO_SPARSE and use_sparse(k_mean, f)) else "dense"
                 F = torch.nn.functional
                 rec["dense_saved_bytes"] = saved_bytes(lambda a, b, c, e: F.linear(torch.relu(F.linear(a, b)) * F.linear(a, c), e),
                                                        x, wg, wu, wd)
@@ -131,8 +134,8 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 records.append(rec)
                 e = rec["grad_rel_err"]
                 log(f"M {M:>6} k {k:>5} {dist:6} (mean {k_mean:7.1f}, W {width:3}, heavy {n_heavy:6}): dense "
-                    f"{rec['dense_ms']:7.3f} ms, sparse {rec['sparse_ms']:7.3f} ({rec['sparse_speedup']:.2f}x), twell "
-                    f"{rec['twell_path']} {rec['speedup']:.2f}x | err x {e['x']:.1e} g {e['gate']:.1e} u {e['up']:.1e} "
+                    f"{rec['dense_ms']:7.3f} ms, sparse {rec['sparse_ms']:7.3f} ({rec['sparse_speedup']:.2f}x), auto "
+                    f"{rec['auto_path']} | err x {e['x']:.1e} g {e['gate']:.1e} u {e['up']:.1e} "
                     f"d {e['down']:.1e} | saved {rec['saved_bytes'] / 2**20:.0f} / {rec['dense_saved_bytes'] / 2**20:.0f} MiB")
                 if partial_path:
                     with open(partial_path, "a") as fh:

@@ -81,8 +81,8 @@ def train_parser() -> argparse.ArgumentParser:
     s.add_argument("--l1-warmup", type=int, help="ramp lambda linearly from 0 over this many steps (default 0: off)")
     s.add_argument("--l1-target", type=float, help="target share of active units per token in EVERY layer, e.g. "
                    "0.01: each layer's lambda starts at --l1 and is multiplied by up to 1.25 (or divided) at every "
-                   "log step, by the square root of the layer's active share over the target (default: off, one "
-                   "fixed lambda)")
+                   "log step, by the square root of the layer's active share over the target, within 1e-6 to 1e6 "
+                   "times --l1, not during --l1-warmup (default: off, one fixed lambda)")
     s.add_argument("--dead-window", type=int, help=f"steps in the window over which a unit that never fires counts as dead (default {d.dead_window})")
     s.add_argument("--reinit", action="store_true", help="re-initialise dead units' gate rows after every step (paper's Eq. 6)")
     s.add_argument("--reinit-keep", type=float, help=f"Eq. 6: W <- keep * W + (1 - keep) * N(0, std^2) (default keep {d.reinit_keep})")

@@ -266,18 +266,27 @@ class Trainer:
         terms = torch.stack([m.l1 for m in self.modules]).float()
         return (terms * self._l1_scale_t).mean()
 
+    # Bounds of each layer's multiplier of lambda under --l1-target: wide enough to reach any
+    # sparsity (the 0.5b run used 0.55 at most, and 1e-12 on layers already below the target,
+    # where 1e-6 acts the same), finite so that a run whose sparsity cannot follow (all units
+    # dead, say) keeps a finite loss.
+    L1_SCALE_RANGE = (1e-6, 1e6)
+
     def adapt_l1(self, row: dict) -> None:
         """``cfg.l1_target``: after a log row, scale each layer's lambda by the square root of its
-        active share over the target, within [0.8, 1.25]: an integral controller in log space,
-        slow enough for the optimizer to follow. Layers above the target get more L1, layers below
-        less. Uses the row's per-layer means (already reduced over ranks: every rank agrees)."""
+        active share over the target, within [0.8, 1.25] per row and ``L1_SCALE_RANGE`` overall:
+        an integral controller in log space, slow enough for the optimizer to follow. Layers
+        above the target get more L1, layers below less. Nothing moves during ``l1_warmup`` (lambda
+        is still ramping: sparsity has not had the chance to respond). Uses the row's per-layer
+        means (already reduced over ranks: every rank agrees)."""
         target = self.cfg.l1_target
-        if target is None:
+        if target is None or self.step < self.cfg.l1_warmup:
             return
         f = self.config.intermediate_size
+        lo, hi = self.L1_SCALE_RANGE
         for i in range(len(self.l1_scale)):
             ratio = max(row[f"active_mean_L{i}"], 1e-3) / (target * f)
-            self.l1_scale[i] *= min(1.25, max(0.8, ratio ** 0.5))
+            self.l1_scale[i] = min(hi, max(lo, self.l1_scale[i] * min(1.25, max(0.8, ratio ** 0.5))))
         self._l1_scale_t.copy_(torch.tensor(self.l1_scale))
 
     def micro_batch(self, micro: int) -> torch.Tensor:
