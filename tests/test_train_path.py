@@ -156,12 +156,24 @@ def test_train_path_changes_only_outside_backward(monkeypatch):
     assert tp.choose("auto", 5632)[0] == "dense"
 
 
-def test_trainer_kernels_setting(tmp_path):
+def test_trainer_step_on_the_sparse_kernels_equals_dense(tmp_path):
+    """twell train --kernels sparse: a training step's loss, L1 term and every gradient of the
+    whole model equal those of --kernels dense (the Triton interpreter on the CPU)."""
     from test_train_loss import config
 
     from twell.train.trainer import Trainer
 
-    t = Trainer(config(tmp_path, kernels="sparse"))
-    assert all(m.train_kernels == "sparse" for m in t.modules)
+    runs = {}
+    for kernels in ("dense", "sparse"):
+        t = Trainer(config(tmp_path, kernels=kernels, l1=0.05, batch_size=1, seq_len=8, device=DEV))
+        assert all(m.train_kernels == kernels for m in t.modules)
+        ce, l1 = t.forward_backward()
+        runs[kernels] = (ce, l1, {n: p.grad.clone() for n, p in t.model.named_parameters()},
+                         [m.last_train_path for m in t.modules])
+    assert runs["sparse"][3] == ["sparse", "sparse"]
+    torch.testing.assert_close(runs["sparse"][0], runs["dense"][0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(runs["sparse"][1], runs["dense"][1], rtol=1e-5, atol=1e-6)
+    for name, g in runs["dense"][2].items():
+        torch.testing.assert_close(runs["sparse"][2][name], g, rtol=1e-4, atol=1e-6, msg=name)
     with pytest.raises(ValueError, match="kernels"):
         Trainer(config(tmp_path, kernels="fast"))
