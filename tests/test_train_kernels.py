@@ -318,6 +318,14 @@ def test_gpu_bf16_real_shape(gated):
 
 
 @pytest.mark.parametrize("gated", [True, False])
+def test_row_kernel_launch_order_knob(gated, monkeypatch):
+    """ROWS_AFTER_SYNC only moves a launch: the same results either way."""
+    monkeypatch.setattr(T, "ROWS_AFTER_SYNC", True)
+    x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=6))
+    compare((x, wg, wu, wd) if gated else (x, wg, wd), 12, torch.float32, gated=gated)
+
+
+@pytest.mark.parametrize("gated", [True, False])
 def test_hot_units_take_the_dense_columns(gated, monkeypatch):
     """Units held by far more slots than the mean (HOT fires in every ordinary row) get their
     weight gradients from the dense [M, n_hot] block: the same gradients."""

@@ -130,6 +130,11 @@ def _stats(per_unit, heavy_active, heavy_rows):
     return per_unit, n_heavy
 
 
+# Where the forward launches its row kernel: before the host sync (False: as measured in
+# training_mlp_h200.json, run 3) or right after it (True: run 1's order, which measured about
+# 0.5 ms faster at M 16384 with other code; see benchmarks/NOTES_training.md). A knob to measure.
+ROWS_AFTER_SYNC = False
+
 # Hot units: a unit held by more than max(HOT_MIN, HOT_FACTOR x the mean) light-row slots gets
 # its weight gradients from cuBLAS over a dense [M, n_hot] block instead of the per-unit kernel,
 # whose one program per unit would otherwise walk thousands of tokens serially (skewed layers:
@@ -184,9 +189,13 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         w_down_t = w_down.t().contiguous()  # row j = w_down[:, j]: one contiguous read per unit
         a = torch.mm(x, w_gate.t())
         cols, g, counts = pack_rows(a, W, **PACK_CONFIG)
-        y, u, l1_rows = ffn_rows_forward(x, cols, g, counts, w_down_t, w_up, **ROWS_CONFIG)
+        rows = lambda: ffn_rows_forward(x, cols, g, counts, w_down_t, w_up, **ROWS_CONFIG)  # noqa: E731
+        if not ROWS_AFTER_SYNC:
+            y, u, l1_rows = rows()
         per_unit = light_unit_counts(cols, counts, f)
         heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
+        if ROWS_AFTER_SYNC:
+            y, u, l1_rows = rows()
         g_h = u_h = None
         if heavy_rows.numel():
             x_h = x[heavy_rows]
@@ -249,9 +258,13 @@ class SparseFFNFunction(torch.autograd.Function):
         w_down_t = w_down.t().contiguous()
         a = torch.mm(x, w_up.t())
         cols, h, counts = pack_rows(a, W, **PACK_CONFIG)
-        y, _, l1_rows = ffn_rows_forward(x, cols, h, counts, w_down_t, **ROWS_CONFIG)
+        rows = lambda: ffn_rows_forward(x, cols, h, counts, w_down_t, **ROWS_CONFIG)  # noqa: E731
+        if not ROWS_AFTER_SYNC:
+            y, _, l1_rows = rows()
         per_unit = light_unit_counts(cols, counts, f)
         heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
+        if ROWS_AFTER_SYNC:
+            y, _, l1_rows = rows()
         h_h = None
         if heavy_rows.numel():
             h_h = torch.relu(a[heavy_rows])
