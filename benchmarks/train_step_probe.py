@@ -100,7 +100,7 @@ def run_variant(name: str, kernels: str, rows_after_sync: bool, config, state, b
         shutil.copyfileobj(src, dst)
     trace.unlink()
     paths = sorted({m.last_train_path for m in sparse_modules(model) if m.last_train_path})
-    del model, opt
+    model = opt = None  # free before empty_cache (the closure holds them through its cells)
     if cuda:
         torch.cuda.empty_cache()
     return {"variant": name, "kernels": kernels, "rows_after_sync": rows_after_sync, "step_ms": step_ms,
