@@ -145,19 +145,19 @@ HOT_FACTOR = 8.0
 
 def _hot_dense(cols, counts, hot, f, *slot_values):
     """Dense ``[M, n_hot]`` fp32 blocks of per-slot values (``[M, W]`` each) at the hot units'
-    slots of the light rows; zero elsewhere. No host sync: every slot is scattered, those of
-    other units and unused slots into an extra column that is dropped (a unit holds at most one
-    slot of a row, so each kept element is written once)."""
+    slots of the light rows; zero elsewhere."""
     M, W = cols.shape
-    n_hot = hot.numel()
-    pos = torch.full((f,), n_hot, dtype=torch.int64, device=cols.device)
-    pos[hot] = torch.arange(n_hot, device=cols.device)
+    pos = torch.full((f,), -1, dtype=torch.int64, device=cols.device)
+    pos[hot] = torch.arange(hot.numel(), device=cols.device)
     used = torch.arange(W, device=cols.device) < torch.where(counts > W, 0, counts).unsqueeze(1)
-    index = torch.where(used, pos[cols.long()], n_hot)
+    slot_pos = torch.where(used, pos[cols.long()], -1)
+    r, s = torch.nonzero(slot_pos >= 0, as_tuple=True)
+    c = slot_pos[r, s]
     out = []
     for v in slot_values:
-        block = torch.zeros(M, n_hot + 1, dtype=torch.float32, device=cols.device)
-        out.append(block.scatter_(1, index, v.float())[:, :n_hot])
+        block = torch.zeros(M, hot.numel(), dtype=torch.float32, device=cols.device)
+        block[r, c] = v[r, s].float()
+        out.append(block)
     return out
 
 
