@@ -12,7 +12,8 @@ One call of :func:`sparse_gated_ffn` (``y = (relu(x w_gate^T) * (x w_up^T)) w_do
 In the backward, the weight gradients of the light rows go unit by unit (a per-unit kernel over
 the slots sorted by unit), except for hot units (far more tokens than the mean: see ``HOT_MIN``),
 whose share is one cuBLAS product over a dense ``[M, n_hot]`` block. The forward finds both the
-heavy rows and the hot units, in its one host synchronisation; the backward has none.
+heavy rows and the hot units, in its one host synchronisation; the backward has one more only
+when a layer has hot units (their slots are located with torch.nonzero).
 
 and the L1 term ``l1 = mean over tokens of sum over units |h|`` (:func:`twell.reference.l1_penalty`)
 is returned beside y, so that ``loss = task_loss(y) + lam * l1`` back-propagates through both.
@@ -144,8 +145,8 @@ HOT_FACTOR = 8.0
 
 
 def _hot_dense(cols, counts, hot, f, *slot_values):
-    """Dense ``[M, n_hot]`` fp32 blocks of per-slot values (``[M, W]`` each) at the hot units'
-    slots of the light rows; zero elsewhere."""
+    """Dense ``[M, n_hot]`` fp32 blocks of per-slot values (``[M, W]`` each, or None: None out) at
+    the hot units' slots of the light rows; zero elsewhere. One host sync (torch.nonzero)."""
     M, W = cols.shape
     pos = torch.full((f,), -1, dtype=torch.int64, device=cols.device)
     pos[hot] = torch.arange(hot.numel(), device=cols.device)
@@ -155,16 +156,51 @@ def _hot_dense(cols, counts, hot, f, *slot_values):
     c = slot_pos[r, s]
     out = []
     for v in slot_values:
+        if v is None:
+            out.append(None)
+            continue
         block = torch.zeros(M, hot.numel(), dtype=torch.float32, device=cols.device)
         block[r, c] = v[r, s].float()
         out.append(block)
     return out
 
 
+def _light_forward(x, a, W, w_down_t, w_up=None):
+    """The light rows' part of the forward from the pre-activation ``a [M, f]``: the ELL pack,
+    the row kernel (gated when ``w_up`` is given), and the call's host sync that finds the heavy
+    rows and the hot units. Returns ``(cols, values, counts, y, u, l1_rows, per_unit,
+    heavy_rows, hot)`` (values: g gated, h non-gated; u None non-gated)."""
+    f = a.shape[1]
+    cols, values, counts = pack_rows(a, W, **PACK_CONFIG)
+    if not ROWS_AFTER_SYNC:
+        y, u, l1_rows = ffn_rows_forward(x, cols, values, counts, w_down_t, w_up, **ROWS_CONFIG)
+    per_unit = light_unit_counts(cols, counts, f)
+    heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
+    if ROWS_AFTER_SYNC:
+        y, u, l1_rows = ffn_rows_forward(x, cols, values, counts, w_down_t, w_up, **ROWS_CONFIG)
+    return cols, values, counts, y, u, l1_rows, per_unit, heavy_rows, hot
+
+
+def _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot, base, f, dtype):
+    """``(dw_up, dw_gate or None, dw_down_t)``: the light rows' share added to ``base`` (the heavy
+    rows'), by the per-unit kernel over the slots sorted by unit, except the hot units, whose
+    share is one cuBLAS product over their dense columns. Gated: values g, with u and da;
+    non-gated: values h, u and da None."""
+    exclude = None
+    if hot.numel():
+        exclude = torch.zeros(f, dtype=torch.bool, device=x.device).index_fill_(0, hot, True)
+    order, offsets = unit_index(cols, counts, f, exclude)
+    grads = ffn_weight_grads(order, offsets, x, dy, values, u, du, da, base=base, dtype=dtype, **GRADS_CONFIG)
+    if hot.numel():
+        h = values if u is None else values.float() * u.float()
+        _add_hot(grads, hot, _hot_dense(cols, counts, hot, f, du, da, h), (x, x, dy))
+    return grads
+
+
 def _add_hot(grads, hot, blocks, sources):
-    """``grads[i][hot] += blocks[i]^T sources[i]`` (cuBLAS in the sources' dtype)."""
+    """``grads[i][hot] += blocks[i]^T sources[i]`` (cuBLAS in the sources' dtype; None skipped)."""
     for g, b, src in zip(grads, blocks, sources):
-        if g is not None:
+        if g is not None and b is not None:
             g[hot] += torch.mm(b.to(src.dtype).t(), src).to(g.dtype)
 
 
@@ -184,18 +220,10 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, width):
         W = _check_args(x, w_up, w_down, w_gate, width)
-        M, d = x.shape
-        f = w_up.shape[0]
+        M = x.shape[0]
         w_down_t = w_down.t().contiguous()  # row j = w_down[:, j]: one contiguous read per unit
         a = torch.mm(x, w_gate.t())
-        cols, g, counts = pack_rows(a, W, **PACK_CONFIG)
-        rows = lambda: ffn_rows_forward(x, cols, g, counts, w_down_t, w_up, **ROWS_CONFIG)  # noqa: E731
-        if not ROWS_AFTER_SYNC:
-            y, u, l1_rows = rows()
-        per_unit = light_unit_counts(cols, counts, f)
-        heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
-        if ROWS_AFTER_SYNC:
-            y, u, l1_rows = rows()
+        cols, g, counts, y, u, l1_rows, per_unit, heavy_rows, hot = _light_forward(x, a, W, w_down_t, w_up)
         g_h = u_h = None
         if heavy_rows.numel():
             x_h = x[heavy_rows]
@@ -230,15 +258,7 @@ class SparseGatedFFNFunction(torch.autograd.Function):
             du_h, da_h = (dh * g_h.float()).to(x.dtype), (dh * u_h.float()).to(x.dtype)
             dx[heavy_rows] = torch.mm(du_h, w_up) + torch.mm(da_h, w_gate)
             base = (torch.mm(du_h.t(), x_h), torch.mm(da_h.t(), x_h), torch.mm(h_h.t(), dy_h))
-        exclude = None
-        if hot.numel():
-            exclude = torch.zeros(f, dtype=torch.bool, device=x.device).index_fill_(0, hot, True)
-        order, offsets = unit_index(cols, counts, f, exclude)
-        dw_up, dw_gate, dw_down_t = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
-        if hot.numel():
-            h_light = g.float() * u.float()
-            blocks = _hot_dense(cols, counts, hot, f, du, da, h_light)
-            _add_hot((dw_up, dw_gate, dw_down_t), hot, blocks, (x, x, dy))
+        dw_up, dw_gate, dw_down_t = _unit_weight_grads(x, dy, cols, counts, g, u, du, da, hot, base, f, w_up.dtype)
         # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
         return dx, dw_gate, dw_up, dw_down_t.t(), None
 
@@ -253,18 +273,10 @@ class SparseFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_up, w_down, width):
         W = _check_args(x, w_up, w_down, None, width)
-        M, d = x.shape
-        f = w_up.shape[0]
+        M = x.shape[0]
         w_down_t = w_down.t().contiguous()
         a = torch.mm(x, w_up.t())
-        cols, h, counts = pack_rows(a, W, **PACK_CONFIG)
-        rows = lambda: ffn_rows_forward(x, cols, h, counts, w_down_t, **ROWS_CONFIG)  # noqa: E731
-        if not ROWS_AFTER_SYNC:
-            y, _, l1_rows = rows()
-        per_unit = light_unit_counts(cols, counts, f)
-        heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
-        if ROWS_AFTER_SYNC:
-            y, _, l1_rows = rows()
+        cols, h, counts, y, _, l1_rows, per_unit, heavy_rows, hot = _light_forward(x, a, W, w_down_t)
         h_h = None
         if heavy_rows.numel():
             h_h = torch.relu(a[heavy_rows])
@@ -294,14 +306,7 @@ class SparseFFNFunction(torch.autograd.Function):
             dh_h = ((torch.mm(dy_h, w_down).float() + c) * on).to(x.dtype)  # sign(h) = 1 on the pattern
             dx[heavy_rows] = torch.mm(dh_h, w_up)
             base = (torch.mm(dh_h.t(), x_h), None, torch.mm(h_h.t(), dy_h))
-        exclude = None
-        if hot.numel():
-            exclude = torch.zeros(f, dtype=torch.bool, device=x.device).index_fill_(0, hot, True)
-        order, offsets = unit_index(cols, counts, f, exclude)
-        dw_up, _, dw_down_t = ffn_weight_grads(order, offsets, x, dy, h, None, dh, None, base=base, dtype=w_up.dtype, **GRADS_CONFIG)
-        if hot.numel():
-            blocks = _hot_dense(cols, counts, hot, f, dh, h)
-            _add_hot((dw_up, dw_down_t), hot, blocks, (x, dy))
+        dw_up, _, dw_down_t = _unit_weight_grads(x, dy, cols, counts, h, None, dh, None, hot, base, f, w_up.dtype)
         return dx, dw_up, dw_down_t.t(), None
 
 

@@ -672,54 +672,6 @@ def _weight_grads_kernel(
         tl.store(dwg_ptr + out, acc_g.to(dwg_ptr.dtype.element_ty), mask=dm)
 
 
-@triton.jit
-def _weight_grads_full_kernel(
-    order_ptr, off_ptr,
-    x_ptr, stride_xm, dy_ptr, stride_dym,
-    du_ptr, da_ptr, g_ptr, u_ptr,
-    dwu_ptr, dwg_ptr, dwdt_ptr,
-    d, W,
-    BT: tl.constexpr, D: tl.constexpr, GATED: tl.constexpr, HAS_BASE: tl.constexpr,
-):
-    # Unit j with the whole row of d in registers: its (token, slot) pairs BT at a time, each
-    # gathering the rows x[m] and dy[m] once for all three gradients.
-    j = tl.program_id(0).to(tl.int64)
-    dd = tl.arange(0, D)
-    dm = dd < d
-    start = tl.load(off_ptr + j)
-    end = tl.load(off_ptr + j + 1)
-    ts = tl.arange(0, BT)
-    acc_u = tl.zeros([D], dtype=tl.float32)
-    acc_g = tl.zeros([D], dtype=tl.float32)
-    acc_d = tl.zeros([D], dtype=tl.float32)
-    for p0 in range(start, end, BT):
-        p = p0 + ts
-        pm = p < end
-        flat = tl.load(order_ptr + p, mask=pm, other=0)
-        m = flat // W
-        mask = pm[:, None] & dm[None, :]
-        xr = tl.load(x_ptr + m[:, None] * stride_xm + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-        dyr = tl.load(dy_ptr + m[:, None] * stride_dym + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-        du = tl.load(du_ptr + flat, mask=pm, other=0.0)
-        h = tl.load(g_ptr + flat, mask=pm, other=0.0).to(tl.float32)
-        acc_u += tl.sum(du[:, None] * xr, axis=0)
-        if GATED:
-            da = tl.load(da_ptr + flat, mask=pm, other=0.0)
-            acc_g += tl.sum(da[:, None] * xr, axis=0)
-            h = h * tl.load(u_ptr + flat, mask=pm, other=0.0).to(tl.float32)
-        acc_d += tl.sum(h[:, None] * dyr, axis=0)
-    out = j * d + dd
-    if HAS_BASE:  # the heavy rows' dense contribution, already in the output buffers
-        acc_u += tl.load(dwu_ptr + out, mask=dm, other=0.0).to(tl.float32)
-        acc_d += tl.load(dwdt_ptr + out, mask=dm, other=0.0).to(tl.float32)
-        if GATED:
-            acc_g += tl.load(dwg_ptr + out, mask=dm, other=0.0).to(tl.float32)
-    tl.store(dwu_ptr + out, acc_u.to(dwu_ptr.dtype.element_ty), mask=dm)
-    tl.store(dwdt_ptr + out, acc_d.to(dwdt_ptr.dtype.element_ty), mask=dm)
-    if GATED:
-        tl.store(dwg_ptr + out, acc_g.to(dwg_ptr.dtype.element_ty), mask=dm)
-
-
 def ffn_weight_grads(
     order: torch.Tensor,
     offsets: torch.Tensor,
@@ -792,17 +744,9 @@ def ffn_weight_grads(
     BD = _block_d(d, block_d, 256)
     if f == 0 or d == 0:
         return dwu, dwg, dwdt
-    D = _full_d(d, block_d)
-    if D is not None:
-        with on_device_of(x):
-            _weight_grads_full_kernel[(f,)](
-                order, offsets, x, x.stride(0), dy, dy.stride(0),
-                du, da if gated else du, values, u if gated else values,
-                dwu, dwg if gated else dwu, dwdt,
-                d, W,
-                BT=block_t, D=D, GATED=gated, HAS_BASE=base is not None, num_warps=num_warps,
-            )
-        return dwu, dwg, dwdt
+    # the whole row of d in one step where it fits (one program per unit: x[m] and dy[m] are
+    # gathered once for all of d), else blocks of d
+    BD = _full_d(d, block_d) or BD
     with on_device_of(x):
         _weight_grads_kernel[(f, triton.cdiv(d, BD))](
             order, offsets, x, x.stride(0), dy, dy.stride(0),
