@@ -26,56 +26,22 @@ from pathlib import Path
 import torch
 
 
-def build(preset: str, k: float, device: str):
-    from transformers import LlamaForCausalLM
-
-    from twell.bench.model import calibrate_sparsity
-    from twell.train.model import make_config
-
-    config = make_config(preset, 49152 if preset != "tiny" else 256)
-    config.hidden_act = "relu"
-    torch.manual_seed(0)
-    with torch.device(device):
-        base = LlamaForCausalLM(config)
-    ids = torch.randint(0, config.vocab_size, (4, min(2048, config.max_position_embeddings)), device=device)
-    with torch.no_grad():
-        calibrate_sparsity(base.to(torch.bfloat16 if device == "cuda" else torch.float32), k, ids)
-    return config, {n: t.detach().float().clone() for n, t in base.state_dict().items()}
-
-
 def run_variant(name: str, kernels: str, rows_after_sync: bool, config, state, batches, steps: int, out: Path, device: str):
-    from transformers import LlamaForCausalLM
-
-    from twell import sparsify, train_ops
-    from twell.nn import l1_loss, sparse_modules
+    from twell import train_ops
+    from twell.bench.training import sparse_model, train_step
+    from twell.nn import sparse_modules
 
     train_ops.ROWS_AFTER_SYNC = rows_after_sync
-    with torch.device(device):
-        model = LlamaForCausalLM(config)
-    model.load_state_dict(state)
-    sparsify(model)
-    model.train()
-    for m in sparse_modules(model):
-        m.train_kernels = kernels
+    model = sparse_model(config, state, kernels, device)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
     cuda = device == "cuda"
-    autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=cuda)
-
-    def step(ids):
-        with autocast:
-            logits = model(input_ids=ids[:, :-1], use_cache=False).logits
-        ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
-        (ce + 2e-5 * l1_loss(model).to(ce.device)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
     for i in range(3):
-        step(batches[i % len(batches)])
+        train_step(model, opt, batches[i % len(batches)])
     if cuda:
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(steps):
-        step(batches[i % len(batches)])
+        train_step(model, opt, batches[i % len(batches)])
     if cuda:
         torch.cuda.synchronize()
     step_ms = (time.perf_counter() - t0) * 1e3 / steps
@@ -83,7 +49,7 @@ def run_variant(name: str, kernels: str, rows_after_sync: bool, config, state, b
     with torch.profiler.profile(activities=acts) as prof:
         t1 = time.perf_counter()
         for i in range(2):
-            step(batches[i % len(batches)])
+            train_step(model, opt, batches[i % len(batches)])
         if cuda:
             torch.cuda.synchronize()
         wall_ms = (time.perf_counter() - t1) * 1e3 / 2
@@ -100,7 +66,7 @@ def run_variant(name: str, kernels: str, rows_after_sync: bool, config, state, b
         shutil.copyfileobj(src, dst)
     trace.unlink()
     paths = sorted({m.last_train_path for m in sparse_modules(model) if m.last_train_path})
-    model = opt = None  # free before empty_cache (the closure holds them through its cells)
+    del model, opt
     if cuda:
         torch.cuda.empty_cache()
     return {"variant": name, "kernels": kernels, "rows_after_sync": rows_after_sync, "step_ms": step_ms,
@@ -121,9 +87,12 @@ def main() -> None:
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    config, state = build(a.preset, a.k, a.device)
+    from twell.bench.training import constructed_state
+
+    vocab = 49152 if a.preset != "tiny" else 256
     g = torch.Generator(device=a.device).manual_seed(3)
-    batches = [torch.randint(0, config.vocab_size, (a.batch, a.seq + 1), device=a.device, generator=g) for _ in range(4)]
+    batches = [torch.randint(0, vocab, (a.batch, a.seq + 1), device=a.device, generator=g) for _ in range(4)]
+    config, state = constructed_state(a.preset, a.k, torch.cat(batches)[:4, : a.seq], vocab)
     variants = [("dense", "dense", False), ("sparse", "sparse", False), ("sparse_rows_after_sync", "sparse", True)]
     results = []
     for name, kernels, after in variants:

@@ -341,27 +341,19 @@ def _trained_model(spec: str):
     ``--model``: a run folder means
     its newest checkpoint; the stream is the run's validation split when the folder names its
     run's settings (train_config.json), as ``twell eval`` reads it."""
-    from pathlib import Path
-
     import numpy as np
     import torch
 
-    from ..train.checkpoint import latest_checkpoint
+    from ..train.checkpoint import model_folder, run_settings, run_tokenizer
     from ..train.config import TrainConfig
     from ..train.data import load_corpus, load_tokenizer
 
-    path = Path(spec)
-    try:
-        path = latest_checkpoint(path)
-    except FileNotFoundError as err:
-        if not (path / "config.json").is_file():
-            raise SystemExit(f"twell bench model: {err}; nor is it a save_pretrained folder (no config.json)")
-    settings = path / "train_config.json"
-    if not settings.is_file():
+    path = model_folder(spec, "twell bench model")
+    saved = run_settings(path)
+    if not saved:
         return str(path), None, None
-    saved = json.loads(settings.read_text())
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__})
-    tokenizer = load_tokenizer(str(path) if (path / "twell_tokenizer.json").is_file() else cfg.tokenizer)
+    tokenizer = load_tokenizer(run_tokenizer(path, cfg.tokenizer))
     _, val = load_corpus(cfg.data, tokenizer, cfg.seq_len or 2048, cfg.seed, cfg.val_fraction, cfg.text_field, cfg.max_docs)
     return str(path), torch.as_tensor(np.asarray(val.tokens[: len(val.tokens)], dtype=np.int64)), saved.get("preset")
 

@@ -29,7 +29,7 @@ import torch
 from .inference import bench_ms, machine_info
 from .synthetic import make_ffn
 
-__all__ = ["run_training_grid", "train_step_records"]
+__all__ = ["run_training_grid", "train_step_records", "constructed_state", "sparse_model", "train_step"]
 
 LAM = 2e-5  # the L1 coefficient in the sparse variant's loss (its gradient path is timed too)
 
@@ -145,6 +145,59 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
     return records
 
 
+def constructed_state(preset: str, k: float, calib_ids: torch.Tensor, vocab: int = 49152):
+    """``(config, state)``: a ``preset``-shaped Llama (ReLU MLPs, ``vocab`` ids) given about ``k``
+    active units per token by :func:`twell.bench.model.calibrate_sparsity` on ``calib_ids
+    [B, T]`` (on the device where it is built), its weights as fp32 tensors, so that every
+    variant starts from the same ones."""
+    from transformers import LlamaForCausalLM
+
+    from ..train.model import make_config
+    from .model import calibrate_sparsity
+
+    config = make_config(preset, vocab)
+    config.hidden_act = "relu"
+    device = calib_ids.device
+    torch.manual_seed(0)
+    with torch.device(device):
+        base = LlamaForCausalLM(config)
+    with torch.no_grad():
+        calibrate_sparsity(base.to(torch.bfloat16 if device.type == "cuda" else torch.float32), k, calib_ids)
+    return config, {n: t.detach().float().clone() for n, t in base.state_dict().items()}
+
+
+def sparse_model(config, state: dict, kernels: str, device: str = "cuda"):
+    """The model of ``config`` with ``state``, sparsified, in training mode, its MLPs on ``kernels``."""
+    from transformers import LlamaForCausalLM
+
+    from .. import sparsify
+    from ..nn import sparse_modules
+
+    with torch.device(device):
+        model = LlamaForCausalLM(config)
+    model.load_state_dict(state)
+    sparsify(model)
+    model.train()
+    for m in sparse_modules(model):
+        m.train_kernels = kernels
+    return model
+
+
+def train_step(model, opt, ids: torch.Tensor, lam: float = 2e-5) -> torch.Tensor:
+    """One optimizer step on ``ids [B, T + 1]`` (next-token cross entropy + ``lam`` x L1, bf16
+    autocast on CUDA, gradient clipping at 1); returns the cross entropy (a device scalar)."""
+    from ..nn import l1_loss
+
+    with torch.autocast(ids.device.type, dtype=torch.bfloat16, enabled=ids.is_cuda):
+        logits = model(input_ids=ids[:, :-1], use_cache=False).logits
+    ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+    (ce + lam * l1_loss(model).to(ce.device)).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return ce.detach()
+
+
 def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq: int = 2048, steps: int = 50,
                        lr: float = 3e-4, log: Callable[[str], None] = print) -> list[dict]:
     """Training steps of ``preset`` (constructed sparsity: :func:`twell.bench.model.calibrate_sparsity`)
@@ -152,35 +205,16 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
     steps after 5 warm-up steps, peak memory, and the loss curve (AdamW, bf16 autocast, L1 term)."""
     import time
 
-    from transformers import LlamaForCausalLM
-
-    from .. import sparsify
-    from ..nn import l1_loss, sparse_modules
-    from ..train.model import make_config
-    from .model import calibrate_sparsity
+    from ..nn import sparse_modules
 
     info = machine_info()
-    config = make_config(preset, 49152)
-    config.hidden_act = "relu"
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        base = LlamaForCausalLM(config)
+    vocab = 49152
     gen = torch.Generator(device="cuda").manual_seed(3)
-    ids = torch.randint(0, config.vocab_size, (steps + 5, batch, seq + 1), device="cuda", generator=gen)
-    with torch.no_grad():
-        calibrate_sparsity(base.to(torch.bfloat16), k, ids[0, :4, :seq])
-    state = {n: t.detach().float().clone() for n, t in base.state_dict().items()}
-    del base
+    ids = torch.randint(0, vocab, (steps + 5, batch, seq + 1), device="cuda", generator=gen)
+    config, state = constructed_state(preset, k, ids[0, :4, :seq], vocab)
     out = []
     for kernels in ("dense", "sparse"):
-        torch.manual_seed(0)
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(config)
-        model.load_state_dict(state)
-        sparsify(model)
-        model.train()
-        for m in sparse_modules(model):
-            m.train_kernels = kernels
+        model = sparse_model(config, state, kernels)
         opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
         losses = []
         torch.cuda.synchronize()
@@ -190,16 +224,7 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
             if i == 5:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
-            batch_ids = ids[i]
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                logits = model(input_ids=batch_ids[:, :-1], use_cache=False).logits
-            ce = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch_ids[:, 1:].reshape(-1))
-            loss = ce + 2e-5 * l1_loss(model).to(ce.device)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            losses.append(ce.detach())
+            losses.append(train_step(model, opt, ids[i]))
         torch.cuda.synchronize()
         seconds = time.perf_counter() - t0
         mods = sparse_modules(model)

@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 __all__ = ["save_optimizer", "load_optimizer", "save_tensors_with_meta", "load_tensors_with_meta", "read_meta",
            "load_model_weights", "load_sharded_model_weights", "load_sharded", "is_sharded", "write_manifest", "latest_checkpoint",
-           "step_checkpoints", "missing_files", "temporary_folder", "temporary_path", "commit", "prune",
+           "step_checkpoints", "missing_files", "model_folder", "run_settings", "run_tokenizer", "temporary_folder", "temporary_path", "commit", "prune",
            "remove_partial_writes", "DCP_DIR", "MANIFEST"]
 
 # Every file --resume needs, besides the model weights (model.safetensors, or shards and their index).
@@ -270,6 +270,32 @@ def latest_checkpoint(path: Path, skipped: list | None = None) -> Path:
     if skipped:
         raise FileNotFoundError(f"no complete checkpoint in {path}: {len(skipped)} incomplete step_* folder(s)")
     raise FileNotFoundError(f"no checkpoint in {path} (expected trainer_state.safetensors or checkpoints/step_*)")
+
+
+def model_folder(spec: str, command: str) -> Path:
+    """The folder a command that reads a trained model (``twell eval``, ``twell bench model
+    --model``) takes from ``spec``: a checkpoint, a run folder's newest checkpoint, or a
+    ``save_pretrained`` / ``twell export`` folder. Exits with a message naming ``command`` if it
+    is none of them."""
+    path = Path(spec)
+    try:
+        return latest_checkpoint(path)
+    except FileNotFoundError as err:
+        if not (path / "config.json").is_file():
+            raise SystemExit(f"{command}: {err}; nor is it a save_pretrained folder (no config.json)")
+        return path
+
+
+def run_settings(path: Path) -> dict:
+    """The run's settings saved beside a checkpoint or export (train_config.json), or {}."""
+    settings = Path(path) / "train_config.json"
+    return json.loads(settings.read_text()) if settings.is_file() else {}
+
+
+def run_tokenizer(path: Path, default: str) -> str:
+    """The tokenizer spec of the model in ``path``: the folder itself when it holds the run's
+    tokenizer (twell_tokenizer.json), else ``default``."""
+    return str(path) if (Path(path) / "twell_tokenizer.json").is_file() else default
 
 
 # --- writing checkpoints -----------------------------------------------------------------------

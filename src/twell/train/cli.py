@@ -198,15 +198,10 @@ def eval_main(argv=None) -> dict:
         if not torch.cuda.is_available():
             raise SystemExit(f"twell eval: device {a.device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
 
-    from .checkpoint import latest_checkpoint, read_meta
+    from .checkpoint import model_folder, read_meta, run_settings, run_tokenizer
 
-    path = Path(a.checkpoint)
-    try:
-        path = latest_checkpoint(path)
-    except FileNotFoundError as err:
-        if not (path / "config.json").is_file():
-            raise SystemExit(f"twell eval: {err}; nor is it a save_pretrained folder (no config.json)")
-    saved = json.loads((path / "train_config.json").read_text()) if (path / "train_config.json").is_file() else {}
+    path = model_folder(a.checkpoint, "twell eval")
+    saved = run_settings(path)
     export_info = path / "twell_export.json"  # a `twell export` folder: the run's world size is noted there
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in {f.name for f in fields(TrainConfig)}})
     for key in ("data", "val_fraction", "seq_len", "batch_size"):
@@ -233,7 +228,7 @@ def eval_main(argv=None) -> dict:
     if note:  # on stderr, so that --json output stays parseable
         print(f"note: {path}: {note}; it is evaluated with ReLU, not as it was trained", file=sys.stderr)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    tok_spec = a.tokenizer or (str(path) if (path / "twell_tokenizer.json").is_file() else cfg.tokenizer)
+    tok_spec = a.tokenizer or run_tokenizer(path, cfg.tokenizer)
     tokenizer = load_tokenizer(tok_spec)
     hf_logging.disable_progress_bar()  # keep the report to what twell prints
     model = load_model(path, dtype=torch.float32)  # a sharded checkpoint's shards assembled here
