@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from .inference import bench_ms, machine_info
+from .inference import bench_ms, errors, machine_info
 from .synthetic import make_ffn
 
 __all__ = ["run_training_grid", "train_step_records", "constructed_state", "sparse_model", "train_step"]
@@ -40,8 +40,6 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def _worst_row(a: torch.Tensor, ref: torch.Tensor) -> float:
-    from .inference import errors
-
     return errors(a, ref.float())[1]
 
 
