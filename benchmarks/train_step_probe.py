@@ -26,14 +26,15 @@ from pathlib import Path
 import torch
 
 
-def run_variant(name: str, kernels: str, rows_after_sync: bool, config, state, batches, steps: int, out: Path, device: str):
+def run_variant(name: str, kernels: str, rows_after_sync: bool, config, state, batches, steps: int, out: Path, device: str,
+                lr: float = 0.0):
     from twell import train_ops
     from twell.bench.training import sparse_model, train_step
     from twell.nn import sparse_modules
 
     train_ops.ROWS_AFTER_SYNC = rows_after_sync
     model = sparse_model(config, state, kernels, device)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=device == "cuda")
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device == "cuda")
     cuda = device == "cuda"
     for i in range(3):
         train_step(model, opt, batches[i % len(batches)])
@@ -66,12 +67,14 @@ def run_variant(name: str, kernels: str, rows_after_sync: bool, config, state, b
         shutil.copyfileobj(src, dst)
     trace.unlink()
     paths = sorted({m.last_train_path for m in sparse_modules(model) if m.last_train_path})
+    active = [round(float(m.stats.active_mean), 2) for m in sparse_modules(model)]
+    active_max = [int(m.stats.active_max) for m in sparse_modules(model)]
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
     return {"variant": name, "kernels": kernels, "rows_after_sync": rows_after_sync, "step_ms": step_ms,
             "profiled_step_ms": wall_ms, "kernel_ms_per_step": kernel_ms, "gpu_idle_ms_per_step": wall_ms - kernel_ms,
-            "syncs_per_step": syncs, "paths": paths,
+            "syncs_per_step": syncs, "paths": paths, "active_mean": active, "active_max": active_max,
             "top_cuda_ms_per_step": top_cuda, "top_cpu_self_ms_per_step": top_cpu}
 
 
@@ -84,6 +87,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--lr", type=float, default=0.0,
+                   help="AdamW learning rate; 0 (default) keeps the constructed sparsity, which moving weights lose")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -96,14 +101,15 @@ def main() -> None:
     variants = [("dense", "dense", False), ("sparse", "sparse", False), ("sparse_rows_after_sync", "sparse", True)]
     results = []
     for name, kernels, after in variants:
-        results.append(run_variant(name, kernels, after, config, state, batches, a.steps, out, a.device))
+        results.append(run_variant(name, kernels, after, config, state, batches, a.steps, out, a.device, a.lr))
         (out / "train_step_probe.json").write_text(json.dumps(results, indent=1))
     print(f"\n{'variant':24} {'step ms':>8} {'kernels ms':>10} {'GPU idle':>9}  syncs per step")
     for r in results:
         print(f"{r['variant']:24} {r['step_ms']:8.1f} {r['kernel_ms_per_step']:10.1f} {r['gpu_idle_ms_per_step']:9.1f}  "
               f"{r['syncs_per_step']}")
     for r in results:
-        print(f"\n{r['variant']}: top CUDA kernels (ms per step, calls)")
+        print(f"\n{r['variant']}: active units per layer {r['active_mean']}, max {r['active_max']}")
+        print(f"{r['variant']}: top CUDA kernels (ms per step, calls)")
         for key, ms, n in r["top_cuda_ms_per_step"][:12]:
             print(f"  {ms:8.2f} {n:6} {key[:90]}")
 

@@ -40,6 +40,8 @@ SMALL_FULL = {name: {**cfg, "block_d": None} if "block_d" in cfg else cfg for na
 def small_blocks(request, monkeypatch):
     for name, cfg in (SMALL if request.param == "blocked" else SMALL_FULL).items():
         monkeypatch.setattr(T, name, cfg)
+    # the hybrid path however many rows are heavy (test_mostly_heavy_* cover the all-dense switch)
+    monkeypatch.setattr(T, "ALL_DENSE_SHARE", 1.0)
 
 
 def make_case(M, d, f, seed=0, density=0.12, adversarial=True):
@@ -171,6 +173,64 @@ def test_every_row_heavy(small_blocks):
     tensors = make_case(9, 40, 75, seed=5, density=0.4, adversarial=False)
     out, _, _ = compare(tensors, 4, torch.float32)
     assert int(out.n_heavy) == 9
+
+
+def _saved_shapes(fn, tensors):
+    shapes = []
+
+    def pack(t):
+        shapes.append(tuple(t.shape))
+        return t
+
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*leaves)
+    return shapes
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("width", [4, 12])
+def test_mostly_heavy_runs_all_dense(gated, width, monkeypatch):
+    """More than ALL_DENSE_SHARE of the rows heavy: the whole call runs dense (it saves the [M, f]
+    pattern tensors, as dense autograd does, and no ELL rows), with the same outputs, gradients and counts; at or
+    below the share it stays hybrid."""
+    monkeypatch.setattr(T, "ROWS_CONFIG", SMALL_FULL["ROWS_CONFIG"])
+    x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=12, density=0.3, adversarial=False))
+    tensors = (x, wg, wu, wd) if gated else (x, wg, wd)
+    fn = (lambda *t: sparse_gated_ffn(*t, width)) if gated else (lambda *t: sparse_ffn(*t, width))
+    share = float((((x @ wg.T) > 0).sum(1) > width).float().mean())  # about 0.7 to 1
+    assert share > T.ALL_DENSE_SHARE
+    out, _, _ = compare(tensors, width, torch.float32, gated=gated)
+    assert int(out.n_heavy) == round(share * 37)
+    shapes = _saved_shapes(fn, tensors)
+    assert (37, 75) in shapes and (37, width) not in shapes  # dense g (and u), no ELL rows
+    monkeypatch.setattr(T, "ALL_DENSE_SHARE", 1.0)  # the hybrid path on the same call
+    compare(tensors, width, torch.float32, gated=gated)
+    assert (37, width) in _saved_shapes(fn, tensors)
+
+
+def test_unit_index_groups_slots_by_unit():
+    """unit_index against a plain Python grouping, with heavy rows, padding and excluded units;
+    light_unit_counts against the same."""
+    from twell.kernels.train_ffn import light_unit_counts, unit_index
+
+    g = torch.Generator().manual_seed(3)
+    M, W, f = 23, 6, 19
+    cols = torch.stack([torch.randperm(f, generator=g)[:W] for _ in range(M)]).to(torch.int16)
+    counts = torch.randint(0, W + 3, (M,), generator=g, dtype=torch.int32)  # > W: heavy
+    exclude = torch.zeros(f, dtype=torch.bool)
+    exclude[[2, 7]] = True
+    for ex in (None, exclude):
+        order, offsets = unit_index(cols.to(DEV), counts.to(DEV), f, None if ex is None else ex.to(DEV))
+        order, offsets = order.cpu(), offsets.cpu()
+        assert offsets.dtype == torch.int64 and offsets.shape == (f + 1,) and int(offsets[0]) == 0
+        for j in range(f):
+            want = [m * W + s for m in range(M) if counts[m] <= W for s in range(int(counts[m]))
+                    if int(cols[m, s]) == j and (ex is None or not ex[j])]
+            assert order[offsets[j]:offsets[j + 1]].tolist() == want, j
+    per = light_unit_counts(cols.to(DEV), counts.to(DEV), f).cpu()
+    order, offsets = unit_index(cols.to(DEV), counts.to(DEV), f)
+    assert torch.equal(per, offsets.cpu().diff())
 
 
 def test_all_units_active(small_blocks):
@@ -319,8 +379,8 @@ def test_gpu_bf16_real_shape(gated):
 
 @pytest.mark.parametrize("gated", [True, False])
 def test_row_kernel_launch_order_knob(gated, monkeypatch):
-    """ROWS_AFTER_SYNC only moves a launch: the same results either way."""
-    monkeypatch.setattr(T, "ROWS_AFTER_SYNC", True)
+    """ROWS_AFTER_SYNC only moves a launch: the same results either way (the default is True)."""
+    monkeypatch.setattr(T, "ROWS_AFTER_SYNC", not T.ROWS_AFTER_SYNC)
     x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=6))
     compare((x, wg, wu, wd) if gated else (x, wg, wd), 12, torch.float32, gated=gated)
 

@@ -131,10 +131,12 @@ def _stats(per_unit, heavy_active, heavy_rows):
     return per_unit, n_heavy
 
 
-# Where the forward launches its row kernel: before the host sync (False: as measured in
-# training_mlp_h200.json, run 3) or right after it (True: run 1's order, which measured about
-# 0.5 ms faster at M 16384 with other code; see benchmarks/NOTES_training.md). A knob to measure.
-ROWS_AFTER_SYNC = False
+# Where the forward launches its row kernel: right after the host sync (True) or before it
+# (False: the order of training_mlp_h200.json's run 3). After: in a 0.5b train step at 29.5
+# active units per layer (lr 0, so the constructed sparsity holds), 149.5 against 155.0 ms per
+# step, the GPU idle 4.8 against 8.4 ms (benchmarks/train_step_probe.py); and a call that goes
+# all dense (ALL_DENSE_SHARE) then never launches it.
+ROWS_AFTER_SYNC = True
 
 # Hot units: a unit held by more than max(HOT_MIN, HOT_FACTOR x the mean) light-row slots gets
 # its weight gradients from cuBLAS over a dense [M, n_hot] block instead of the per-unit kernel,
@@ -142,6 +144,16 @@ ROWS_AFTER_SYNC = False
 # a few units fire for a large share of the tokens). The column counterpart of the heavy rows.
 HOT_MIN = 256
 HOT_FACTOR = 8.0
+
+# When more than this share of a call's rows is heavier than W, the whole call runs dense (plain
+# PyTorch products over all rows, saving the [M, f] g and u as dense autograd does): a heavy row
+# costs more than a dense one (gathers, scatters, fp32 element-wise on its [f] columns), so a
+# mostly-heavy call (a layer whose sparsity moved away from its width) would otherwise cost dense
+# plus the sparse bookkeeping. Still exact, and counted in n_heavy like any heavy row. From
+# benchmarks/heavy_share_probe.py on the H200 (M 16384, d 2048, f 5632, light rows k 29, heavy rows
+# ~600 units): forward + backward hybrid against all dense 5.97 / 6.89 ms at a heavy share of
+# 0.3, 7.14 / 6.86 at 0.5, 10.09 / 7.00 at 1 (dense PyTorch 5.1 to 5.5 ms without the L1 term).
+ALL_DENSE_SHARE = 0.45
 
 
 def _hot_dense(cols, counts, hot, f, *slot_values):
@@ -167,18 +179,21 @@ def _hot_dense(cols, counts, hot, f, *slot_values):
 
 def _light_forward(x, a, W, w_down_t, w_up=None):
     """The light rows' part of the forward from the pre-activation ``a [M, f]``: the ELL pack,
-    the row kernel (gated when ``w_up`` is given), and the call's host sync that finds the heavy
-    rows and the hot units. Returns ``(cols, values, counts, y, u, l1_rows, per_unit,
-    heavy_rows, hot)`` (values: g gated, h non-gated; u None non-gated)."""
-    f = a.shape[1]
+    the call's host sync that finds the heavy rows and the hot units, and the row kernel (gated
+    when ``w_up`` is given; not launched when the call goes all dense, see ALL_DENSE_SHARE).
+    Returns ``(cols, values, counts, y, u, l1_rows, per_unit, heavy_rows, hot, all_dense)``
+    (values: g gated, h non-gated; u None non-gated; y, u, l1_rows None when all dense)."""
+    M, f = a.shape
     cols, values, counts = pack_rows(a, W, **PACK_CONFIG)
+    rows = (None, None, None)
     if not ROWS_AFTER_SYNC:
-        y, u, l1_rows = ffn_rows_forward(x, cols, values, counts, w_down_t, w_up, **ROWS_CONFIG)
+        rows = ffn_rows_forward(x, cols, values, counts, w_down_t, w_up, **ROWS_CONFIG)
     per_unit = light_unit_counts(cols, counts, f)
     heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
-    if ROWS_AFTER_SYNC:
-        y, u, l1_rows = ffn_rows_forward(x, cols, values, counts, w_down_t, w_up, **ROWS_CONFIG)
-    return cols, values, counts, y, u, l1_rows, per_unit, heavy_rows, hot
+    all_dense = heavy_rows.numel() > ALL_DENSE_SHARE * M
+    if ROWS_AFTER_SYNC and not all_dense:
+        rows = ffn_rows_forward(x, cols, values, counts, w_down_t, w_up, **ROWS_CONFIG)
+    return (cols, values, counts, *rows, per_unit, heavy_rows, hot, all_dense)
 
 
 def _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot, base, f, dtype):
@@ -204,6 +219,15 @@ def _add_hot(grads, hot, blocks, sources):
             g[hot] += torch.mm(b.to(src.dtype).t(), src).to(g.dtype)
 
 
+def _dense_outputs(ctx, y, l1, counts, active, heavy_rows):
+    """The Function's outputs for a call that ran all dense (see ALL_DENSE_SHARE): ``active``
+    ``[M, f]`` bool is the pattern; the heavy rows are counted as on the hybrid path."""
+    unit_counts = active.sum(0, dtype=torch.int64)
+    n_heavy = torch.full((), heavy_rows.numel(), dtype=torch.int64, device=y.device)
+    ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
+    return y, l1, counts, unit_counts, n_heavy
+
+
 def _l1_scale(dl1: Optional[torch.Tensor], M: int, device) -> torch.Tensor:
     if dl1 is None:
         return torch.zeros(1, dtype=torch.float32, device=device)
@@ -223,7 +247,16 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         M = x.shape[0]
         w_down_t = w_down.t().contiguous()  # row j = w_down[:, j]: one contiguous read per unit
         a = torch.mm(x, w_gate.t())
-        cols, g, counts, y, u, l1_rows, per_unit, heavy_rows, hot = _light_forward(x, a, W, w_down_t, w_up)
+        cols, g, counts, y, u, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down_t, w_up)
+        if ctx.all_dense:
+            g_d = torch.relu(a)
+            del a
+            u_d = torch.mm(x, w_up.t())
+            h_d = g_d * u_d
+            y = torch.mm(h_d, w_down.t())
+            l1 = h_d.abs().sum(dtype=torch.float32) / max(M, 1)
+            ctx.save_for_backward(x, w_gate, w_up, w_down, g_d, u_d)
+            return _dense_outputs(ctx, y, l1, counts, g_d > 0, heavy_rows)
         g_h = u_h = None
         if heavy_rows.numel():
             x_h = x[heavy_rows]
@@ -242,6 +275,13 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
+        if ctx.all_dense:  # dense autograd's steps, in the inputs' dtype
+            x, w_gate, w_up, w_down, g, u = ctx.saved_tensors
+            h = g * u
+            dh = torch.mm(dy, w_down).add_(torch.sign(h).mul_(_l1_scale(dl1, x.shape[0], x.device).to(x.dtype)))
+            du, da = dh * g, dh.mul_(u).mul_(g > 0)
+            dx = torch.mm(du, w_up).add_(torch.mm(da, w_gate))
+            return dx, torch.mm(da.t(), x), torch.mm(du.t(), x), torch.mm(dy.t(), h), None
         x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h, hot = ctx.saved_tensors
         M, d = x.shape
         f = w_up.shape[0]
@@ -276,7 +316,14 @@ class SparseFFNFunction(torch.autograd.Function):
         M = x.shape[0]
         w_down_t = w_down.t().contiguous()
         a = torch.mm(x, w_up.t())
-        cols, h, counts, y, _, l1_rows, per_unit, heavy_rows, hot = _light_forward(x, a, W, w_down_t)
+        cols, h, counts, y, _, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down_t)
+        if ctx.all_dense:
+            h_d = torch.relu(a)
+            del a
+            y = torch.mm(h_d, w_down.t())
+            l1 = h_d.sum(dtype=torch.float32) / max(M, 1)  # h >= 0
+            ctx.save_for_backward(x, w_up, w_down, h_d)
+            return _dense_outputs(ctx, y, l1, counts, h_d > 0, heavy_rows)
         h_h = None
         if heavy_rows.numel():
             h_h = torch.relu(a[heavy_rows])
@@ -292,6 +339,11 @@ class SparseFFNFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
+        if ctx.all_dense:  # dense autograd's steps, in the inputs' dtype
+            x, w_up, w_down, h = ctx.saved_tensors
+            c = _l1_scale(dl1, x.shape[0], x.device).to(x.dtype)
+            dh = torch.mm(dy, w_down).add_(c).mul_(h > 0)  # sign(h) = 1 on the pattern
+            return torch.mm(dh, w_up), torch.mm(dh.t(), x), torch.mm(dy.t(), h), None
         x, w_up, w_down, cols, h, counts, heavy_rows, h_h, hot = ctx.saved_tensors
         M, d = x.shape
         f = w_up.shape[0]

@@ -3,8 +3,8 @@
 A module in training (gradients wanted) on CUDA calls :meth:`TrainPath.choose` once per
 forward. With ``train_kernels = "auto"`` (the default) the sparse kernels
 (:mod:`twell.train_ops`) run while the layer's measured mean of active units per token is at
-most ``MAX_DENSITY * f`` (:func:`use_sparse`) and ``AUTO_SPARSE`` is on (it is off for now: see
-there), with the ELL width from :func:`twell.train_ops.choose_width`; else dense PyTorch.
+most ``MAX_DENSITY * f`` (:func:`use_sparse`) and ``AUTO_SPARSE`` is on (the default), with the
+ELL width from :func:`twell.train_ops.choose_width`; else dense PyTorch.
 ``"dense"`` and ``"sparse"`` force one.
 
 The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the layer copies the
@@ -27,16 +27,18 @@ __all__ = ["TrainPath", "use_sparse", "TRAIN_MODES"]
 TRAIN_MODES = ("auto", "dense", "sparse")
 
 # Break-even share of active units per token: the sparse kernels' forward + backward beat dense
-# below it (H200, bf16, d 2048, f 5632, M 16384 and 65536: at k = 29 of 5632 even 1.12x and
-# 1.22x, at k = 56 0.71x and 0.74x; benchmarks/results/training_mlp_h200.json).
+# below it (H200, bf16, d 2048, f 5632, M 16384: at k = 29 of 5632 even / skewed / heavy 1.31x /
+# 1.07x / 1.31x, at k = 56 0.87x / 0.78x / 1.35x; M 65536: k = 29 1.54x / 1.56x / 2.27x, k = 56
+# 0.89x / 0.95x / 1.60x; benchmarks/results/training_mlp_h200.json). 0.006 f = 34 units.
 MAX_DENSITY = 0.006
 
 
-# Whether "auto" may take the sparse kernels at all. Off: in a whole training step (0.5b preset,
-# 8 x 2048 tokens, 1 to 15 active units per layer) the sparse kernels made the step slower
-# (83.5k against 96.8k tokens/s, 0.86x) although each FFN alone is faster at that sparsity;
-# until the step gains, "auto" trains dense and "sparse" is the opt-in (for its memory).
-AUTO_SPARSE = False
+# Whether "auto" may take the sparse kernels at all. On: in a whole training step of the 0.5b
+# preset (8 x 2048 tokens, 29.5 active units per layer by construction, lr 0 so that it holds)
+# the sparse kernels gave 1.14x dense's tokens/s (110.0k against 96.6k) with 0.92x the peak
+# memory (benchmarks/results/training_mlp_h200.json). (An earlier measurement, 0.86x, ran at lr
+# 3e-4, where the constructed sparsity did not hold: most rows went heavier than the width.)
+AUTO_SPARSE = True
 
 
 def use_sparse(active_mean: float, f: int, max_density: Optional[float] = None) -> bool:

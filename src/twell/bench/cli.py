@@ -290,11 +290,14 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
         log(f"{r['M']:>6} {r['k']:>5} {r['distribution']:7} {r['dense_ms']:7.2f} {r['sparse_ms']:7.2f} "
             f"{r['sparse_speedup']:5.2f} {r['breakeven_path']:>6} {r['auto_path']:>6} {max(r['grad_rel_err'].values()):8.1e} "
             f"{r['max_row_err']:8.1e} {r['dense_max_row_err']:8.1e} {r['saved_bytes'] / 2**20:5.0f}/{r['dense_saved_bytes'] / 2**20:<6.0f}")
-    if len(steps) == 2:
-        dn, sp = steps
-        log(f"train step {dn['preset']}: dense {dn['tokens_per_s']:.0f} tokens/s, sparse {sp['tokens_per_s']:.0f} "
-            f"({sp['tokens_per_s'] / dn['tokens_per_s']:.3f}x); peak {dn['peak_bytes'] / 2**30:.1f} / "
+    for dn, sp in zip(steps[0::3], steps[1::3]):
+        log(f"train step {dn['preset']} lr {dn.get('lr', 3e-4):g}: dense {dn['tokens_per_s']:.0f} tokens/s, sparse "
+            f"{sp['tokens_per_s']:.0f} ({sp['tokens_per_s'] / dn['tokens_per_s']:.3f}x); peak {dn['peak_bytes'] / 2**30:.1f} / "
             f"{sp['peak_bytes'] / 2**30:.1f} GiB; final loss {dn['losses'][-1]:.4f} / {sp['losses'][-1]:.4f}")
+    for au in steps[2::3]:
+        dn = next(s for s in steps if s["kernels"] == "dense" and s.get("lr") == au.get("lr"))
+        log(f"train step {au['preset']} lr {au.get('lr', 3e-4):g}: auto {au['tokens_per_s']:.0f} tokens/s "
+            f"({au['tokens_per_s'] / dn['tokens_per_s']:.3f}x dense), paths {au['paths']}")
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")
 
 
@@ -324,7 +327,8 @@ def plot_training(records: list[dict], steps: list[dict], path_png: str) -> None
     axes[0].grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=7)
     for s in steps:
-        axes[1].plot(range(1, len(s["losses"]) + 1), s["losses"], label=f"{s['kernels']}: {s['tokens_per_s']:.0f} tok/s")
+        axes[1].plot(range(1, len(s["losses"]) + 1), s["losses"], ls="-" if s["kernels"] == "dense" else "--",
+                     label=f"{s['kernels']}, lr {s.get('lr', 3e-4):g}: {s['tokens_per_s']:.0f} tok/s")
     axes[1].set_xlabel("step (5 warm-up steps first)")
     axes[1].set_ylabel("cross entropy")
     axes[1].set_title(f"{steps[0]['preset'] if steps else ''} train steps, same weights and batches", fontsize=10)

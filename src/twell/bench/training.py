@@ -11,8 +11,8 @@ warm-up):
   (:func:`sparse_gated_ffn`), with its L1 term in the loss (``y . dy + lam * l1``, as training
   runs it); ``sparse_ms``/``sparse_speedup`` repeat them under their older names;
 - ``breakeven_path``: the op-level rule :func:`twell.train_path.use_sparse` for this sparsity;
-  ``auto_path``: what the modules' ``train_kernels = "auto"`` trains with (dense while
-  ``twell.train_path.AUTO_SPARSE`` is off).
+  ``auto_path``: what the modules' ``train_kernels = "auto"`` trains with (the same rule while
+  ``twell.train_path.AUTO_SPARSE`` is on, as it is by default).
 
 Gradients are compared with fp32 autograd of the same bf16 inputs: relative error of each
 (x, gate, up, down), and the worst row of dx against dense bf16's worst row. ``saved_bytes`` are
@@ -197,10 +197,16 @@ def train_step(model, opt, ids: torch.Tensor, lam: float = 2e-5) -> torch.Tensor
 
 
 def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq: int = 2048, steps: int = 50,
-                       lr: float = 3e-4, log: Callable[[str], None] = print) -> list[dict]:
+                       lrs: tuple = (0.0, 3e-4), log: Callable[[str], None] = print) -> list[dict]:
     """Training steps of ``preset`` (constructed sparsity: :func:`twell.bench.model.calibrate_sparsity`)
     with the MLPs' dense and sparse kernels, from the same weights and batches: tokens/s over the
-    steps after 5 warm-up steps, peak memory, and the loss curve (AdamW, bf16 autocast, L1 term)."""
+    steps after 5 warm-up steps, peak memory, and the loss curve (AdamW, bf16 autocast, L1 term).
+
+    Three records (dense, sparse, auto) per learning rate in ``lrs``. The constructed sparsity is
+    not a trained one: nothing holds it while the weights move (the first steps at lr 3e-4 made
+    most rows heavier than the ELL width), so lr 0 (every step's work done, the weights kept) is
+    the timing at the constructed sparsity, and lr 3e-4 the loss-curve check. Each record has
+    the layers' active units per token after the first and the last step."""
     import time
 
     from ..nn import sparse_modules
@@ -211,34 +217,40 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
     ids = torch.randint(0, vocab, (steps + 5, batch, seq + 1), device="cuda", generator=gen)
     config, state = constructed_state(preset, k, ids[0, :4, :seq], vocab)
     out = []
-    for kernels in ("dense", "sparse"):
-        model = sparse_model(config, state, kernels)
-        opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-        losses = []
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        t0 = None
-        for i in range(steps + 5):
-            if i == 5:
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-            losses.append(train_step(model, opt, ids[i]))
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        mods = sparse_modules(model)
-        paths = sorted({m.last_train_path for m in mods if getattr(m, "last_train_path", None)})
-        rec = dict(preset=preset, kernels=kernels, k=k, batch=batch, seq=seq, steps=steps,
-                   tokens_per_s=steps * batch * seq / seconds, peak_bytes=int(torch.cuda.max_memory_allocated()),
-                   losses=[float(v) for v in torch.stack(losses)], paths=paths,
-                   active_mean_last_step=[float(m.stats.active_mean) for m in mods],
-                   active_max_last_step=[int(m.stats.active_max) for m in mods], **info)
-        out.append(rec)
-        log(f"train step {preset} kernels {kernels}: {rec['tokens_per_s']:.0f} tokens/s, peak "
-            f"{rec['peak_bytes'] / 2**30:.1f} GiB, loss {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}, paths {paths}, "
-            f"active per layer at the end {[round(v, 1) for v in rec['active_mean_last_step']]}, "
-            f"max {rec['active_max_last_step']}")
-        del model, opt
-        torch.cuda.empty_cache()
+    for lr in lrs:
+        for kernels in ("dense", "sparse", "auto"):
+            model = sparse_model(config, state, kernels)
+            mods = sparse_modules(model)
+            opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1 if lr else 0.0, fused=True)
+            losses = []
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            t0 = None
+            first_mean = first_max = None
+            for i in range(steps + 5):
+                if i == 5:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                losses.append(train_step(model, opt, ids[i]))
+                if i == 0:
+                    first_mean = [float(m.stats.active_mean) for m in mods]
+                    first_max = [int(m.stats.active_max) for m in mods]
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            paths = sorted({m.last_train_path for m in mods if getattr(m, "last_train_path", None)})
+            rec = dict(preset=preset, kernels=kernels, lr=lr, k=k, batch=batch, seq=seq, steps=steps,
+                       tokens_per_s=steps * batch * seq / seconds, peak_bytes=int(torch.cuda.max_memory_allocated()),
+                       losses=[float(v) for v in torch.stack(losses)], paths=paths,
+                       active_mean_first_step=first_mean, active_max_first_step=first_max,
+                       active_mean_last_step=[float(m.stats.active_mean) for m in mods],
+                       active_max_last_step=[int(m.stats.active_max) for m in mods], **info)
+            out.append(rec)
+            log(f"train step {preset} lr {lr:g} kernels {kernels}: {rec['tokens_per_s']:.0f} tokens/s, peak "
+                f"{rec['peak_bytes'] / 2**30:.1f} GiB, loss {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}, paths {paths}, "
+                f"active per layer first/last step {[round(v, 1) for v in first_mean]} / "
+                f"{[round(v, 1) for v in rec['active_mean_last_step']]}, max {first_max} / {rec['active_max_last_step']}")
+            del model, opt, mods
+            torch.cuda.empty_cache()
     return out
 
 
