@@ -162,3 +162,56 @@ def test_dispatcher_hysteresis():
     assert choose() == "dense"
     p.estimate = (limit * 1.03, 0.0)
     assert choose() == "dense"
+
+
+def _shares_storage(a, b):
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def test_eval_layout_stacks_gate_and_up_in_one_buffer():
+    """Eval mode: gate and up weights are the halves of one [2f, d] buffer (one copy, same
+    values, shapes and strides), down is stored transposed; training mode undoes both; .to()
+    lays the new tensors out again; load_state_dict writes through."""
+    torch.manual_seed(0)
+    m = SparseGatedMLP(8, 12, dtype=torch.float64)
+    before = {n: p.detach().clone() for n, p in m.state_dict().items()}
+    m.eval()
+    wg, wu, wd = m.gate_proj.weight, m.up_proj.weight, m.down_proj.weight
+    assert _shares_storage(wg, wu) and wg.is_contiguous() and wu.is_contiguous()
+    assert wd.t().is_contiguous() and wd.shape == (8, 12)
+    buf = m.gate_up_weight(wg, wu)
+    assert buf is not None and buf.shape == (24, 8) and torch.equal(buf, torch.cat([before["gate_proj.weight"], before["up_proj.weight"]]))
+    for n, p in m.state_dict().items():
+        assert torch.equal(p, before[n]) and p.shape == before[n].shape, n
+    assert m.gate_up_weight(wg, wu.clone()) is None  # not its halves
+    new = {n: torch.randn_like(p) for n, p in before.items()}
+    m.load_state_dict(new)
+    assert torch.equal(m.gate_up_weight(m.gate_proj.weight, m.up_proj.weight)[12:], new["up_proj.weight"])
+    m.to(torch.float32)  # new tensors: stacked again, the old buffer dropped
+    wg, wu = m.gate_proj.weight, m.up_proj.weight
+    assert wg.dtype == torch.float32 and _shares_storage(wg, wu) and m.gate_up_weight(wg, wu).dtype == torch.float32
+    m.train()
+    assert not _shares_storage(m.gate_proj.weight, m.up_proj.weight) and m.gate_up_weight(m.gate_proj.weight, m.up_proj.weight) is None
+    assert m.down_proj.weight.is_contiguous()
+    for n, p in m.state_dict().items():
+        assert torch.equal(p, new[n].float()), n
+
+
+def test_dense_path_with_the_stacked_weights_equals_dense():
+    """The inference dense path at small M (one matmul over the stacked gate and up) against
+    the unstacked one and the plain formula."""
+    torch.manual_seed(1)
+    m = SparseGatedMLP(16, 24, dtype=torch.float64).eval()
+    m.track_stats = True
+    x = torch.randn(5, 16, dtype=torch.float64)
+    state = m._twell_layer
+    want = (torch.relu(x @ m.gate_proj.weight.T) * (x @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    ys = []
+    with torch.no_grad():
+        for mode in (False, True):  # stacked (eval), then separate (training mode's layout)
+            m.train(mode)
+            assert (m.gate_up_weight(m.gate_proj.weight, m.up_proj.weight) is None) == mode
+            ys.append(state._dense(m, x, m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight, True, False))
+            assert torch.equal(m.stats.unit_counts, ((x @ m.gate_proj.weight.T) > 0).sum(0))
+    for y in ys:
+        assert rel_err(y, want) < 1e-12

@@ -9,6 +9,9 @@
 - :func:`host_us`: CPU time to issue one call, from the wall time of issuing a burst of calls
   without synchronising (short enough that the launch queue never fills and blocks).
 - :func:`peak_bytes`: the largest ``torch.cuda.max_memory_allocated`` over one call.
+- :func:`alternating`: any of these for two or more callables in alternating rounds, the median
+  per callable: where the host is the bottleneck (eager small batches) its speed drifts over
+  seconds, and timing one side after the other turns that drift into a ratio.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["eager_ms", "graph_ms", "host_us", "peak_bytes", "capture"]
+__all__ = ["eager_ms", "graph_ms", "host_us", "peak_bytes", "capture", "alternating"]
 
 
 def eager_ms(fn: Callable[[], object], rep: int = 100, min_reps: int = 10) -> float:
@@ -75,3 +78,13 @@ def peak_bytes(fn: Callable[[], object]) -> int:
     fn()
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated())
+
+
+def alternating(measure: Callable[[Callable[[], object]], float], fns: "list[Callable[[], object]]", rounds: int = 3) -> "list[float]":
+    """``measure(fn)`` for each of ``fns`` in ``rounds`` alternating rounds (a, b, a, b, ...);
+    the median per callable, in the order of ``fns``."""
+    values: list[list[float]] = [[] for _ in fns]
+    for _ in range(rounds):
+        for i, fn in enumerate(fns):
+            values[i].append(measure(fn))
+    return [statistics.median(v) for v in values]
