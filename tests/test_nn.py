@@ -190,6 +190,10 @@ def test_eval_layout_stacks_gate_and_up_in_one_buffer():
     m.to(torch.float32)  # new tensors: stacked again, the old buffer dropped
     wg, wu = m.gate_proj.weight, m.up_proj.weight
     assert wg.dtype == torch.float32 and _shares_storage(wg, wu) and m.gate_up_weight(wg, wu).dtype == torch.float32
+    m.up_proj.weight = torch.nn.Parameter(m.up_proj.weight.detach().clone())  # replaced, as accelerate does
+    assert m.gate_up_weight(m.gate_proj.weight, m.up_proj.weight) is None and m.__dict__["_gate_up"] is None  # buffer let go
+    m.eval()  # laid out again
+    assert _shares_storage(m.gate_proj.weight, m.up_proj.weight)
     m.train()
     assert not _shares_storage(m.gate_proj.weight, m.up_proj.weight) and m.gate_up_weight(m.gate_proj.weight, m.up_proj.weight) is None
     assert m.down_proj.weight.is_contiguous()

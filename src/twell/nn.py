@@ -402,6 +402,10 @@ class SparseGatedMLP(_SparseFFN):
             return None
         p = buf.data_ptr()
         if w_gate.data_ptr() != p or w_up.data_ptr() != p + w_gate.numel() * w_gate.element_size() or w_up.stride(0) != buf.stride(0):
+            if w_gate is self.gate_proj.weight and w_up is self.up_proj.weight:
+                # the module's weights were replaced (e.g. by accelerate's loading): let the old
+                # buffer go rather than keep its memory alive
+                self.__dict__["_gate_up"] = None
             return None
         return buf
 
