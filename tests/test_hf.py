@@ -112,17 +112,3 @@ def test_cli_help(capsys):
     main([])
     out = capsys.readouterr().out
     assert all(cmd in out for cmd in ("train", "eval", "bench", "convert"))
-
-
-def test_save_pretrained_in_eval_mode_with_the_stacked_layout(tmp_path):
-    """Eval mode stacks gate and up in one buffer: save_pretrained must still write them as two
-    tensors with the Hugging Face names, and the reload must give the same logits."""
-    model = sparsify(build(LlamaConfig, LlamaForCausalLM, "silu")).eval()
-    mlp = model.model.layers[0].mlp
-    assert mlp.gate_up_weight(mlp.gate_proj.weight, mlp.up_proj.weight) is not None
-    model.save_pretrained(tmp_path)
-    reloaded = LlamaForCausalLM.from_pretrained(tmp_path, torch_dtype=torch.float64).eval()
-    for name, p in model.state_dict().items():
-        assert torch.equal(reloaded.state_dict()[name], p), name
-    ids = torch.randint(0, 97, (1, 8))
-    assert rel_err(sparsify(reloaded)(ids).logits, model(ids).logits) < 1e-12

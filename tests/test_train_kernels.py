@@ -199,7 +199,7 @@ def test_mostly_heavy_runs_all_dense(gated, width, monkeypatch):
     tensors = (x, wg, wu, wd) if gated else (x, wg, wd)
     fn = (lambda *t: sparse_gated_ffn(*t, width)) if gated else (lambda *t: sparse_ffn(*t, width))
     share = float((((x @ wg.T) > 0).sum(1) > width).float().mean())  # about 0.7 to 1
-    assert share > T.ALL_DENSE_SHARE
+    assert share > T.ALL_DENSE_SHARE, share
     out, _, _ = compare(tensors, width, torch.float32, gated=gated)
     assert int(out.n_heavy) == round(share * 37)
     shapes = _saved_shapes(fn, tensors)
@@ -207,6 +207,30 @@ def test_mostly_heavy_runs_all_dense(gated, width, monkeypatch):
     monkeypatch.setattr(T, "ALL_DENSE_SHARE", 1.0)  # the hybrid path on the same call
     compare(tensors, width, torch.float32, gated=gated)
     assert (37, width) in _saved_shapes(fn, tensors)
+
+
+def test_all_dense_keeps_the_l1_gradient_in_bf16(monkeypatch):
+    """At training's scale (lam 2e-5, dy of order 1/M) the L1 term's gradient c sign(h) is far
+    below half a bf16 step of dy . w_down: the all-dense backward must add it in fp32 before the
+    products with g and u (as the hybrid rows do), or it rounds away. The L1 part of dW_gate in
+    bf16 (with lam minus without) must point the way fp64's does."""
+    monkeypatch.setattr(T, "ROWS_CONFIG", SMALL_FULL["ROWS_CONFIG"])
+    x, wg, wu, wd = make_case(512, 40, 75, seed=12, density=0.3, adversarial=False)
+    r = torch.randn(512, 40, generator=torch.Generator().manual_seed(1)).to(DEV) / 512
+
+    def l1_part(fn, tensors):
+        out = []
+        for lam in (2e-5, 0.0):
+            leaves = [t.clone().requires_grad_() for t in tensors]
+            y, l1 = fn(*leaves)[:2]
+            ((y * r.to(y.dtype)).sum() + lam * l1).backward()
+            out.append(leaves[1].grad.double())
+        return out[0] - out[1]
+
+    ref = l1_part(dense_ffn, [t.double() for t in (x, wg, wu, wd)])
+    got = l1_part(lambda *t: sparse_gated_ffn(*t, 4), [t.bfloat16() for t in (x, wg, wu, wd)])
+    assert float((((x @ wg.T) > 0).sum(1) > 4).float().mean()) > T.ALL_DENSE_SHARE  # the all-dense path
+    assert float((got * ref).sum() / (ref * ref).sum()) > 0.5
 
 
 def test_unit_index_groups_slots_by_unit():

@@ -180,3 +180,22 @@ def test_trainer_step_on_the_sparse_kernels_equals_dense(tmp_path):
         torch.testing.assert_close(runs["sparse"][2][name], g, rtol=1e-4, atol=1e-6, msg=name)
     with pytest.raises(ValueError, match="kernels"):
         Trainer(config(tmp_path, kernels="fast"))
+
+
+def test_compiled_training_runs_the_dense_math():
+    """Under torch.compile the training path is the plain dense math (the sparse Function
+    synchronises with the host), whatever train_kernels says: fullgraph tracing works and the
+    gradients are dense autograd's."""
+    dense, sparse = _pair(SparseGatedMLP, seed=5)
+    sparse.train_kernels = "sparse"
+    compiled = torch.compile(sparse, backend="eager", fullgraph=True)
+    x = torch.randn(7, 24, device=DEV)
+    grads = []
+    for fn, m in ((dense, dense), (compiled, sparse)):
+        m.train()
+        xi = x.clone().requires_grad_(True)
+        (fn(xi) * x).sum().backward()
+        grads.append([xi.grad] + [p.grad for p in m.parameters()])
+    assert sparse.last_train_path is None  # never took the training kernels
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)

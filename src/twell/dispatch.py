@@ -139,10 +139,6 @@ class LayerState:
     PROBE_EVERY = 8  # calls between two estimates (each costs a few small launches)
     PROBE_EVERY_SMALL = 64  # the same for calls of at most DECODE_MAX_M tokens
     SMALL_M = 1024  # up to here the dense path multiplies with PyTorch ops, above with relu_mul_
-    # up to here the dense path computes gate and up in one matmul over the stacked weight (eval
-    # layout, see SparseGatedMLP._stack_first_weights); H200 graph replays against dense: 1.01x to
-    # 1.05x at M <= 256, but 0.88x at M = 1024 (the [M, 2f] product and its strided halves)
-    STACKED_MAX_M = 256
 
     def __init__(self, module) -> None:
         self.key = next(_IDS)
@@ -327,23 +323,14 @@ class LayerState:
 
     def _dense(self, m, x, w_first, w_down, w_up, track, probe):
         # F.linear rather than mm(x, w.t()): one Python-level view fewer per product
-        M = x.shape[0]
-        gate_up = m.gate_up_weight(w_first, w_up) if (w_up is not None and M <= self.STACKED_MAX_M) else None
-        if gate_up is not None:
-            # gate and up in one matmul over the stacked [2f, d] weight (eval layout): one launch
-            # fewer than dense, which is what a small eager call waits for
-            f = w_first.shape[0]
-            gu = F.linear(x, gate_up)
-            a, u = gu[:, :f], gu[:, f:]
-        else:
-            a, u = F.linear(x, w_first), None  # the pre-activation: a > 0 is the ReLU pattern
+        a = F.linear(x, w_first)  # the pre-activation: a > 0 is the ReLU pattern
         if track:
             m._record(a, None)
         if w_up is None:
             h = torch.relu(a)
-        elif M <= self.SMALL_M:
+        elif a.shape[0] <= self.SMALL_M:
             # two in-place PyTorch ops issue faster than a Triton launch; the traffic is small here
-            h = (F.linear(x, w_up) if u is None else u).mul_(a.relu_())
+            h = F.linear(x, w_up).mul_(a.relu_())
         else:
             from .kernels.elementwise import relu_mul_
 

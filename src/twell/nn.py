@@ -150,19 +150,6 @@ class _SparseFFN(nn.Module):
             w.data = w.data.t().contiguous().t()
         elif not kernel and not w.is_contiguous():
             w.data = w.data.contiguous()
-        self._stack_first_weights(kernel)
-
-    def _stack_first_weights(self, stack: bool) -> None:
-        """Gated module: see :meth:`SparseGatedMLP._stack_first_weights`."""
-
-    def _apply(self, fn, *args, **kwargs):
-        # .to(), .cuda(), .half() replace each weight with a separate tensor: drop the stacked
-        # buffer (it would keep the old memory alive) and lay the new weights out again
-        self.__dict__["_gate_up"] = None
-        out = super()._apply(fn, *args, **kwargs)
-        if not self.training:
-            self._set_kernel_layout(True)
-        return out
 
     # -- checks, statistics ---------------------------------------------------------------------
 
@@ -210,9 +197,12 @@ class _SparseFFN(nn.Module):
     def _train_choice(self, x: torch.Tensor) -> Optional[tuple[str, int]]:
         """``(path, width)`` of a call that wants gradients and may take the training kernels
         (CUDA, or the Triton interpreter with ``train_kernels = "sparse"`` for tests; no bias;
-        fp32/fp16/bf16 after autocast); None: the plain dense math, no choice made."""
+        fp32/fp16/bf16 after autocast; not while ``torch.compile`` traces); None: the plain dense
+        math, no choice made."""
         if not torch.is_grad_enabled() or self.down_proj.bias is not None:
             return None
+        if torch.compiler.is_compiling():
+            return None  # the sparse Function synchronises with the host: compiled training runs dense
         if not x.is_cuda and not (self.train_kernels == "sparse" and triton_interpreting()):
             return None
         dev = x.device.type
@@ -370,44 +360,6 @@ class SparseGatedMLP(_SparseFFN):
 
     def _weights_require_grad(self) -> bool:
         return self.gate_proj.weight.requires_grad or self.up_proj.weight.requires_grad or self.down_proj.weight.requires_grad
-
-    @torch.no_grad()
-    def _stack_first_weights(self, stack: bool) -> None:
-        """In eval mode ``gate_proj.weight`` and ``up_proj.weight`` are the two halves of one
-        ``[2f, d]`` buffer (same values, shapes and strides; one copy), so that small eager calls
-        compute both projections in one matmul (:meth:`gate_up_weight`): one launch fewer than
-        dense, where the host's time per launch decides. Back in training mode each gets its own
-        storage again. Hugging Face's ``save_pretrained`` clones such views before writing."""
-        wg, wu = self.gate_proj.weight, self.up_proj.weight
-        if stack:
-            if self.gate_up_weight(wg, wu) is not None:
-                return
-            if (type(wg.data) is not torch.Tensor or type(wu.data) is not torch.Tensor or wg.shape != wu.shape
-                    or wg.dim() != 2 or wg.dtype != wu.dtype or wg.device != wu.device):
-                return
-            buf = torch.cat([wg.data, wu.data])
-            f = wg.shape[0]
-            wg.data, wu.data = buf[:f], buf[f:]
-            self.__dict__["_gate_up"] = buf
-        elif self.__dict__.get("_gate_up") is not None:
-            self.__dict__["_gate_up"] = None
-            wg.data, wu.data = wg.data.clone(), wu.data.clone()
-
-    def gate_up_weight(self, w_gate: torch.Tensor, w_up: torch.Tensor) -> Optional[torch.Tensor]:
-        """The ``[2f, d]`` buffer whose halves are ``w_gate`` and ``w_up`` (eval mode's layout),
-        or None when they are not (training mode, weights replaced since). The buffer is kept
-        alive by the module, so two addresses inside it prove the aliasing."""
-        buf = self.__dict__.get("_gate_up")
-        if buf is None:
-            return None
-        p = buf.data_ptr()
-        if w_gate.data_ptr() != p or w_up.data_ptr() != p + w_gate.numel() * w_gate.element_size() or w_up.stride(0) != buf.stride(0):
-            if w_gate is self.gate_proj.weight and w_up is self.up_proj.weight:
-                # the module's weights were replaced (e.g. by accelerate's loading): let the old
-                # buffer go rather than keep its memory alive
-                self.__dict__["_gate_up"] = None
-            return None
-        return buf
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., d]``. On CUDA, when no gradient is needed and there is no bias,

@@ -151,9 +151,12 @@ HOT_FACTOR = 8.0
 # mostly-heavy call (a layer whose sparsity moved away from its width) would otherwise cost dense
 # plus the sparse bookkeeping. Still exact, and counted in n_heavy like any heavy row. From
 # benchmarks/heavy_share_probe.py on the H200 (M 16384, d 2048, f 5632, light rows k 29, heavy rows
-# ~600 units): forward + backward hybrid against all dense 5.97 / 6.89 ms at a heavy share of
-# 0.3, 7.14 / 6.86 at 0.5, 10.09 / 7.00 at 1 (dense PyTorch 5.1 to 5.5 ms without the L1 term).
-ALL_DENSE_SHARE = 0.45
+# ~600 units), forward + backward: hybrid 5.97 / 7.14 / 10.09 ms at a heavy share of 0.3 / 0.5 / 1;
+# all dense with its backward in bf16 6.89 / 6.86 / 7.00, with an fp32 backward (a first version)
+# 8.05 / 7.94 / 7.70. The backward now keeps fp32 until dh is multiplied by g and u (the L1
+# term's gradient survives in bf16), close to that first version: hence 0.6, where the hybrid
+# path's line crosses about 7.9 ms (dense PyTorch: 5.1 to 5.5 ms without the L1 term).
+ALL_DENSE_SHARE = 0.6
 
 
 def _hot_dense(cols, counts, hot, f, *slot_values):
@@ -275,11 +278,16 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        if ctx.all_dense:  # dense autograd's steps, in the inputs' dtype
+        if ctx.all_dense:  # dense autograd's products over every row
             x, w_gate, w_up, w_down, g, u = ctx.saved_tensors
             h = g * u
-            dh = torch.mm(dy, w_down).add_(torch.sign(h).mul_(_l1_scale(dl1, x.shape[0], x.device).to(x.dtype)))
-            du, da = dh * g, dh.mul_(u).mul_(g > 0)
+            # dh in fp32 until it is multiplied by g and u, as on the light and heavy rows: the L1
+            # term's c sign(h) is far below half a bf16 step of the product's (on-grid) values and
+            # would round away if added in bf16
+            dh = torch.mm(dy, w_down).float().add_(torch.sign(h).float().mul_(_l1_scale(dl1, x.shape[0], x.device)))
+            du = (dh * g).to(x.dtype)
+            da = dh.mul_(u).mul_(g > 0).to(x.dtype)
+            del dh
             dx = torch.mm(du, w_up).add_(torch.mm(da, w_gate))
             return dx, torch.mm(da.t(), x), torch.mm(du.t(), x), torch.mm(dy.t(), h), None
         x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h, hot = ctx.saved_tensors
@@ -339,10 +347,13 @@ class SparseFFNFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        if ctx.all_dense:  # dense autograd's steps, in the inputs' dtype
+        if ctx.all_dense:  # dense autograd's products over every row
             x, w_up, w_down, h = ctx.saved_tensors
-            c = _l1_scale(dl1, x.shape[0], x.device).to(x.dtype)
-            dh = torch.mm(dy, w_down).add_(c).mul_(h > 0)  # sign(h) = 1 on the pattern
+            # as the heavy rows' backward (and dense bf16 autograd): dh is an operand of the
+            # weight-gradient product, in the inputs' dtype, so in bf16 a c far below half a step
+            # of dh rounds away here
+            c = _l1_scale(dl1, x.shape[0], x.device)
+            dh = torch.mm(dy, w_down).float().add_(c).mul_(h > 0).to(x.dtype)  # sign(h) = 1 on the pattern
             return torch.mm(dh, w_up), torch.mm(dh.t(), x), torch.mm(dy.t(), h), None
         x, w_up, w_down, cols, h, counts, heavy_rows, h_h, hot = ctx.saved_tensors
         M, d = x.shape
