@@ -4,6 +4,7 @@ the custom op (CPU: Triton interpreter), CUDA graphs and compiled kernels (GPU).
 from __future__ import annotations
 
 import copy
+import os
 import pickle
 
 import pytest
@@ -374,3 +375,45 @@ def test_reduce_overhead_compile_matches_eager():
             y = compiled(x).clone()
         torch.cuda.synchronize()
     assert rel_err(y, eager) < 1e-2 and stack[0].last_path == "decode"  # recorded in a capture
+
+
+_FSDP_EVAL = r"""
+import os, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from twell import SparseGatedMLP
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:%d")
+torch.manual_seed(0)
+mlp = SparseGatedMLP(32, 64)
+model = torch.nn.Sequential(mlp)
+mesh = init_device_mesh("cpu", (1,))
+fully_shard(mlp, mesh=mesh)
+fully_shard(model, mesh=mesh)
+opt = torch.optim.SGD(model.parameters(), lr=1.0)
+x = torch.randn(3, 32)
+def err():
+    g, u, d = (p.full_tensor().detach() for p in (mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight))
+    with torch.no_grad():
+        return float((model(x) - (torch.relu(x @ g.T) * (x @ u.T)) @ d.T).abs().max())
+model.eval(); mlp.kernel_mode = "decode"
+e1 = err()
+model.train(); model(torch.randn(8, 32)).square().sum().backward(); opt.step(); opt.zero_grad(); model.eval()
+print("ERRORS", e1, err())
+dist.destroy_process_group()
+"""
+
+
+def test_fsdp2_eval_after_a_step_reads_the_current_weights():
+    """Under FSDP2 the unsharded parameters are FSDP's buffers: the inference path must not lay
+    them out anew (the module would read a stale copy after the next optimizer step); it runs
+    dense there. One gloo process, the Triton interpreter, a kernel path forced."""
+    import subprocess
+    import sys
+
+    from test_train_dist import _free_port
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", _FSDP_EVAL % _free_port()], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    e1, e2 = (float(v) for v in out.stdout.split("ERRORS")[1].split())
+    assert e1 < 1e-5 and e2 < 1e-5, (e1, e2)

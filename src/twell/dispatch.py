@@ -73,6 +73,10 @@ _LAYERS: "weakref.WeakValueDictionary[int, LayerState]" = weakref.WeakValueDicti
 _IDS = itertools.count()
 
 
+def _distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
 def row_stats(per_row: torch.Tensor, over_per_token: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``[4]`` float32: mean, rms and max of ``per_row`` (``[n]`` float32 active units per row),
     then ``over_per_token`` (or the rms again as a placeholder when None). Five launches: a
@@ -267,8 +271,10 @@ class LayerState:
         if path != "dense" and not w_down_t.is_contiguous():
             # kernels need down columns as contiguous rows: the module keeps w_down so in eval
             # mode (see _SparseFFN.train); a weight replaced since is laid out again here, outside
-            # captures and compiled graphs, else this call runs dense rather than copy a weight
-            if not m.training and not capturing and not torch.compiler.is_compiling():
+            # captures, compiled graphs and distributed runs, else this call runs dense rather than
+            # copy a weight (FSDP's unsharded parameter is FSDP's buffer: replacing its data here
+            # would leave the module reading a stale copy after the next optimizer step)
+            if not m.training and not capturing and not torch.compiler.is_compiling() and not _distributed():
                 m._set_kernel_layout(True)
                 w_down = m.down_proj.weight
                 w_down_t = w_down.t()
