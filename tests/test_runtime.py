@@ -417,3 +417,18 @@ def test_fsdp2_eval_after_a_step_reads_the_current_weights():
     assert out.returncode == 0, out.stderr[-2000:]
     e1, e2 = (float(v) for v in out.stdout.split("ERRORS")[1].split())
     assert e1 < 1e-5 and e2 < 1e-5, (e1, e2)
+
+
+def test_eval_layout_leaves_weights_that_view_a_larger_buffer():
+    """A down weight that is a view into a larger buffer (as FSDP1's flat parameter makes them)
+    keeps pointing into it through eval(): laying it out anew would cut it loose from the buffer
+    its owner updates. Weights that own their storage are laid out as usual."""
+    m = twell.SparseGatedMLP(8, 12)
+    flat = torch.zeros(8 * 12 + 5)
+    m.down_proj.weight.data = flat[5:].view(8, 12)
+    m.eval()
+    assert m.down_proj.weight.data_ptr() == flat[5:].data_ptr() and m.down_proj.weight.is_contiguous()
+    flat[5:].fill_(2.0)  # the owner's update is what the module reads
+    assert torch.all(m.down_proj.weight == 2.0)
+    own = twell.SparseGatedMLP(8, 12).eval()
+    assert own.down_proj.weight.t().is_contiguous()  # the kernel layout

@@ -146,6 +146,10 @@ class _SparseFFN(nn.Module):
         # only plain local tensors: FSDP's sharded DTensors (and their unsharded views) are FSDP's
         if type(w.data) is not torch.Tensor or w.dim() != 2:
             return
+        if kernel and w.untyped_storage().nbytes() != w.numel() * w.element_size():
+            # a view into a larger buffer (FSDP1's flat parameter with use_orig_params, a user's
+            # packed weights): a new tensor would cut it loose from the buffer its owner updates
+            return
         if kernel and not w.t().is_contiguous():
             w.data = w.data.t().contiguous().t()
         elif not kernel and not w.is_contiguous():
