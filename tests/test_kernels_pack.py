@@ -7,7 +7,7 @@ import torch
 
 from kernel_cases import case_id, gate_case
 from twell.format import pack_twell
-from twell.kernels import gate_pack_fused, pack_relu
+from twell.kernels import gate_pack_fused, gate_pack_persistent, pack_relu
 from twell.ops import gate_to_twell
 
 CPU_DTYPES = (torch.float32, torch.float16)  # the interpreter mishandles bf16 tl.dot operands
@@ -101,6 +101,40 @@ def test_gate_pack_fused_matches_reference(dtype, M, d, f, tile):
     assert bool(out.overflowed().any())
 
 
+@pytest.mark.parametrize("dtype", CPU_DTYPES)
+@pytest.mark.parametrize("M,d,f,tile,programs", [(13, 40, 100, 32, 3), (33, 24, 70, 16, 2), (50, 48, 64, 64, 7)])
+def test_gate_pack_persistent_matches_reference(dtype, M, d, f, tile, programs):
+    """The persistent tensor-descriptor gate-pack: the same TwELL as the reference (exact small
+    integers), with overflowed tiles, a partial last tile of f, partial row and k blocks, and
+    fewer programs than output tiles (each walks several); pack=False gives x w^T itself."""
+    g = torch.Generator().manual_seed(M * d + 1)
+    x = torch.randint(-2, 3, (M, d), generator=g).to(dtype)
+    w = torch.randint(-2, 3, (f, d), generator=g).to(dtype)
+    x[1] = 0
+    w[3] = 1
+    x[4] = 1  # fires for most units: overflows
+    kw = dict(tile=tile, compression=4, block_m=16, block_k=16, num_warps=4, num_stages=1, num_programs=programs)
+    out = gate_pack_persistent(x, w, **kw)
+    ref = pack_twell(torch.relu(x.float() @ w.float().T).to(dtype), tile, 4)
+    assert_same_twell(out, ref)
+    assert bool(out.overflowed().any())
+    dense = gate_pack_persistent(x, w, pack=False, **kw)
+    assert torch.equal(dense, (x.float() @ w.float().T).to(dtype))
+
+
+def test_gate_pack_persistent_validation():
+    x = torch.zeros(3, 8)
+    with pytest.raises(ValueError, match="w must be"):
+        gate_pack_persistent(x, torch.zeros(5, 7))
+    with pytest.raises(TypeError, match="dtype"):
+        gate_pack_persistent(x, torch.zeros(5, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="tile"):
+        gate_pack_persistent(x, torch.zeros(5, 8), tile=512)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gate_pack_persistent(torch.zeros(3, 6, dtype=torch.float16), torch.zeros(5, 6, dtype=torch.float16))
+    assert gate_pack_persistent(torch.zeros(0, 8), torch.zeros(5, 8)).counts.shape == (0, 1)
+
+
 def test_gate_to_twell_methods_agree():
     x, w, _, _ = gate_case(11, 32, 90, torch.float32, seed=3)
     g1, pre = gate_to_twell(x, w, tile=32, compression=4, method="cublas")
@@ -109,6 +143,8 @@ def test_gate_to_twell_methods_agree():
     assert none is None
     # fp32 matmuls in two orders: compare the patterns away from ties
     assert (g1.counts - g2.counts).abs().max() <= 1
+    g3, none = gate_to_twell(x, w, tile=32, compression=4, method="persistent")
+    assert none is None and (g1.counts - g3.counts).abs().max() <= 1
     with pytest.raises(ValueError, match="method"):
         gate_to_twell(x, w, method="magic")
 
@@ -135,7 +171,7 @@ def test_pack_validation():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method", ["cublas", "fused"])
+@pytest.mark.parametrize("method", ["cublas", "fused", "persistent"])
 def test_gate_pack_gpu_bf16(method):
     from twell.bench.synthetic import make_ffn
 

@@ -109,7 +109,7 @@ def test_rows_kernel_empty_blocks_and_many_tokens():
 def test_ops_match_reference():
     x, wg, wu, wd = gate_case(11, 40, 100, torch.float32, seed=9)
     ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
-    for method in ("cublas", "fused"):
+    for method in ("cublas", "fused", "persistent"):
         c = OverflowCounters.zeros("cpu")
         y = twell_gated_mlp(x.view(1, 11, 40), wg, wu, wd, tile=32, compression=4, method=method, counters=c)
         assert y.shape == (1, 11, 40) and rel_err(y[0], ref) < 1e-5
@@ -268,9 +268,9 @@ def test_gated_gpu_bf16(dist):
     ref = reference_fp32(s.x, s.w_gate, s.w_up, s.w_down)
     dense = torch.relu(s.x @ s.w_gate.T) * (s.x @ s.w_up.T) @ s.w_down.T
     _, dense_row = errors(dense, ref)
-    for method in ("cublas", "fused"):
+    for method in ("cublas", "fused", "persistent"):
         c = OverflowCounters.zeros("cuda")
-        kw = dict(tile=128) if method == "fused" else {}
+        kw = dict(tile=128) if method != "cublas" else {}
         y = twell_gated_mlp(s.x, s.w_gate, s.w_up, s.w_down, method=method, counters=c, **kw)
         rel, row = errors(y, ref)
         assert rel < 1e-2 and row <= 2 * dense_row, (method, rel, row, dense_row)

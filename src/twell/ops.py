@@ -26,7 +26,7 @@ import torch
 
 from .checks import check_mlp_args, check_tensor
 from .format import TwELL
-from .kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, pack_relu
+from .kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, gate_pack_persistent, pack_relu
 
 __all__ = [
     "GatedWeights",
@@ -112,6 +112,8 @@ def gate_to_twell(
         method: ``"cublas"``: ``torch.mm`` then one light Triton pack pass; the dense
             pre-activation ``[M, f]`` is returned too, for the exact path. ``"fused"``: a Triton
             matmul that packs in its epilogue (tile <= 256); returns ``(twell, None)``.
+            ``"persistent"``: the same epilogue on a persistent matmul with tensor-descriptor
+            (TMA) loads (:func:`twell.kernels.gate_pack_persistent`); ``(twell, None)``.
 
         tile: TwELL tile width (default :func:`default_tile`, or 128 for ``"fused"``).
 
@@ -126,13 +128,15 @@ def gate_to_twell(
             f"got {list(w.shape)} {w.dtype} on {w.device}"
         )
     if tile is None:
-        tile = 128 if method == "fused" else default_tile(w.shape[0])
+        tile = 128 if method in ("fused", "persistent") else default_tile(w.shape[0])
     if method == "cublas":
         pre = torch.mm(x, w.T)
         return pack_relu(pre, tile, compression), pre
     if method == "fused":
         return gate_pack_fused(x, w, tile=tile, compression=compression), None
-    raise ValueError(f"method must be 'cublas' or 'fused', got {method!r}")
+    if method == "persistent":
+        return gate_pack_persistent(x, w, tile=tile, compression=compression), None
+    raise ValueError(f"method must be 'cublas', 'fused' or 'persistent', got {method!r}")
 
 
 def twell_gated_mlp(

@@ -2,7 +2,8 @@
 
 - :mod:`.gate_pack`: ``relu(x w^T)`` into TwELL. Two ways: a light pack pass over a dense
   pre-activation that cuBLAS computed (:func:`pack_relu`), or a Triton matmul whose epilogue
-  packs (:func:`gate_pack_fused`).
+  packs (:func:`gate_pack_fused`; :func:`gate_pack_persistent` the same on a persistent,
+  tensor-descriptor matmul, not yet measured on a GPU).
 - :mod:`.updown`: the FFN from TwELL (:func:`ffn_from_twell`): gated up/down (nothing
   ``[M, f]``-sized is written) or the non-gated down projection, with the exact path for
   overflowed tiles and its counters.
@@ -14,7 +15,7 @@ The launchers validate their arguments, accept any ``M``, ``d`` and ``f``, and l
 caller's current CUDA stream (Triton's default). They keep no state between calls.
 """
 
-from .gate_pack import gate_pack_fused, pack_relu
+from .gate_pack import gate_pack_fused, gate_pack_persistent, pack_relu
 from .updown import OverflowCounters, ffn_from_twell
 
-__all__ = ["pack_relu", "gate_pack_fused", "ffn_from_twell", "OverflowCounters"]
+__all__ = ["pack_relu", "gate_pack_fused", "gate_pack_persistent", "ffn_from_twell", "OverflowCounters"]

@@ -15,6 +15,11 @@ Two implementations of the same op, both exact for every input:
     packs in its epilogue, so ``a`` never goes to memory. Overflowed tiles must then be
     recomputed from ``x`` and ``w`` by the consumer.
 
+``gate_pack_persistent(x, w)``
+    The same epilogue on a persistent matmul that loads its operands through tensor
+    descriptors (TMA on Hopper): one program per SM walks the output tiles in grouped order.
+    Not yet measured on a GPU (issue 10): an opt-in, beside the two above.
+
 Which one is faster is measured (benchmarks/NOTES_inference.md): on the H200 here the plain
 pointer-load Triton matmul runs below cuBLAS, so the unfused variant is the default.
 
@@ -37,7 +42,7 @@ from ..checks import KERNEL_DTYPES, check_launchable, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
 from ._launch import on_device_of
 
-__all__ = ["pack_relu", "gate_pack_fused", "empty_twell"]
+__all__ = ["pack_relu", "gate_pack_fused", "gate_pack_persistent", "empty_twell"]
 
 
 def empty_twell(M: int, f: int, tile: int, compression: int, dtype, device) -> TwELL:
@@ -347,3 +352,133 @@ def gate_pack_fused(
             num_warps=num_warps, num_stages=num_stages,
         )
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Persistent matmul with tensor-descriptor (TMA) loads, same pack epilogue
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _gate_pack_persistent_kernel(
+    x_desc, w_desc,
+    val_ptr, col_ptr, cnt_ptr, out_ptr,
+    M, f, d, SLOTS, N_TILES,
+    BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+    NUM_PROGS: tl.constexpr, PACK: tl.constexpr, PREC: tl.constexpr,
+):
+    # Program p computes output tiles p, p + NUM_PROGS, ... in grouped order (GROUP_M row blocks
+    # share each w tile while it is in L2). Descriptor loads past the edges of x and w read
+    # zeros, so the k loop needs no masks; the epilogue masks rows >= M and columns >= f.
+    # PACK: the TwELL epilogue of _gate_pack_kernel; else a plain store of a (the matmul alone,
+    # to time it against cuBLAS).
+    pid = tl.program_id(0)
+    n_m = tl.cdiv(M, BM)
+    in_group = GROUP_M * N_TILES
+    for tile_id in tl.range(pid, n_m * N_TILES, NUM_PROGS, flatten=True):
+        group = tile_id // in_group
+        first_m = group * GROUP_M
+        size_m = tl.minimum(n_m - first_m, GROUP_M)
+        pid_m = first_m + (tile_id % in_group) % size_m
+        t = (tile_id % in_group) // size_m
+        acc = tl.zeros([BM, TILE], dtype=tl.float32)
+        for k0 in range(0, d, BK):
+            xa = x_desc.load([pid_m * BM, k0])
+            wb = w_desc.load([t * TILE, k0])
+            acc = tl.dot(xa, wb.T, acc, input_precision=PREC)
+        rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
+        cin = tl.arange(0, TILE)
+        gcol = t * TILE + cin
+        rmask, cmask = rows < M, gcol < f
+        a = acc.to(val_ptr.dtype.element_ty)
+        mask = rmask[:, None] & cmask[None, :]
+        if PACK:
+            nz = (a > 0) & mask
+            nzi = nz.to(tl.int32)
+            pos = tl.cumsum(nzi, axis=1) - 1
+            keep = nz & (pos < SLOTS)
+            off = (rows * (N_TILES * SLOTS) + t * SLOTS)[:, None] + pos
+            tl.store(val_ptr + off, a, mask=keep)
+            tl.store(col_ptr + off, (cin[None, :] + tl.zeros([BM, TILE], dtype=tl.int32)).to(tl.int16), mask=keep)
+            tl.store(cnt_ptr + rows * N_TILES + t, tl.sum(nzi, axis=1), mask=rmask)
+        else:
+            tl.store(out_ptr + rows[:, None] * f + gcol[None, :], a, mask=mask)
+
+
+def _descriptor_ok(t: torch.Tensor) -> bool:
+    """Tensor descriptors (TMA) need unit-stride rows, 16-byte aligned row strides and base."""
+    return t.stride(1) == 1 and (t.stride(0) * t.element_size()) % 16 == 0 and t.data_ptr() % 16 == 0
+
+
+def gate_pack_persistent(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    tile: int = 128,
+    compression: int = 4,
+    block_m: int = 128,
+    block_k: int = 64,
+    num_warps: int = 8,
+    num_stages: int = 3,
+    num_programs: Optional[int] = None,
+    pack: bool = True,
+):
+    """``relu(x w^T)`` into TwELL by a persistent Triton matmul with tensor-descriptor loads that
+    packs in its epilogue (as :func:`gate_pack_fused`; the same layout and overflow contract).
+
+    Args:
+        x: ``[M, d]``; w: ``[f, d]`` (nn.Linear layout), same dtype (fp16, bf16 or fp32), unit-stride
+            rows whose byte stride is a multiple of 16 (bf16: d a multiple of 8).
+        tile: TwELL tile width, which is also the matmul's N block (16 to 256).
+        num_programs: programs of the persistent grid (default: the GPU's SM count, at most the
+            number of output tiles).
+        pack: False returns the dense pre-activation ``[M, f]`` instead (the matmul alone, for
+            benchmarks).
+
+    Returns:
+        A kernel-written :class:`TwELL` (``overflow_values`` None: recompute overflowed tiles
+        from ``x`` and ``w``), or with ``pack=False`` the ``[M, f]`` tensor ``x w^T``.
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
+    check_tensor(w, "w", dim=2, dtypes=KERNEL_DTYPES)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must be [f, {x.shape[1]}] for x [M, {x.shape[1]}], got {list(w.shape)}")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise TypeError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
+    check_launchable(x, "x")
+    _check_tile(tile, compression)
+    if not 16 <= tile <= 256:
+        raise ValueError(f"the persistent gate-pack needs 16 <= tile <= 256 (its N block), got {tile}")
+    for t, name in ((x, "x"), (w, "w")):
+        if not _descriptor_ok(t):
+            raise ValueError(
+                f"{name} must have unit-stride rows with a byte stride that is a multiple of 16 and a 16-byte "
+                f"aligned start (tensor descriptors), got strides {t.stride()} of {t.dtype}"
+            )
+    M, d = x.shape
+    f = w.shape[0]
+    out = empty_twell(M, f, tile, compression, x.dtype, x.device)
+    dense = None if pack else torch.empty(M, f, dtype=x.dtype, device=x.device)
+    if M == 0 or f == 0:
+        return out if pack else dense
+    if d == 0:
+        if pack:
+            out.counts.zero_()
+            return out
+        return dense.zero_()
+    n_out = triton.cdiv(M, block_m) * out.n_tiles
+    if num_programs is None:
+        num_programs = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+    num_programs = max(1, min(num_programs, n_out))
+    x_desc = TensorDescriptor.from_tensor(x, [block_m, block_k])
+    w_desc = TensorDescriptor.from_tensor(w, [tile, block_k])
+    with on_device_of(x):
+        _gate_pack_persistent_kernel[(num_programs,)](
+            x_desc, w_desc, out.values, out.cols, out.counts, dense if dense is not None else out.counts,
+            M, f, d, out.slots, out.n_tiles,
+            BM=block_m, TILE=tile, BK=block_k, GROUP_M=8, NUM_PROGS=num_programs, PACK=pack,
+            PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    return out if pack else dense
