@@ -140,3 +140,64 @@ def test_decode_gpu_bf16(M, k):
     y = ffn_decode(x, s.w_gate, s.w_down.T.contiguous(), w_up=s.w_up)
     rel, row = errors(y, ref)
     assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
+
+
+# --- the one-launch fused decode kernel (twell.kernels.decode_fused) -----------------------------
+
+FUSED_CASES = [(1, 40, 100, (16, 16, 16, 4, 1)), (5, 72, 70, (32, 32, 32, 4, 1)), (16, 24, 37, None), (3, 48, 64, (16, 16, 32, 2, 1))]
+
+
+@pytest.mark.parametrize("M,d,f,config", FUSED_CASES, ids=case_id)
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_fused_matches_reference_and_resets_its_scratch(M, d, f, config, gated):
+    """Against the reference in fp32, three calls in a row on one scratch (the last program
+    must leave it zeroed and the ticket reset), output pre-filled with NaN by the conftest;
+    blocks smaller than d and f (every loop runs more than once; partial last blocks)."""
+    from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
+
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + d + f + 1)
+    scratch = DecodeScratch(d, x.device)
+    for call in range(3):
+        xi = x if call != 1 else x.flip(0).contiguous()  # another batch in between
+        if gated:
+            y = ffn_decode_fused(xi, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=config)
+            ref = R.gated_mlp(xi.double(), wg.double(), wu.double(), wd.double())
+        else:
+            y = ffn_decode_fused(xi, wg, wd.T.contiguous(), scratch=scratch, config=config)
+            ref = R.mlp(xi.double(), wg.double(), wd.double())
+        assert y.shape == (M, d) and rel_err(y, ref) < 1e-5, call
+        assert torch.all(scratch.acc == 0) and int(scratch.ticket) == 0
+
+
+def test_decode_fused_no_active_unit_and_validation():
+    from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
+
+    x, wg, wu, wd = gate_case(4, 24, 37, torch.float32, seed=5, adversarial=False)
+    wg[:, 0] = -100.0  # x[:, 0] = 1: every pre-activation is about -100
+    assert torch.equal(ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu), torch.zeros(4, 24))
+    with pytest.raises(ValueError, match="at most 16"):
+        ffn_decode_fused(torch.zeros(17, 24), wg, wd.T.contiguous(), w_up=wu)
+    with pytest.raises(ValueError, match="scratch"):
+        ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, scratch=DecodeScratch(32, "cpu"))
+    with pytest.raises(ValueError, match="w_down_t must be"):
+        ffn_decode_fused(x, wg, wd, w_up=wu)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 16])
+def test_decode_fused_gpu_bf16(M):
+    from twell.bench.inference import errors, reference_fp32
+    from twell.bench.synthetic import make_ffn
+    from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
+
+    s = make_ffn(64, 2048, 5632, 29, "even", dtype=torch.bfloat16, device="cuda", seed=M)
+    x = s.x[:M].contiguous()
+    scratch = DecodeScratch(2048, "cuda")
+    ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
+    dense = (torch.relu(x @ s.w_gate.T) * (x @ s.w_up.T)) @ s.w_down.T
+    _, dense_row = errors(dense, ref)
+    for _ in range(2):
+        y = ffn_decode_fused(x, s.w_gate, s.w_down.T.contiguous(), w_up=s.w_up, scratch=scratch)
+        rel, row = errors(y, ref)
+        assert rel < 1e-2 and row <= 2 * dense_row
+    assert torch.all(scratch.acc == 0) and int(scratch.ticket) == 0
