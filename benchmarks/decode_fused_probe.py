@@ -74,13 +74,13 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a probe records every failure and goes on
                     rec[f"fused_{name}"] = dict(error=repr(e)[:300], trace=traceback.format_exc()[-600:])
             rows.append(rec)
+            with open(os.path.join(OUT, "decode_fused_probe.json"), "w") as fh:  # after every record: a cut run keeps it
+                json.dump(rows, fh, indent=1)
             fused = {n: v for n, v in rec.items() if n.startswith("fused_") and "us" in v}
             best = min(fused.items(), key=lambda t: t[1]["us"]) if fused else None
             print(f"M {M:2d} k {k:2d} union {union:5d}: dense {rec['dense_us']:6.1f} us, decode {rec['decode_us']:6.1f}, "
                   + (f"fused best {best[1]['us']:6.1f} ({best[0][6:]}, err {best[1]['rel_err']:.1e}, "
                      f"x{rec['dense_us'] / max(best[1]['us'], 1e-9):.2f} dense)" if best else "fused: all failed"), flush=True)
-    with open(os.path.join(OUT, "decode_fused_probe.json"), "w") as fh:
-        json.dump(rows, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -80,8 +80,11 @@ def _decode_fused_kernel(
             cmask = cols < d
             w = tl.load(wd_ptr + units.to(tl.int64)[:, None] * stride_wd + cols[None, :], mask=active[:, None] & cmask[None, :], other=0.0)
             part = tl.dot(hb, w, input_precision=PREC)
-            tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], part, mask=rmask[:, None] & cmask[None, :])
+            # relaxed: the default acq_rel puts a fence around every element's add
+            tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], part, mask=rmask[:, None] & cmask[None, :], sem="relaxed")
     # the last program to arrive writes y and leaves the scratch zeroed for the next call
+    # every warp's adds before the ticket (thread 0's acq_rel atomic releases them for the block)
+    tl.debug_barrier()
     if tl.atomic_add(ticket_ptr, 1) == NB - 1:
         cs = tl.arange(0, BD)
         for d0 in range(0, d, BD):

@@ -364,8 +364,9 @@ def _gate_pack_persistent_kernel(
     x_desc, w_desc,
     val_ptr, col_ptr, cnt_ptr, out_ptr,
     M, f, d, SLOTS, N_TILES,
+    NUM_PROGS,
     BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    NUM_PROGS: tl.constexpr, PACK: tl.constexpr, PREC: tl.constexpr,
+    PACK: tl.constexpr, PREC: tl.constexpr,
 ):
     # Program p computes output tiles p, p + NUM_PROGS, ... in grouped order (GROUP_M row blocks
     # share each w tile while it is in L2). Descriptor loads past the edges of x and w read
@@ -375,7 +376,10 @@ def _gate_pack_persistent_kernel(
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     in_group = GROUP_M * N_TILES
-    for tile_id in tl.range(pid, n_m * N_TILES, NUM_PROGS, flatten=True):
+    # not flattened: a flattened loop keeps the k pipeline's buffers live through the epilogue,
+    # whose [BM, TILE] scan needs its own shared memory (tile 256, 3 stages: 272 KB > 227 KB,
+    # compiled for sm_90 with Triton 3.6)
+    for tile_id in tl.range(pid, n_m * N_TILES, NUM_PROGS, flatten=False):
         group = tile_id // in_group
         first_m = group * GROUP_M
         size_m = tl.minimum(n_m - first_m, GROUP_M)
@@ -397,9 +401,12 @@ def _gate_pack_persistent_kernel(
             nzi = nz.to(tl.int32)
             pos = tl.cumsum(nzi, axis=1) - 1
             keep = nz & (pos < SLOTS)
-            off = (rows * (N_TILES * SLOTS) + t * SLOTS)[:, None] + pos
-            tl.store(val_ptr + off, a, mask=keep)
-            tl.store(col_ptr + off, (cin[None, :] + tl.zeros([BM, TILE], dtype=tl.int32)).to(tl.int16), mask=keep)
+            # a scalar int64 base and int32 offsets within the block: a [BM, TILE] int64 offset
+            # live across both stores spilled registers at tile 256
+            base = (pid_m * BM).to(tl.int64) * (N_TILES * SLOTS) + t * SLOTS
+            off = (tl.arange(0, BM) * (N_TILES * SLOTS))[:, None] + pos
+            tl.store(val_ptr + base + off, a, mask=keep)
+            tl.store(col_ptr + base + off, (cin[None, :] + tl.zeros([BM, TILE], dtype=tl.int32)).to(tl.int16), mask=keep)
             tl.store(cnt_ptr + rows * N_TILES + t, tl.sum(nzi, axis=1), mask=rmask)
         else:
             tl.store(out_ptr + rows[:, None] * f + gcol[None, :], a, mask=mask)
@@ -476,8 +483,8 @@ def gate_pack_persistent(
     with on_device_of(x):
         _gate_pack_persistent_kernel[(num_programs,)](
             x_desc, w_desc, out.values, out.cols, out.counts, dense if dense is not None else out.counts,
-            M, f, d, out.slots, out.n_tiles,
-            BM=block_m, TILE=tile, BK=block_k, GROUP_M=8, NUM_PROGS=num_programs, PACK=pack,
+            M, f, d, out.slots, out.n_tiles, num_programs,
+            BM=block_m, TILE=tile, BK=block_k, GROUP_M=8, PACK=pack,
             PREC="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=num_warps, num_stages=num_stages,
         )
