@@ -222,6 +222,35 @@ def _add_hot(grads, hot, blocks, sources):
             g[hot] += torch.mm(b.to(src.dtype).t(), src).to(g.dtype)
 
 
+def _dense_rows(x_r, a_r, w_up, w_down):
+    """The forward of rows held dense (the heavy rows, or every row of an all-dense call) from
+    their pre-activation ``a_r``: ``(g, u, y, l1_rows)``; gated when ``w_up`` is given (u None
+    otherwise: g is h)."""
+    g = torch.relu(a_r)
+    u = None if w_up is None else torch.mm(x_r, w_up.t())
+    h = g if u is None else g * u
+    return g, u, torch.mm(h, w_down.t()), h.abs().sum(1, dtype=torch.float32)
+
+
+def _dense_rows_backward(x_r, dy_r, g, u, c, w_first, w_up, w_down):
+    """The backward of rows held dense: ``(dx_r, (dw_up, dw_gate or None, dw_down_t))``, their
+    share of the weight gradients (``dw_down_t`` is ``[f, d]``). Gated (``u`` given): dh stays
+    fp32 until it is multiplied by g and u, as on the light rows, because the L1 term's c sign(h)
+    is far below half a bf16 step of the product's (on-grid) values and would round away if
+    added in bf16. Non-gated (``g`` is h): dh is itself the weight-gradient operand, in the
+    inputs' dtype, as in dense autograd."""
+    if u is None:
+        dh = torch.mm(dy_r, w_down).float().add_(c).mul_(g > 0).to(x_r.dtype)  # sign(h) = 1 on the pattern
+        return torch.mm(dh, w_first), (torch.mm(dh.t(), x_r), None, torch.mm(g.t(), dy_r))
+    h = g * u
+    dh = torch.mm(dy_r, w_down).float().add_(torch.sign(h).float().mul_(c))
+    du = (dh * g).to(x_r.dtype)
+    da = dh.mul_(u).mul_(g > 0).to(x_r.dtype)
+    del dh
+    dx = torch.mm(du, w_up).add_(torch.mm(da, w_first))
+    return dx, (torch.mm(du.t(), x_r), torch.mm(da.t(), x_r), torch.mm(h.t(), dy_r))
+
+
 def _dense_outputs(ctx, y, l1, counts, active, heavy_rows):
     """The Function's outputs for a call that ran all dense (see ALL_DENSE_SHARE): ``active``
     ``[M, f]`` bool is the pattern; the heavy rows are counted as on the hybrid path."""
@@ -252,22 +281,13 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         a = torch.mm(x, w_gate.t())
         cols, g, counts, y, u, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down_t, w_up)
         if ctx.all_dense:
-            g_d = torch.relu(a)
+            g_d, u_d, y, l1_rows = _dense_rows(x, a, w_up, w_down)
             del a
-            u_d = torch.mm(x, w_up.t())
-            h_d = g_d * u_d
-            y = torch.mm(h_d, w_down.t())
-            l1 = h_d.abs().sum(dtype=torch.float32) / max(M, 1)
             ctx.save_for_backward(x, w_gate, w_up, w_down, g_d, u_d)
-            return _dense_outputs(ctx, y, l1, counts, g_d > 0, heavy_rows)
+            return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, g_d > 0, heavy_rows)
         g_h = u_h = None
         if heavy_rows.numel():
-            x_h = x[heavy_rows]
-            g_h = torch.relu(a[heavy_rows])
-            u_h = torch.mm(x_h, w_up.t())
-            h_h = g_h * u_h
-            y[heavy_rows] = torch.mm(h_h, w_down.t())
-            l1_rows[heavy_rows] = h_h.float().abs().sum(1)
+            g_h, u_h, y[heavy_rows], l1_rows[heavy_rows] = _dense_rows(x[heavy_rows], a[heavy_rows], w_up, w_down)
         del a
         l1 = l1_rows.sum() / max(M, 1)
         unit_counts, n_heavy = _stats(per_unit, None if g_h is None else g_h > 0, heavy_rows)
@@ -278,18 +298,10 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        if ctx.all_dense:  # dense autograd's products over every row
+        if ctx.all_dense:  # every row held dense
             x, w_gate, w_up, w_down, g, u = ctx.saved_tensors
-            h = g * u
-            # dh in fp32 until it is multiplied by g and u, as on the light and heavy rows: the L1
-            # term's c sign(h) is far below half a bf16 step of the product's (on-grid) values and
-            # would round away if added in bf16
-            dh = torch.mm(dy, w_down).float().add_(torch.sign(h).float().mul_(_l1_scale(dl1, x.shape[0], x.device)))
-            du = (dh * g).to(x.dtype)
-            da = dh.mul_(u).mul_(g > 0).to(x.dtype)
-            del dh
-            dx = torch.mm(du, w_up).add_(torch.mm(da, w_gate))
-            return dx, torch.mm(da.t(), x), torch.mm(du.t(), x), torch.mm(dy.t(), h), None
+            dx, (dw_up, dw_gate, dw_down_t) = _dense_rows_backward(x, dy, g, u, _l1_scale(dl1, x.shape[0], x.device), w_gate, w_up, w_down)
+            return dx, dw_gate, dw_up, dw_down_t.t(), None
         x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h, hot = ctx.saved_tensors
         M, d = x.shape
         f = w_up.shape[0]
@@ -299,13 +311,7 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, w_down_t, w_up, w_gate, c, **ROWS_CONFIG)
         base = None
         if heavy_rows.numel():
-            x_h, dy_h = x[heavy_rows], dy[heavy_rows]
-            h_h = g_h * u_h
-            # dh on the pattern: the dense product masked by g > 0, plus c sign(h) (zero off it)
-            dh = torch.mm(dy_h, w_down).float() * (g_h > 0) + c * torch.sign(h_h.float())
-            du_h, da_h = (dh * g_h.float()).to(x.dtype), (dh * u_h.float()).to(x.dtype)
-            dx[heavy_rows] = torch.mm(du_h, w_up) + torch.mm(da_h, w_gate)
-            base = (torch.mm(du_h.t(), x_h), torch.mm(da_h.t(), x_h), torch.mm(h_h.t(), dy_h))
+            dx[heavy_rows], base = _dense_rows_backward(x[heavy_rows], dy[heavy_rows], g_h, u_h, c, w_gate, w_up, w_down)
         dw_up, dw_gate, dw_down_t = _unit_weight_grads(x, dy, cols, counts, g, u, du, da, hot, base, f, w_up.dtype)
         # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
         return dx, dw_gate, dw_up, dw_down_t.t(), None
@@ -326,17 +332,13 @@ class SparseFFNFunction(torch.autograd.Function):
         a = torch.mm(x, w_up.t())
         cols, h, counts, y, _, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down_t)
         if ctx.all_dense:
-            h_d = torch.relu(a)
+            h_d, _, y, l1_rows = _dense_rows(x, a, None, w_down)
             del a
-            y = torch.mm(h_d, w_down.t())
-            l1 = h_d.sum(dtype=torch.float32) / max(M, 1)  # h >= 0
             ctx.save_for_backward(x, w_up, w_down, h_d)
-            return _dense_outputs(ctx, y, l1, counts, h_d > 0, heavy_rows)
+            return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, h_d > 0, heavy_rows)
         h_h = None
         if heavy_rows.numel():
-            h_h = torch.relu(a[heavy_rows])
-            y[heavy_rows] = torch.mm(h_h, w_down.t())
-            l1_rows[heavy_rows] = h_h.float().sum(1)  # h >= 0
+            h_h, _, y[heavy_rows], l1_rows[heavy_rows] = _dense_rows(x[heavy_rows], a[heavy_rows], None, w_down)
         del a
         l1 = l1_rows.sum() / max(M, 1)
         unit_counts, n_heavy = _stats(per_unit, None if h_h is None else h_h > 0, heavy_rows)
@@ -347,14 +349,10 @@ class SparseFFNFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        if ctx.all_dense:  # dense autograd's products over every row
+        if ctx.all_dense:  # every row held dense
             x, w_up, w_down, h = ctx.saved_tensors
-            # as the heavy rows' backward (and dense bf16 autograd): dh is an operand of the
-            # weight-gradient product, in the inputs' dtype, so in bf16 a c far below half a step
-            # of dh rounds away here
-            c = _l1_scale(dl1, x.shape[0], x.device)
-            dh = torch.mm(dy, w_down).float().add_(c).mul_(h > 0).to(x.dtype)  # sign(h) = 1 on the pattern
-            return torch.mm(dh, w_up), torch.mm(dh.t(), x), torch.mm(dy.t(), h), None
+            dx, (dw_up, _, dw_down_t) = _dense_rows_backward(x, dy, h, None, _l1_scale(dl1, x.shape[0], x.device), w_up, None, w_down)
+            return dx, dw_up, dw_down_t.t(), None
         x, w_up, w_down, cols, h, counts, heavy_rows, h_h, hot = ctx.saved_tensors
         M, d = x.shape
         f = w_up.shape[0]
@@ -364,11 +362,7 @@ class SparseFFNFunction(torch.autograd.Function):
         dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, w_down_t, w_up, None, c, **ROWS_CONFIG)
         base = None
         if heavy_rows.numel():
-            x_h, dy_h = x[heavy_rows], dy[heavy_rows]
-            on = h_h > 0
-            dh_h = ((torch.mm(dy_h, w_down).float() + c) * on).to(x.dtype)  # sign(h) = 1 on the pattern
-            dx[heavy_rows] = torch.mm(dh_h, w_up)
-            base = (torch.mm(dh_h.t(), x_h), None, torch.mm(h_h.t(), dy_h))
+            dx[heavy_rows], base = _dense_rows_backward(x[heavy_rows], dy[heavy_rows], h_h, None, c, w_up, None, w_down)
         dw_up, _, dw_down_t = _unit_weight_grads(x, dy, cols, counts, h, None, dh, None, hot, base, f, w_up.dtype)
         return dx, dw_up, dw_down_t.t(), None
 

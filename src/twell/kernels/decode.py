@@ -170,6 +170,21 @@ def decode_config(M: int) -> tuple[int, int, int, int, int, int, int, int]:
     return DECODE_CONFIGS[max(DECODE_CONFIGS)]
 
 
+def check_decode_args(x, w_first, w_down_t, w_up) -> tuple[int, int, int]:
+    """Clear errors for the small-batch kernels' inputs (see :func:`ffn_decode`); ``(M, d, f)``."""
+    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
+    M, d = x.shape
+    check_tensor(w_first, "w_first", dim=2, dtypes=KERNEL_DTYPES)
+    f = w_first.shape[0]
+    check_weight_rows(w_first, "w_first", f, d, x)
+    check_weight_rows(w_down_t, "w_down_t", f, d, x)
+    check_weight_rows(w_up, "w_up", f, d, x)
+    if x.stride(1) != 1:
+        raise ValueError(f"x must have unit-stride rows, got strides {x.stride()}")
+    check_launchable(x, "x")
+    return M, d, f
+
+
 def ffn_decode(
     x: torch.Tensor,
     w_first: torch.Tensor,
@@ -200,16 +215,7 @@ def ffn_decode(
     Returns:
         ``y [M, d]``: ``(relu(x w_first^T) [* (x w_up^T)]) w_down_t`` with fp32 accumulation.
     """
-    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
-    M, d = x.shape
-    check_tensor(w_first, "w_first", dim=2, dtypes=KERNEL_DTYPES)
-    f = w_first.shape[0]
-    check_weight_rows(w_first, "w_first", f, d, x)
-    check_weight_rows(w_down_t, "w_down_t", f, d, x)
-    check_weight_rows(w_up, "w_up", f, d, x)
-    if x.stride(1) != 1:
-        raise ValueError(f"x must have unit-stride rows, got strides {x.stride()}")
-    check_launchable(x, "x")
+    M, d, f = check_decode_args(x, w_first, w_down_t, w_up)
     if (unit_counts is None) != (row_nnz is None):
         raise ValueError("pass unit_counts and row_nnz together, or neither")
     if unit_counts is not None:

@@ -27,8 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
 from ._launch import on_device_of
+from .decode import check_decode_args
 
 __all__ = ["ffn_decode_fused", "DecodeScratch", "FUSED_MAX_M"]
 
@@ -134,18 +134,9 @@ def ffn_decode_fused(
     Returns:
         ``y [M, d]`` in x's dtype.
     """
-    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
-    M, d = x.shape
-    check_tensor(w_first, "w_first", dim=2, dtypes=KERNEL_DTYPES)
-    f = w_first.shape[0]
-    check_weight_rows(w_first, "w_first", f, d, x)
-    check_weight_rows(w_down_t, "w_down_t", f, d, x)
-    check_weight_rows(w_up, "w_up", f, d, x)
-    if x.stride(1) != 1:
-        raise ValueError(f"x must have unit-stride rows, got strides {x.stride()}")
+    M, d, f = check_decode_args(x, w_first, w_down_t, w_up)
     if M > FUSED_MAX_M:
         raise ValueError(f"the fused decode kernel takes at most {FUSED_MAX_M} tokens per call, got {M}")
-    check_launchable(x, "x")
     if scratch is None:
         scratch = DecodeScratch(d, x.device)
     elif scratch.acc.shape != (FUSED_MAX_M, d) or scratch.acc.device != x.device:

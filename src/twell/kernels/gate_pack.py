@@ -300,6 +300,21 @@ def _gate_pack_kernel(
     tl.store(cnt_ptr + rows * N_TILES + t, tl.sum(nzi, axis=1), mask=rmask)
 
 
+def _check_gate_pack_args(x: torch.Tensor, w: torch.Tensor, tile: int, compression: int, name: str) -> None:
+    """Clear errors for the matmul gate-packs' inputs: x ``[M, d]``, w ``[f, d]`` of one kernel
+    dtype and device, and a tile that is also the matmul's N block."""
+    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
+    check_tensor(w, "w", dim=2, dtypes=KERNEL_DTYPES)
+    if w.shape[1] != x.shape[1]:
+        raise ValueError(f"w must be [f, {x.shape[1]}] for x [M, {x.shape[1]}], got {list(w.shape)}")
+    if w.dtype != x.dtype or w.device != x.device:
+        raise TypeError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
+    check_launchable(x, "x")
+    _check_tile(tile, compression)
+    if not 16 <= tile <= 256:
+        raise ValueError(f"the {name} gate-pack needs 16 <= tile <= 256 (its N block), got {tile}")
+
+
 def gate_pack_fused(
     x: torch.Tensor,
     w: torch.Tensor,
@@ -321,16 +336,7 @@ def gate_pack_fused(
         A kernel-written :class:`TwELL` (``overflow_values`` None: recompute overflowed tiles
         from ``x`` and ``w``). ``[M, f]`` never goes to memory.
     """
-    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
-    check_tensor(w, "w", dim=2, dtypes=KERNEL_DTYPES)
-    if w.shape[1] != x.shape[1]:
-        raise ValueError(f"w must be [f, {x.shape[1]}] for x [M, {x.shape[1]}], got {list(w.shape)}")
-    if w.dtype != x.dtype or w.device != x.device:
-        raise TypeError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
-    check_launchable(x, "x")
-    _check_tile(tile, compression)
-    if not 16 <= tile <= 256:
-        raise ValueError(f"the fused gate-pack needs 16 <= tile <= 256 (its N block), got {tile}")
+    _check_gate_pack_args(x, w, tile, compression, "fused")
     x = x if x.stride(1) == 1 else x.contiguous()
     w = w if w.stride(1) == 1 else w.contiguous()
     M, d = x.shape
@@ -447,16 +453,7 @@ def gate_pack_persistent(
     """
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
-    check_tensor(w, "w", dim=2, dtypes=KERNEL_DTYPES)
-    if w.shape[1] != x.shape[1]:
-        raise ValueError(f"w must be [f, {x.shape[1]}] for x [M, {x.shape[1]}], got {list(w.shape)}")
-    if w.dtype != x.dtype or w.device != x.device:
-        raise TypeError(f"x ({x.dtype}, {x.device}) and w ({w.dtype}, {w.device}) must share dtype and device")
-    check_launchable(x, "x")
-    _check_tile(tile, compression)
-    if not 16 <= tile <= 256:
-        raise ValueError(f"the persistent gate-pack needs 16 <= tile <= 256 (its N block), got {tile}")
+    _check_gate_pack_args(x, w, tile, compression, "persistent")
     for t, name in ((x, "x"), (w, "w")):
         if not _descriptor_ok(t):
             raise ValueError(
