@@ -4,8 +4,6 @@
   pre-activation that cuBLAS computed (:func:`pack_relu`), or a Triton matmul whose epilogue
   packs (:func:`gate_pack_fused`; :func:`gate_pack_persistent` the same on a persistent,
   tensor-descriptor matmul, not yet measured on a GPU).
-- :mod:`.decode_fused`: the small-batch FFN in one launch (:func:`ffn_decode_fused`), an opt-in
-  beside :mod:`.decode`'s three launches, not yet measured on a GPU.
 - :mod:`.updown`: the FFN from TwELL (:func:`ffn_from_twell`): gated up/down (nothing
   ``[M, f]``-sized is written) or the non-gated down projection, with the exact path for
   overflowed tiles and its counters.
@@ -14,8 +12,7 @@
   rows backward, per-unit weight gradients); :mod:`twell.train_ops` wraps them in autograd.
 
 The launchers validate their arguments, accept any ``M``, ``d`` and ``f``, and launch on the
-caller's current CUDA stream (Triton's default). They keep no state between calls (the fused decode
-kernel's scratch is passed by its caller).
+caller's current CUDA stream (Triton's default). They keep no state between calls.
 """
 
 from .gate_pack import gate_pack_fused, gate_pack_persistent, pack_relu
