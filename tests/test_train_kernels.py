@@ -203,7 +203,7 @@ def test_mostly_heavy_runs_all_dense(gated, width, monkeypatch):
     out, _, _ = compare(tensors, width, torch.float32, gated=gated)
     assert int(out.n_heavy) == round(share * 37)
     shapes = _saved_shapes(fn, tensors)
-    assert (37, 75) in shapes and (37, width) not in shapes  # dense g (and u), no ELL rows
+    assert (37, 75) in shapes and (37, width) not in shapes  # dense a and u (non-gated: h), no ELL rows
     monkeypatch.setattr(T, "ALL_DENSE_SHARE", 1.0)  # the hybrid path on the same call
     compare(tensors, width, torch.float32, gated=gated)
     assert (37, width) in _saved_shapes(fn, tensors)

@@ -20,7 +20,7 @@ is returned beside y, so that ``loss = task_loss(y) + lam * l1`` back-propagates
 
 Saved for backward (no ``[M, f]`` tensor): x, the weights (held by the model anyway), the ELL
 rows ``cols [M, W]`` (int16 when f <= 32768), ``g [M, W]``, ``u [M, W]`` (gated), ``counts [M]``
-int32, the heavy rows' indices and their dense ``g`` and ``u`` (``[n_heavy, f]``; non-gated: h).
+int32, the heavy rows' indices and their dense ``a`` and ``u`` (``[n_heavy, f]``; non-gated: h).
 :func:`saved_bytes` measures it.
 
 The results equal dense autograd up to rounding, for every input: any M, d, f, any pattern.
@@ -34,6 +34,7 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from .checks import KERNEL_DTYPES, check_launchable, check_mlp_args, check_tensor
+from .kernels.dense_rows import dense_rows_backward, dense_rows_forward
 from .kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, light_unit_counts, pack_rows, unit_index
 
 __all__ = [
@@ -123,10 +124,11 @@ def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int)
     return heavy_rows, torch.nonzero(hot_mask).flatten()
 
 
-def _stats(per_unit, heavy_active, heavy_rows):
-    """unit_counts [f] int64 (light slots per unit + the heavy rows' active units) and n_heavy."""
-    if heavy_active is not None:
-        per_unit = per_unit + heavy_active.sum(0, dtype=torch.int64)
+def _stats(per_unit, heavy_counts, heavy_rows):
+    """unit_counts [f] int64 (light slots per unit + the heavy rows' active units, ``heavy_counts``
+    or None) and n_heavy."""
+    if heavy_counts is not None:
+        per_unit = per_unit + heavy_counts
     n_heavy = torch.full((), heavy_rows.numel(), dtype=torch.int64, device=per_unit.device)
     return per_unit, n_heavy
 
@@ -145,18 +147,18 @@ ROWS_AFTER_SYNC = True
 HOT_MIN = 256
 HOT_FACTOR = 8.0
 
-# When more than this share of a call's rows is heavier than W, the whole call runs dense (plain
-# PyTorch products over all rows, saving the [M, f] g and u as dense autograd does): a heavy row
-# costs more than a dense one (gathers, scatters, fp32 element-wise on its [f] columns), so a
-# mostly-heavy call (a layer whose sparsity moved away from its width) would otherwise cost dense
-# plus the sparse bookkeeping. Still exact, and counted in n_heavy like any heavy row. From
+# When more than this share of a call's rows is heavier than W, the whole call runs dense (cuBLAS
+# products over all rows and one element-wise pass each way, twell.kernels.dense_rows, saving the
+# [M, f] pre-activation and u as dense autograd saves its intermediates): a heavy row costs a
+# little more than a dense one (the gathers and scatters of its rows), so a mostly-heavy call (a
+# layer whose sparsity moved away from its width) would otherwise cost dense plus the sparse
+# bookkeeping. Still exact, and counted in n_heavy like any heavy row. From
 # benchmarks/heavy_share_probe.py on the H200 (M 16384, d 2048, f 5632, light rows k 29, heavy rows
-# ~600 units), forward + backward: hybrid 5.97 / 7.14 / 10.09 ms at a heavy share of 0.3 / 0.5 / 1;
-# all dense with its backward in bf16 6.89 / 6.86 / 7.00, with an fp32 backward (a first version)
-# 8.05 / 7.94 / 7.70. The backward now keeps fp32 until dh is multiplied by g and u (the L1
-# term's gradient survives in bf16), close to that first version: hence 0.6, where the hybrid
-# path's line crosses about 7.9 ms (dense PyTorch: 5.1 to 5.5 ms without the L1 term).
-ALL_DENSE_SHARE = 0.6
+# ~600 units), forward + backward with the fused element-wise passes: hybrid 4.89 / 5.39 / 6.66 ms
+# at a heavy share of 0.3 / 0.5 / 1, all dense 5.72 / 5.90 / 6.18 (dense PyTorch without the L1
+# term 5.26 / 5.28 / 5.35); the lines cross near 0.75. (With the element-wise work as PyTorch
+# ops, before: hybrid 5.48 / 6.67 / 9.08, all dense 8.06 / 8.17 / 8.14.)
+ALL_DENSE_SHARE = 0.7
 
 
 def _hot_dense(cols, counts, hot, f, *slot_values):
@@ -180,7 +182,7 @@ def _hot_dense(cols, counts, hot, f, *slot_values):
     return out
 
 
-def _light_forward(x, a, W, w_down_t, w_up=None):
+def _light_forward(x, a, W, w_down, w_up=None):
     """The light rows' part of the forward from the pre-activation ``a [M, f]``: the ELL pack,
     the call's host sync that finds the heavy rows and the hot units, and the row kernel (gated
     when ``w_up`` is given; not launched when the call goes all dense, see ALL_DENSE_SHARE).
@@ -190,13 +192,19 @@ def _light_forward(x, a, W, w_down_t, w_up=None):
     cols, values, counts = pack_rows(a, W, **PACK_CONFIG)
     rows = (None, None, None)
     if not ROWS_AFTER_SYNC:
-        rows = ffn_rows_forward(x, cols, values, counts, w_down_t, w_up, **ROWS_CONFIG)
+        rows = ffn_rows_forward(x, cols, values, counts, _rows_of(w_down), w_up, **ROWS_CONFIG)
     per_unit = light_unit_counts(cols, counts, f)
     heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
     all_dense = heavy_rows.numel() > ALL_DENSE_SHARE * M
     if ROWS_AFTER_SYNC and not all_dense:
-        rows = ffn_rows_forward(x, cols, values, counts, w_down_t, w_up, **ROWS_CONFIG)
+        rows = ffn_rows_forward(x, cols, values, counts, _rows_of(w_down), w_up, **ROWS_CONFIG)
     return (cols, values, counts, *rows, per_unit, heavy_rows, hot, all_dense)
+
+
+def _rows_of(w_down):
+    """``w_down^T`` contiguous ``[f, d]``: row j = w_down[:, j], one contiguous read per unit for
+    the row kernels (made only where they run: an all-dense call never needs it)."""
+    return w_down.t().contiguous()
 
 
 def _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot, base, f, dtype):
@@ -224,37 +232,33 @@ def _add_hot(grads, hot, blocks, sources):
 
 def _dense_rows(x_r, a_r, w_up, w_down):
     """The forward of rows held dense (the heavy rows, or every row of an all-dense call) from
-    their pre-activation ``a_r``: ``(g, u, y, l1_rows)``; gated when ``w_up`` is given (u None
-    otherwise: g is h)."""
-    g = torch.relu(a_r)
+    their pre-activation ``a_r``: ``(s, u, y, l1_rows, unit_counts)``, ``s`` being what the
+    backward needs besides u: a_r gated (it recomputes g and h), h non-gated (u None). The
+    element-wise work is one pass (:func:`twell.kernels.dense_rows.dense_rows_forward`)."""
     u = None if w_up is None else torch.mm(x_r, w_up.t())
-    h = g if u is None else g * u
-    return g, u, torch.mm(h, w_down.t()), h.abs().sum(1, dtype=torch.float32)
+    h, l1_rows, unit_counts = dense_rows_forward(a_r, u)
+    y = torch.mm(h, w_down.t())
+    return (h if u is None else a_r), u, y, l1_rows, unit_counts
 
 
-def _dense_rows_backward(x_r, dy_r, g, u, c, w_first, w_up, w_down):
+def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down):
     """The backward of rows held dense: ``(dx_r, (dw_up, dw_gate or None, dw_down_t))``, their
-    share of the weight gradients (``dw_down_t`` is ``[f, d]``). Gated (``u`` given): dh stays
-    fp32 until it is multiplied by g and u, as on the light rows, because the L1 term's c sign(h)
-    is far below half a bf16 step of the product's (on-grid) values and would round away if
-    added in bf16. Non-gated (``g`` is h): dh is itself the weight-gradient operand, in the
-    inputs' dtype, as in dense autograd."""
-    if u is None:
-        dh = torch.mm(dy_r, w_down).float().add_(c).mul_(g > 0).to(x_r.dtype)  # sign(h) = 1 on the pattern
-        return torch.mm(dh, w_first), (torch.mm(dh.t(), x_r), None, torch.mm(g.t(), dy_r))
-    h = g * u
-    dh = torch.mm(dy_r, w_down).float().add_(torch.sign(h).float().mul_(c))
-    du = (dh * g).to(x_r.dtype)
-    da = dh.mul_(u).mul_(g > 0).to(x_r.dtype)
-    del dh
-    dx = torch.mm(du, w_up).add_(torch.mm(da, w_first))
-    return dx, (torch.mm(du.t(), x_r), torch.mm(da.t(), x_r), torch.mm(h.t(), dy_r))
+    share of the weight gradients (``dw_down_t`` is ``[f, d]``); ``s``, ``u`` as
+    :func:`_dense_rows` returned them. Gated: dh stays fp32 until it is multiplied by g and u, as
+    on the light rows, because the L1 term's c sign(h) is far below half a bf16 step of the
+    product's (on-grid) values and would round away if added in bf16. Non-gated: dh is itself
+    the weight-gradient operand, in the inputs' dtype, as in dense autograd. The element-wise
+    work is one pass (:func:`twell.kernels.dense_rows.dense_rows_backward`)."""
+    d1, da, h = dense_rows_backward(torch.mm(dy_r, w_down), s, u, c)
+    if u is None:  # d1 is dh, s is h
+        return torch.mm(d1, w_first), (torch.mm(d1.t(), x_r), None, torch.mm(s.t(), dy_r))
+    dx = torch.mm(d1, w_up).add_(torch.mm(da, w_first))  # d1 is du
+    return dx, (torch.mm(d1.t(), x_r), torch.mm(da.t(), x_r), torch.mm(h.t(), dy_r))
 
 
-def _dense_outputs(ctx, y, l1, counts, active, heavy_rows):
-    """The Function's outputs for a call that ran all dense (see ALL_DENSE_SHARE): ``active``
-    ``[M, f]`` bool is the pattern; the heavy rows are counted as on the hybrid path."""
-    unit_counts = active.sum(0, dtype=torch.int64)
+def _dense_outputs(ctx, y, l1, counts, unit_counts, heavy_rows):
+    """The Function's outputs for a call that ran all dense (see ALL_DENSE_SHARE); the heavy
+    rows are counted as on the hybrid path."""
     n_heavy = torch.full((), heavy_rows.numel(), dtype=torch.int64, device=y.device)
     ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
     return y, l1, counts, unit_counts, n_heavy
@@ -277,21 +281,19 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     def forward(ctx, x, w_gate, w_up, w_down, width):
         W = _check_args(x, w_up, w_down, w_gate, width)
         M = x.shape[0]
-        w_down_t = w_down.t().contiguous()  # row j = w_down[:, j]: one contiguous read per unit
         a = torch.mm(x, w_gate.t())
-        cols, g, counts, y, u, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down_t, w_up)
+        cols, g, counts, y, u, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down, w_up)
         if ctx.all_dense:
-            g_d, u_d, y, l1_rows = _dense_rows(x, a, w_up, w_down)
-            del a
-            ctx.save_for_backward(x, w_gate, w_up, w_down, g_d, u_d)
-            return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, g_d > 0, heavy_rows)
-        g_h = u_h = None
+            a_d, u_d, y, l1_rows, unit_counts = _dense_rows(x, a, w_up, w_down)
+            ctx.save_for_backward(x, w_gate, w_up, w_down, a_d, u_d)
+            return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, unit_counts, heavy_rows)
+        a_h = u_h = heavy_counts = None
         if heavy_rows.numel():
-            g_h, u_h, y[heavy_rows], l1_rows[heavy_rows] = _dense_rows(x[heavy_rows], a[heavy_rows], w_up, w_down)
+            a_h, u_h, y[heavy_rows], l1_rows[heavy_rows], heavy_counts = _dense_rows(x[heavy_rows], a[heavy_rows], w_up, w_down)
         del a
         l1 = l1_rows.sum() / max(M, 1)
-        unit_counts, n_heavy = _stats(per_unit, None if g_h is None else g_h > 0, heavy_rows)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h, hot)
+        unit_counts, n_heavy = _stats(per_unit, heavy_counts, heavy_rows)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, a_h, u_h, hot)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
@@ -299,19 +301,18 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
         if ctx.all_dense:  # every row held dense
-            x, w_gate, w_up, w_down, g, u = ctx.saved_tensors
-            dx, (dw_up, dw_gate, dw_down_t) = _dense_rows_backward(x, dy, g, u, _l1_scale(dl1, x.shape[0], x.device), w_gate, w_up, w_down)
+            x, w_gate, w_up, w_down, a, u = ctx.saved_tensors
+            dx, (dw_up, dw_gate, dw_down_t) = _dense_rows_backward(x, dy, a, u, _l1_scale(dl1, x.shape[0], x.device), w_gate, w_up, w_down)
             return dx, dw_gate, dw_up, dw_down_t.t(), None
-        x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, g_h, u_h, hot = ctx.saved_tensors
+        x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, a_h, u_h, hot = ctx.saved_tensors
         M, d = x.shape
         f = w_up.shape[0]
         dy = dy.contiguous()
         c = _l1_scale(dl1, M, x.device)
-        w_down_t = w_down.t().contiguous()
-        dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, w_down_t, w_up, w_gate, c, **ROWS_CONFIG)
+        dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, _rows_of(w_down), w_up, w_gate, c, **ROWS_CONFIG)
         base = None
         if heavy_rows.numel():
-            dx[heavy_rows], base = _dense_rows_backward(x[heavy_rows], dy[heavy_rows], g_h, u_h, c, w_gate, w_up, w_down)
+            dx[heavy_rows], base = _dense_rows_backward(x[heavy_rows], dy[heavy_rows], a_h, u_h, c, w_gate, w_up, w_down)
         dw_up, dw_gate, dw_down_t = _unit_weight_grads(x, dy, cols, counts, g, u, du, da, hot, base, f, w_up.dtype)
         # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
         return dx, dw_gate, dw_up, dw_down_t.t(), None
@@ -328,20 +329,19 @@ class SparseFFNFunction(torch.autograd.Function):
     def forward(ctx, x, w_up, w_down, width):
         W = _check_args(x, w_up, w_down, None, width)
         M = x.shape[0]
-        w_down_t = w_down.t().contiguous()
         a = torch.mm(x, w_up.t())
-        cols, h, counts, y, _, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down_t)
+        cols, h, counts, y, _, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down)
         if ctx.all_dense:
-            h_d, _, y, l1_rows = _dense_rows(x, a, None, w_down)
+            h_d, _, y, l1_rows, unit_counts = _dense_rows(x, a, None, w_down)
             del a
             ctx.save_for_backward(x, w_up, w_down, h_d)
-            return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, h_d > 0, heavy_rows)
-        h_h = None
+            return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, unit_counts, heavy_rows)
+        h_h = heavy_counts = None
         if heavy_rows.numel():
-            h_h, _, y[heavy_rows], l1_rows[heavy_rows] = _dense_rows(x[heavy_rows], a[heavy_rows], None, w_down)
+            h_h, _, y[heavy_rows], l1_rows[heavy_rows], heavy_counts = _dense_rows(x[heavy_rows], a[heavy_rows], None, w_down)
         del a
         l1 = l1_rows.sum() / max(M, 1)
-        unit_counts, n_heavy = _stats(per_unit, None if h_h is None else h_h > 0, heavy_rows)
+        unit_counts, n_heavy = _stats(per_unit, heavy_counts, heavy_rows)
         ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy_rows, h_h, hot)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
@@ -358,8 +358,7 @@ class SparseFFNFunction(torch.autograd.Function):
         f = w_up.shape[0]
         dy = dy.contiguous()
         c = _l1_scale(dl1, M, x.device)
-        w_down_t = w_down.t().contiguous()
-        dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, w_down_t, w_up, None, c, **ROWS_CONFIG)
+        dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, _rows_of(w_down), w_up, None, c, **ROWS_CONFIG)
         base = None
         if heavy_rows.numel():
             dx[heavy_rows], base = _dense_rows_backward(x[heavy_rows], dy[heavy_rows], h_h, None, c, w_up, None, w_down)

@@ -200,7 +200,8 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
                        lrs: tuple = (0.0, 3e-4), log: Callable[[str], None] = print) -> list[dict]:
     """Training steps of ``preset`` (constructed sparsity: :func:`twell.bench.model.calibrate_sparsity`)
     with the MLPs' dense and sparse kernels, from the same weights and batches: tokens/s over the
-    steps after 5 warm-up steps, peak memory, and the loss curve (AdamW, bf16 autocast, L1 term).
+    steps after 5 warm-up steps, peak memory (the model, optimizer state and steps: what the process
+    held before the model was built is not counted), and the loss curve (AdamW, bf16 autocast, L1 term).
 
     Three records (dense, sparse, auto) per learning rate in ``lrs``. The constructed sparsity is
     not a trained one: nothing holds it while the weights move (the first steps at lr 3e-4 made
@@ -219,6 +220,8 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
     out = []
     for lr in lrs:
         for kernels in ("dense", "sparse", "auto"):
+            torch.cuda.synchronize()
+            held_before = torch.cuda.memory_allocated()  # the caller's tensors (the grid's, say): not this step's
             model = sparse_model(config, state, kernels)
             mods = sparse_modules(model)
             opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1 if lr else 0.0, fused=True)
@@ -239,7 +242,7 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
             seconds = time.perf_counter() - t0
             paths = sorted({m.last_train_path for m in mods if getattr(m, "last_train_path", None)})
             rec = dict(preset=preset, kernels=kernels, lr=lr, k=k, batch=batch, seq=seq, steps=steps,
-                       tokens_per_s=steps * batch * seq / seconds, peak_bytes=int(torch.cuda.max_memory_allocated()),
+                       tokens_per_s=steps * batch * seq / seconds, peak_bytes=int(torch.cuda.max_memory_allocated() - held_before),
                        losses=[float(v) for v in torch.stack(losses)], paths=paths,
                        active_mean_first_step=first_mean, active_max_first_step=first_max,
                        active_mean_last_step=[float(m.stats.active_mean) for m in mods],

@@ -3,11 +3,13 @@
 - :mod:`.gate_pack`: ``relu(x w^T)`` into TwELL. Two ways: a light pack pass over a dense
   pre-activation that cuBLAS computed (:func:`pack_relu`), or a Triton matmul whose epilogue
   packs (:func:`gate_pack_fused`; :func:`gate_pack_persistent` the same on a persistent,
-  tensor-descriptor matmul, not yet measured on a GPU).
+  tensor-descriptor matmul; slower than cuBLAS + pack from M 16384 on the H200).
 - :mod:`.updown`: the FFN from TwELL (:func:`ffn_from_twell`): gated up/down (nothing
   ``[M, f]``-sized is written) or the non-gated down projection, with the exact path for
   overflowed tiles and its counters.
 - :mod:`.elementwise`: ``relu(g) * u`` in one pass, for the modules' dense inference branch.
+- :mod:`.dense_rows`: the element-wise passes (forward and backward) of the training rows held
+  dense: heavy rows, and every row of an all-dense call.
 - :mod:`.train_ffn`: training forward and backward of the FFN on ELL rows (pack, rows forward,
   rows backward, per-unit weight gradients); :mod:`twell.train_ops` wraps them in autograd.
 

@@ -1,0 +1,190 @@
+"""Element-wise passes of the training FFN's rows held dense: the heavy rows of the hybrid
+format and every row of a call that goes all dense (:mod:`twell.train_ops`).
+
+Between the cuBLAS products, dense autograd walks ``[M, f]`` tensors many times: relu, the
+gated product, ``|h|`` for the L1 term, the active mask for the statistics; in the backward the
+L1 term's ``c sign(h)`` added in fp32 (it would round away in bf16), the products by g and u,
+relu's mask. Written as PyTorch ops those were about 2.5 ms of the 8.1 ms an all-dense call took
+at M 16384, f 5632 on the H200 (dense PyTorch: 5.0 ms). Here each direction is one pass::
+
+    forward   a [M, f] (, u [M, f]) --dense_rows_forward--> h, |h| summed per row [M] (fp32),
+              active tokens per unit [f] (int64)
+    backward  dz = dy w_down [M, f], a (, u), c --dense_rows_backward--> gated: du (written over
+              dz), da, h; non-gated: dh (written over dz)
+
+Gated: ``g = relu(a)``, ``h = g u``. Non-gated: ``h = relu(a)``, and the backward's ``a`` may be
+``h`` itself (relu(h) = h), which is what the training op saves. ``c`` is the L1 term's gradient
+per ``|h|`` (a one-element fp32 tensor: no host sync). Math, with every product in fp32 and one
+rounding to the storage dtype per stored value (``relu`` keeps a NaN as torch.relu does)::
+
+    dh = dz + c sign(h)             du = dh g        da = dh u [a > 0]     (gated)
+    dh = (dz + c) [a > 0]                                                  (non-gated)
+
+One program per ``BM`` rows walks f in ``BF``-column steps, so each row's |h| sum is its own
+(deterministic); the per-unit counts are integer atomics, skipped where a column step has none.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_tensor, triton_interpreting
+from ._launch import on_device_of
+
+__all__ = ["dense_rows_forward", "dense_rows_backward"]
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@triton.jit
+def _relu(a):
+    # where, not max(a, 0): a NaN pre-activation stays NaN, as torch.relu keeps it
+    return tl.where(a > 0, a, tl.where(a != a, a, 0.0))
+
+
+@triton.jit
+def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, M, F,
+                    GATED: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    base = rows.to(tl.int64)[:, None] * F
+    l1 = tl.zeros([BM], dtype=tl.float32)
+    for f0 in range(0, F, BF):
+        cols = f0 + tl.arange(0, BF)
+        ok = row_ok[:, None] & (cols < F)[None, :]
+        a = tl.load(a_ptr + base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        h = _relu(a)
+        if GATED:
+            h = h * tl.load(u_ptr + base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        h = h.to(h_ptr.dtype.element_ty)
+        tl.store(h_ptr + base + cols[None, :], h, mask=ok)
+        l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
+        n = tl.sum((a > 0).to(tl.int32), axis=0)
+        tl.atomic_add(cnt_ptr + cols, n, mask=(cols < F) & (n > 0), sem="relaxed")
+    tl.store(l1_ptr + rows, l1, mask=row_ok)
+
+
+@triton.jit
+def _backward_kernel(dz_ptr, a_ptr, u_ptr, da_ptr, h_ptr, c_ptr, M, F,
+                     GATED: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+    rows = tl.program_id(0) * BM + tl.arange(0, BM)
+    row_ok = rows < M
+    base = rows.to(tl.int64)[:, None] * F
+    c = tl.load(c_ptr)
+    for f0 in range(0, F, BF):
+        cols = f0 + tl.arange(0, BF)
+        ok = row_ok[:, None] & (cols < F)[None, :]
+        at = base + cols[None, :]
+        dz = tl.load(dz_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + at, mask=ok, other=0.0).to(tl.float32)
+        if GATED:
+            g = _relu(a)
+            u = tl.load(u_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            h = (g * u).to(h_ptr.dtype.element_ty)
+            tl.store(h_ptr + at, h, mask=ok)
+            hf = h.to(tl.float32)
+            # sign of the stored h, as dense autograd's torch.sign(h) sees it
+            dh = dz + c * tl.where(hf > 0, 1.0, tl.where(hf < 0, -1.0, 0.0))
+            tl.store(dz_ptr + at, (dh * g).to(dz_ptr.dtype.element_ty), mask=ok)
+            tl.store(da_ptr + at, tl.where(a > 0, dh * u, 0.0).to(da_ptr.dtype.element_ty), mask=ok)
+        else:
+            tl.store(dz_ptr + at, tl.where(a > 0, dz + c, 0.0).to(dz_ptr.dtype.element_ty), mask=ok)
+
+
+def _check(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
+    check_tensor(t, name, dim=2, dtypes=_FLOATS)
+    if t.shape != like.shape or t.dtype != like.dtype or t.device != like.device:
+        raise ValueError(f"{name} ({list(t.shape)}, {t.dtype}, {t.device}) must match a "
+                         f"({list(like.shape)}, {like.dtype}, {like.device})")
+    if not t.is_contiguous():
+        raise ValueError(f"{name} must be contiguous")
+
+
+def _blocks(f: int) -> tuple[int, int]:
+    bf = min(256, triton.next_power_of_2(max(f, 1)))
+    return 4096 // bf, bf  # about 4K values per step per program
+
+
+def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The forward's element-wise pass over rows held dense.
+
+    Args:
+        a: ``[M, f]`` contiguous pre-activation (x w_gate^T gated, x w_up^T non-gated).
+        u: ``[M, f]`` up projection (gated), same dtype and device; None non-gated.
+
+    Returns:
+        ``(h [M, f] in a's dtype, l1_rows [M] fp32 = sum_j |h_ij|, unit_counts [f] int64 =
+        tokens with a_ij > 0)``.
+    """
+    _check("a", a, a)
+    if u is not None:
+        _check("u", u, a)
+    M, f = a.shape
+    if not (a.is_cuda or triton_interpreting()):
+        h = torch.relu(a) if u is None else torch.relu(a) * u
+        return h, h.abs().sum(1, dtype=torch.float32), (a > 0).sum(0, dtype=torch.int64)
+    h = torch.empty_like(a)
+    l1 = torch.empty(M, dtype=torch.float32, device=a.device)
+    counts = torch.zeros(f, dtype=torch.int32, device=a.device)
+    if M and f:
+        BM, BF = _blocks(f)
+        with on_device_of(a):
+            _forward_kernel[(triton.cdiv(M, BM),)](a, a if u is None else u, h, l1, counts, M, f,
+                                                   GATED=u is not None, BM=BM, BF=BF, num_warps=8)
+    else:
+        l1.zero_()
+    return h, l1, counts.to(torch.int64)
+
+
+def dense_rows_backward(dz: torch.Tensor, a: torch.Tensor, u: Optional[torch.Tensor],
+                        c: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """The backward's element-wise pass over rows held dense; ``dz`` is overwritten.
+
+    Args:
+        dz: ``[M, f]`` contiguous, ``dy w_down`` (the gradient reaching h from the down product).
+        a: ``[M, f]`` the forward's pre-activation (non-gated: it or h).
+        u: ``[M, f]`` the up projection (gated); None non-gated.
+        c: one-element fp32 tensor, the L1 term's gradient per ``|h|`` (its loss weight over M).
+
+    Returns:
+        gated ``(du, da, h)``, du being ``dz``'s storage; non-gated ``(dh, None, None)``, dh being
+        ``dz``'s storage. All in dz's dtype.
+    """
+    _check("dz", dz, a)
+    _check("a", a, a)
+    if u is not None:
+        _check("u", u, a)
+    check_tensor(c, "c", dtypes=(torch.float32,))
+    if c.numel() != 1 or c.device != a.device:
+        raise ValueError(f"c must be a one-element fp32 tensor on {a.device}, got {list(c.shape)} on {c.device}")
+    if not (a.is_cuda or triton_interpreting()):
+        return _backward_torch(dz, a, u, c)
+    M, f = a.shape
+    da = h = None
+    if u is not None:
+        da, h = torch.empty_like(a), torch.empty_like(a)
+    if M and f:
+        BM, BF = _blocks(f)
+        with on_device_of(a):
+            _backward_kernel[(triton.cdiv(M, BM),)](dz, a, a if u is None else u, dz if da is None else da,
+                                                    dz if h is None else h, c.reshape(1), M, f,
+                                                    GATED=u is not None, BM=BM, BF=BF, num_warps=8)
+    return dz, da, h
+
+
+def _backward_torch(dz, a, u, c):
+    """:func:`dense_rows_backward` in PyTorch ops (CPU without the interpreter; the tests' reference)."""
+    c = c.reshape(()).to(torch.float32)
+    if u is None:
+        dz.copy_(torch.where(a > 0, dz.float() + c, 0.0))
+        return dz, None, None
+    g = torch.relu(a)
+    h = g * u
+    dh = dz.float() + torch.sign(h).float() * c
+    da = torch.where(a > 0, dh * u.float(), 0.0).to(a.dtype)
+    dz.copy_(dh * g.float())
+    return dz, da, h

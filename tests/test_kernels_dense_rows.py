@@ -1,0 +1,127 @@
+"""The element-wise passes of rows held dense (twell.kernels.dense_rows) against the formulas in
+float64: relu, the gated product, |h| per row, active tokens per unit; the backward's
+dh = dz + c sign(h), du = dh g, da = dh u [a > 0] (non-gated dh = (dz + c) [a > 0]). Interpreter on
+the CPU (fp32, fp16) at shapes that walk every loop twice; bf16 at a real shape on the GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import rel_err
+from twell.kernels.dense_rows import dense_rows_backward, dense_rows_forward
+
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
+TOL = {torch.float32: 1e-6, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+
+
+def case(M, f, dtype, seed=0):
+    """``(a, u, dz)``: a about 30% positive, with exact zeros, a zero row, a row of all
+    positives, and zeros in u where a > 0 (h = 0 on an active unit: sign 0, still counted)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(M, f, generator=g) - 0.5
+    a[:, ::7] = 0.0
+    a[0] = 0.0
+    if M > 2:
+        a[2] = a[2].abs() + 0.1
+    u = torch.randn(M, f, generator=g)
+    u[:, 1::5] = 0.0
+    dz = torch.randn(M, f, generator=g)
+    return tuple(t.to(DEV, dtype) for t in (a, u, dz))
+
+
+def forward_ref(a, u):
+    a64 = a.double()
+    h = torch.relu(a64) if u is None else torch.relu(a64) * u.double()
+    h = h.to(a.dtype)  # the kernel stores h in the input dtype and sums what it stored
+    return h, h.double().abs().sum(1), (a > 0).sum(0)
+
+
+def backward_ref(dz, a, u, c):
+    a64, dz64 = a.double(), dz.double()
+    if u is None:
+        return torch.where(a64 > 0, dz64 + c, 0.0), None, None
+    g = torch.relu(a64)
+    h = (g * u.double()).to(a.dtype)
+    dh = dz64 + c * torch.sign(h.double())
+    return dh * g, torch.where(a64 > 0, dh * u.double(), 0.0), h
+
+
+DTYPES = [torch.float32, torch.float16] if DEV == "cpu" else [torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,f", [(1, 1), (7, 5), (33, 300), (18, 257)])
+@pytest.mark.parametrize("gated", [True, False])
+def test_forward(dtype, M, f, gated):
+    a, u, _ = case(M, f, dtype)
+    h, l1, counts = dense_rows_forward(a, u if gated else None)
+    h_ref, l1_ref, counts_ref = forward_ref(a, u if gated else None)
+    assert h.dtype == dtype and l1.dtype == torch.float32 and counts.dtype == torch.int64
+    assert torch.equal(h, h_ref)  # one product of two stored values, rounded once: exact
+    assert rel_err(l1, l1_ref) < 1e-6
+    assert torch.equal(counts, counts_ref)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("M,f", [(1, 1), (7, 5), (33, 300), (18, 257)])
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("c", [0.0, 0.25])
+def test_backward(dtype, M, f, gated, c):
+    a, u, dz = case(M, f, dtype, seed=1)
+    if not gated:
+        a = torch.relu(a)  # what the op saves non-gated: h itself
+    c_t = torch.tensor([c], dtype=torch.float32, device=DEV)
+    d1_ref, da_ref, h_ref = backward_ref(dz, a, u if gated else None, c)
+    dz_in = dz.clone()
+    d1, da, h = dense_rows_backward(dz_in, a, u if gated else None, c_t)
+    assert d1.data_ptr() == dz_in.data_ptr()  # written over dz
+    assert rel_err(d1, d1_ref) < TOL[dtype]
+    if gated:
+        assert rel_err(da, da_ref) < TOL[dtype]
+        assert torch.equal(h, h_ref)
+        assert not torch.isnan(da).any()
+    else:
+        assert da is None and h is None
+
+
+def test_relu_keeps_nan_and_bad_input_is_refused():
+    a, u, dz = case(5, 9, torch.float32)
+    a[3, 4] = float("nan")
+    h, l1, counts = dense_rows_forward(a, u)
+    assert torch.isnan(h[3, 4]) and torch.isnan(l1[3]) and not torch.isnan(l1[torch.arange(5) != 3]).any()
+    assert int(counts[4]) == int((a[:, 4] > 0).sum())  # NaN is not active
+    c = torch.zeros(1, device=DEV)
+    with pytest.raises(ValueError, match="must match"):
+        dense_rows_forward(a, u[:, :8].contiguous())
+    with pytest.raises(ValueError, match="contiguous"):
+        dense_rows_forward(a.t(), None)
+    with pytest.raises(TypeError, match="dtype"):
+        dense_rows_forward(a.long(), None)
+    with pytest.raises(ValueError, match="one-element"):
+        dense_rows_backward(dz, a, u, torch.zeros(2, device=DEV))
+    with pytest.raises(TypeError, match="dtype"):
+        dense_rows_backward(dz, a, u, c.double())
+
+
+def test_empty():
+    a = torch.zeros(0, 6, device=DEV)
+    h, l1, counts = dense_rows_forward(a, a)
+    assert h.shape == (0, 6) and l1.shape == (0,) and torch.equal(counts, torch.zeros(6, dtype=torch.int64, device=DEV))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_bf16_real_shape_keeps_the_l1_term():
+    """M 4096, f 5632 in bf16: the formulas hold, and a c far below half a bf16 step of dz still
+    moves du and da (it is added in fp32 before the products)."""
+    a, u, dz = case(4096, 5632, torch.bfloat16, seed=3)
+    h, l1, counts = dense_rows_forward(a, u)
+    h_ref, l1_ref, counts_ref = forward_ref(a, u)
+    assert torch.equal(h, h_ref) and rel_err(l1, l1_ref) < 1e-6 and torch.equal(counts, counts_ref)
+    c = 1e-5
+    d1, da, _ = dense_rows_backward(dz.clone(), a, u, torch.tensor([c], device="cuda"))
+    d1_0, da_0, _ = dense_rows_backward(dz.clone(), a, u, torch.zeros(1, device="cuda"))
+    d1_ref, da_ref, _ = backward_ref(dz, a, u, c)
+    assert rel_err(d1, d1_ref) < TOL[torch.bfloat16] and rel_err(da, da_ref) < TOL[torch.bfloat16]
+    assert int((d1 != d1_0).sum()) > 0 and int((da != da_0).sum()) > 0
