@@ -140,3 +140,88 @@ def test_decode_gpu_bf16(M, k):
     y = ffn_decode(x, s.w_gate, s.w_down.T.contiguous(), w_up=s.w_up)
     rel, row = errors(y, ref)
     assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
+
+
+# --- the fused decode kernel (twell.kernels.decode_fused) ----------------------------------------
+
+# M, d, f, (BU, BK, BD, warps, stages, all_rows); None: the default
+FUSED_CASES = [(1, 40, 100, (16, 16, 16, 4, 1, False)), (5, 72, 70, (32, 32, 32, 4, 1, True)), (16, 24, 37, None),
+               (3, 48, 64, (16, 16, 32, 2, 1, True))]
+
+
+@pytest.mark.parametrize("M,d,f,config", FUSED_CASES, ids=case_id)
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_fused_matches_reference(M, d, f, config, gated):
+    """Against the reference, fp32, two different batches in a row; blocks smaller than d and f
+    (every loop runs more than once; partial last blocks); the statistics against the pattern."""
+    from twell.kernels.decode_fused import ffn_decode_fused
+
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + d + f + 1)
+    for call in range(2):
+        xi = x if call == 0 else x.flip(0).contiguous()
+        uc = torch.full((f,), -7, dtype=torch.int32)  # overwritten
+        nnz = torch.zeros(M, dtype=torch.int32)
+        if gated:
+            y = ffn_decode_fused(xi, wg, wd.T.contiguous(), w_up=wu, unit_counts=uc, row_nnz=nnz, config=config)
+            ref = R.gated_mlp(xi.double(), wg.double(), wu.double(), wd.double())
+        else:
+            y = ffn_decode_fused(xi, wg, wd.T.contiguous(), unit_counts=uc, row_nnz=nnz, config=config)
+            ref = R.mlp(xi.double(), wg.double(), wd.double())
+        assert y.shape == (M, d) and y.dtype == torch.float32 and rel_err(y, ref) < 1e-5, call
+        pattern = (xi @ wg.T) > 0
+        assert torch.equal(uc.long(), pattern.sum(0)) and torch.equal(nnz.long(), pattern.sum(1))
+
+
+def test_decode_fused_block_counts_fp16_and_no_active_unit():
+    from twell.kernels.decode_fused import decode_fused_launch, ffn_decode_fused
+
+    x, wg, wu, wd = gate_case(7, 40, 100, torch.float16, seed=3)
+    y, counts, chunk = decode_fused_launch(x, wg, wd.T.contiguous(), wu, config=(16, 16, 16, 4, 1, False))
+    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+    assert rel_err(y, ref) < TOL[torch.float16] and chunk == 7
+    active = ((x.float() @ wg.float().T) > 0).any(0)
+    expect = torch.nn.functional.pad(active, (0, 112 - 100)).view(7, 16).sum(1)
+    assert torch.equal(counts.long(), expect)
+    x, wg, wu, wd = gate_case(7, 40, 100, torch.float16, seed=3, adversarial=False)
+    wg[:, 0] = -100.0  # x[:, 0] = 1: every pre-activation is about -100
+    assert torch.equal(ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu), torch.zeros(7, 40, dtype=torch.float16))
+
+
+def test_decode_fused_validation():
+    from twell.kernels.decode_fused import ffn_decode_fused
+
+    x, wg, wu, wd = gate_case(4, 24, 37, torch.float32, seed=5)
+    with pytest.raises(ValueError, match="at most 16"):
+        ffn_decode_fused(torch.zeros(17, 24), wg, wd.T.contiguous(), w_up=wu)
+    with pytest.raises(ValueError, match="w_down_t must be"):
+        ffn_decode_fused(x, wg, wd, w_up=wu)
+    with pytest.raises(ValueError, match="both"):
+        ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, unit_counts=torch.zeros(37, dtype=torch.int32))
+    with pytest.raises(ValueError, match="row_nnz must be"):
+        ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, unit_counts=torch.zeros(37, dtype=torch.int32),
+                         row_nnz=torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(TypeError):
+        ffn_decode_fused(x.double(), wg, wd.T.contiguous(), w_up=wu)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("all_rows", [False, True])
+def test_decode_fused_gpu_bf16(M, all_rows):
+    """bf16 at the real shape, repeated (a wrong ordering of the adds would show as a varying or
+    wrong sum), against fp32 and dense's row error."""
+    from twell.bench.inference import errors, reference_fp32
+    from twell.bench.synthetic import make_ffn
+    from twell.kernels.decode_fused import FUSED_CONFIG, ffn_decode_fused
+
+    s = make_ffn(64, 2048, 5632, 29, "even", dtype=torch.bfloat16, device="cuda", seed=M)
+    x = s.x[:M].contiguous()
+    ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
+    dense = (torch.relu(x @ s.w_gate.T) * (x @ s.w_up.T)) @ s.w_down.T
+    _, dense_row = errors(dense, ref)
+    wdt = s.w_down.T.contiguous()
+    for _ in range(5):
+        y = ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up, config=FUSED_CONFIG[:5] + (all_rows,))
+        rel, row = errors(y, ref)
+        assert rel < 1e-2 and row <= 2 * dense_row, (rel, row, dense_row)

@@ -38,8 +38,12 @@ def test_choice_by_batch_size_and_sparsity():
     assert in_graph(DECODE_MAX_M + 1) == "dense"
     s.k_est = 8.0  # 16 tokens share about 2% of the units
     assert in_graph(16) == "decode" and in_graph(DECODE_MAX_M) == "dense"
-    s.k_est = 280.0  # 5% of the units for a single token: decode would read too many rows
+    s.k_est = 280.0  # 5% of the units for a single token: the fused kernel (M <= 16) still pays
+    assert in_graph(1) == "decode" and in_graph(16) == "dense"  # 16 tokens: 56% of the units
+    s.k_est = 1500.0  # 27% for a single token: decode would read too many rows
     assert in_graph(1) == "dense"
+    s.k_est = 29.0  # 16 tokens: 8% of the units (fused); 17 tokens: 8.4% (three launches: above 3%)
+    assert in_graph(16) == "decode" and in_graph(17) == "dense"
     assert choose(PREFILL_MIN_M) == "dense"  # no prefill estimate yet
     s.estimate = (29.0, 60.0)
     assert choose(PREFILL_MIN_M - 1) == "dense"
@@ -325,8 +329,9 @@ def test_cuda_graph_replay_equals_eager(M):
         g.replay()
         torch.cuda.synchronize()
     assert paths[0] == ("dense" if M < PREFILL_MIN_M else "prefill")  # eager
-    # in the graph: decode for the single token (k = 29 of 5632), else as eager
-    assert stack[0].last_path == ("decode" if M == 1 else paths[0])
+    # in the graph: decode up to 16 tokens (k = 29 of 5632: at most 8% of the units active in the
+    # batch, within dispatch.FUSED_MAX_UNION), else as eager
+    assert stack[0].last_path == ("decode" if M <= 16 else paths[0])
     assert rel_err(out, eager) < 1e-2
 
 

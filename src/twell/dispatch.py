@@ -3,9 +3,10 @@
 Three paths compute the same function (up to rounding) for every input:
 
 ``"decode"`` (small batches, ``M <= DECODE_MAX_M`` tokens per call)
-    :func:`twell.kernels.ffn_decode`: the gate read whole, then the up and down rows of the
-    batch's active units only. It never reads more weight bytes than dense, so it needs no
-    sparsity estimate.
+    The gate read whole, then the up and down rows of the batch's active units only: up to
+    ``FUSED_MAX_M`` tokens one fused kernel (:func:`twell.kernels.decode_fused.ffn_decode_fused`),
+    above it three launches (:func:`twell.kernels.ffn_decode`). It never reads more weight bytes
+    than dense.
 ``"prefill"`` (large batches)
     cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the fused up/down kernel
     (:func:`twell.kernels.ffn_from_twell`); overflowed rows take the exact path.
@@ -16,7 +17,8 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
 
 - ``M <= DECODE_MAX_M`` inside a CUDA graph capture: decode, if the layer's measured sparsity
   says that the share of units active for some token of the batch is at most
-  ``DECODE_MAX_UNION`` (without a measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
+  ``FUSED_MAX_UNION`` (``M <= FUSED_MAX_M``) or ``DECODE_MAX_UNION`` (without a measurement
+  yet: only for ``M <= DECODE_BLIND_M``). Outside a
   capture small batches run dense: there the host's time to issue a call (three cuBLAS calls
   against a cuBLAS call and two or three Triton launches, each about 14 us on the H200 machine
   here) decides, not the GPU's, and dense issues least.
@@ -54,7 +56,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_MAX_UNION", "DECODE_BLIND_M", "PREFILL_MIN_M", "MODES"]
+__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_MAX_UNION", "DECODE_BLIND_M", "FUSED_MAX_UNION", "PREFILL_MIN_M", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
@@ -65,9 +67,22 @@ MODES = ("auto", "dense", "twell", "decode", "prefill")
 DECODE_MAX_M = 64
 DECODE_MAX_UNION = 0.03
 DECODE_BLIND_M = 4
+# Up to FUSED_MAX_M tokens (twell.kernels.decode_fused.FUSED_MAX_M) the fused decode kernel runs
+# instead, while the expected share is at most FUSED_MAX_UNION: in CUDA graphs on the H200 it was
+# 1.17x to 1.28x dense at M = 16 for shares up to 0.15 (k = 56; benchmarks/NOTES_decode.md),
+# where the three-launch path is 0.88x to 0.99x. Larger shares were not measured.
+FUSED_MAX_UNION = 0.15
 # Below this many tokens per call, "auto" never takes the prefill kernels: their fixed costs
 # (four launches, the pack's scratch) exceed what sparsity saves.
 PREFILL_MIN_M = 4096
+
+
+
+def _fused_max_m() -> int:
+    from .kernels.decode_fused import FUSED_MAX_M
+
+    return FUSED_MAX_M
+
 
 _LAYERS: "weakref.WeakValueDictionary[int, LayerState]" = weakref.WeakValueDictionary()
 _IDS = itertools.count()
@@ -213,7 +228,9 @@ class LayerState:
                 if not capturing:
                     return "dense"
                 u = self.union_share(M, f)
-                return "decode" if (M <= DECODE_BLIND_M if u is None else u <= DECODE_MAX_UNION) else "dense"
+                if u is None:
+                    return "decode" if M <= DECODE_BLIND_M else "dense"
+                return "decode" if u <= (FUSED_MAX_UNION if M <= _fused_max_m() else DECODE_MAX_UNION) else "dense"
             if M < PREFILL_MIN_M:
                 return "dense"
             c = self.cost(M)
@@ -291,11 +308,15 @@ class LayerState:
 
     def _decode(self, m, x, w_first, w_down_t, w_up, track, probe):
         from .kernels.decode import decode_launch
+        from .kernels.decode_fused import FUSED_MAX_M, decode_fused_launch, fused_config
 
         M, f = x.shape[0], w_first.shape[0]
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.zeros(M, dtype=torch.int32, device=x.device) if track else None
-        y, counts, chunk = decode_launch(x, w_first, w_down_t, w_up, uc, nnz, with_counts=True)
+        if M <= FUSED_MAX_M:
+            y, counts, chunk = decode_fused_launch(x, w_first, w_down_t, w_up, uc, nnz, config=fused_config(M))
+        else:
+            y, counts, chunk = decode_launch(x, w_first, w_down_t, w_up, uc, nnz, with_counts=True)
         if track:
             m._record_counts(nnz, uc)
         if probe and counts.numel():
