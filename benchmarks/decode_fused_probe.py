@@ -37,6 +37,13 @@ DTYPE = torch.float16 if SMOKE else torch.bfloat16
 CONFIGS = [(32, 256, 256, 4, 3, False), (32, 256, 256, 4, 3, True), (16, 256, 256, 4, 3, False),
            (16, 512, 256, 4, 2, False), (32, 128, 256, 4, 4, False), (64, 256, 256, 8, 3, False),
            (32, 512, 256, 8, 2, False), (16, 128, 512, 4, 4, False)]
+# --sweep: more shapes at k = 29 only (which occupancy and how many loads in flight the gate needs)
+SWEEP = "--sweep" in sys.argv
+if SWEEP:
+    CONFIGS = [(16, 256, 256, 4, 3, False), (64, 256, 256, 8, 3, False), (16, 128, 256, 4, 2, False),
+               (16, 128, 256, 2, 3, False), (16, 64, 256, 2, 4, False), (16, 128, 128, 4, 4, False),
+               (16, 256, 256, 8, 2, False), (16, 256, 256, 2, 2, False), (32, 128, 256, 4, 2, False),
+               (32, 128, 128, 8, 3, False), (64, 128, 256, 8, 2, False), (64, 64, 256, 4, 4, False)]
 if SMOKE:
     CONFIGS = [(16, 32, 32, 4, 1, False)]
 
@@ -52,7 +59,25 @@ def graph_us(fn) -> float:
 
 def main() -> None:
     rows = []
-    for k in (8, 29, 56):
+    if SWEEP and not SMOKE:  # the fixed parts: the gate alone in cuBLAS, the memset and the cast
+        s = make_ffn(16, D, F, 29, "even", dtype=DTYPE, device=DEVICE, seed=3)
+        x1 = s.x[:1].contiguous()
+        rows.append(dict(what="fixed", cublas_gate_us=graph_us(lambda: torch.mm(x1, s.w_gate.T)),
+                         memset_cast_us=graph_us(lambda: torch.zeros(1, D, device=DEVICE).to(DTYPE))))
+        print(rows[-1], flush=True)
+        from twell.kernels.decode_fused import DecodeScratch
+        from twell.bench.timing import alternating, graph_ms
+
+        wdt = s.w_down.T.contiguous()
+        scratch = DecodeScratch(D, DEVICE)
+        for M in (1, 4, 16):
+            x = s.x[:M].contiguous()
+            fresh, kept = alternating(graph_ms, [lambda: ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up),
+                                                 lambda: ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)])
+            rows.append(dict(what="scratch", M=M, fresh_us=1e3 * fresh, scratch_us=1e3 * kept,
+                             scratch_clean=bool(torch.all(scratch.acc == 0))))
+            print(rows[-1], flush=True)
+    for k in ((29,) if SWEEP else (8, 29, 56)):
         s = make_ffn(64, D, F, k, "even", dtype=DTYPE, device=DEVICE, seed=k + 5)
         wdt = s.w_down.T.contiguous()
         for M in (1, 4, 16):
@@ -86,9 +111,19 @@ def main() -> None:
                   + (f"; NOT EXACT or failed: {bad}" if bad else ""), flush=True)
     if not SMOKE:
         print("\nall fused shapes (us):")
-        names = [n for n in rows[0] if n.startswith("fused_")]
+        try:  # shared memory and registers of each compiled shape (occupancy), best effort
+            from twell.kernels.decode_fused import _decode_fused_kernel as kern
+
+            for dev_cache in kern.device_caches.values():
+                for ck in dev_cache[0].values():
+                    md = ck.metadata
+                    print(f"  compiled: warps {md.num_warps} stages {md.num_stages} shared {md.shared} B regs {ck.n_regs} spills {ck.n_spills}")
+        except Exception as e:  # noqa: BLE001
+            print("  (no compiled-kernel metadata:", repr(e)[:120], ")")
+        recs = [r for r in rows if "M" in r and "what" not in r]
+        names = [n for n in recs[0] if n.startswith("fused_")]
         for n in names:
-            print(f"  {n[6:]:24s} " + " ".join(f"{r[n].get('us', float('nan')):6.1f}" for r in rows))
+            print(f"  {n[6:]:24s} " + " ".join(f"{r[n].get('us', float('nan')):6.1f}" for r in recs))
 
 
 if __name__ == "__main__":

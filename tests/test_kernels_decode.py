@@ -207,13 +207,13 @@ def test_decode_fused_validation():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 4, 16])
-@pytest.mark.parametrize("all_rows", [False, True])
-def test_decode_fused_gpu_bf16(M, all_rows):
+@pytest.mark.parametrize("mode", ["fresh", "all_rows", "scratch"])
+def test_decode_fused_gpu_bf16(M, mode):
     """bf16 at the real shape, repeated (a wrong ordering of the adds would show as a varying or
-    wrong sum), against fp32 and dense's row error."""
+    wrong sum), against fp32 and dense's row error; with a scratch, which must be left zeroed."""
     from twell.bench.inference import errors, reference_fp32
     from twell.bench.synthetic import make_ffn
-    from twell.kernels.decode_fused import FUSED_CONFIG, ffn_decode_fused
+    from twell.kernels.decode_fused import FUSED_CONFIG, DecodeScratch, ffn_decode_fused
 
     s = make_ffn(64, 2048, 5632, 29, "even", dtype=torch.bfloat16, device="cuda", seed=M)
     x = s.x[:M].contiguous()
@@ -221,7 +221,28 @@ def test_decode_fused_gpu_bf16(M, all_rows):
     dense = (torch.relu(x @ s.w_gate.T) * (x @ s.w_up.T)) @ s.w_down.T
     _, dense_row = errors(dense, ref)
     wdt = s.w_down.T.contiguous()
+    scratch = DecodeScratch(2048, "cuda") if mode == "scratch" else None
     for _ in range(5):
-        y = ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up, config=FUSED_CONFIG[:5] + (all_rows,))
+        y = ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up, config=FUSED_CONFIG[:5] + (mode == "all_rows",), scratch=scratch)
         rel, row = errors(y, ref)
         assert rel < 1e-2 and row <= 2 * dense_row, (rel, row, dense_row)
+    if scratch is not None:
+        assert torch.all(scratch.acc == 0)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_fused_scratch_is_left_zeroed_and_reused(gated):
+    """With a DecodeScratch: two launches per call, the same results as without, and the
+    scratch all zeros after each call (three calls of different batches on one scratch)."""
+    from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
+
+    x, wg, wu, wd = gate_case(9, 40, 100, torch.float32, seed=11)
+    scratch = DecodeScratch(40, "cpu")
+    for call, xi in enumerate((x, x[:3].flip(0).contiguous(), x[1:2].contiguous())):
+        kw = dict(w_up=wu) if gated else {}
+        y = ffn_decode_fused(xi, wg, wd.T.contiguous(), scratch=scratch, config=(16, 16, 16, 4, 1, True), **kw)
+        ref = ffn_decode_fused(xi, wg, wd.T.contiguous(), config=(16, 16, 16, 4, 1, False), **kw)
+        assert y.shape == xi.shape and rel_err(y, ref) < 1e-6, call
+        assert torch.all(scratch.acc == 0), call
+    with pytest.raises(ValueError, match="scratch must be"):
+        ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, scratch=DecodeScratch(32, "cpu"))

@@ -72,6 +72,11 @@ DECODE_BLIND_M = 4
 # 1.17x to 1.28x dense at M = 16 for shares up to 0.15 (k = 56; benchmarks/NOTES_decode.md),
 # where the three-launch path is 0.88x to 0.99x. Larger shares were not measured.
 FUSED_MAX_UNION = 0.15
+# Whether a layer keeps a zeroed [16, d] fp32 accumulator for the fused decode kernel (128 KB at
+# d 2048), saving a memset launch per call (the memset and the cast measured 5.9 us together in
+# a graph on the H200, of a 25 us call at M = 1). One per layer: calls on one stream are ordered,
+# and a layer runs on one stream at a time.
+DECODE_SCRATCH = True
 # Below this many tokens per call, "auto" never takes the prefill kernels: their fixed costs
 # (four launches, the pack's scratch) exceed what sparsity saves.
 PREFILL_MIN_M = 4096
@@ -175,6 +180,9 @@ class LayerState:
         self._no_overflow = False
         self._calls = 0
         self._on_kernels = False
+        # the fused decode kernel's accumulator (twell.kernels.decode_fused.DecodeScratch): one
+        # launch fewer per call (no memset); made at the first small CUDA call outside a capture
+        self.scratch = None
 
     @property
     def module(self):
@@ -284,6 +292,8 @@ class LayerState:
         mode = m.kernel_mode
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path = self.choose(M, f, mode, m.kernel_max_density, capturing)
+        if DECODE_SCRATCH and M <= _fused_max_m() and x.is_cuda and not capturing and not m.training:
+            self._ensure_scratch(x)  # before a capture needs it: a buffer made inside one is the graph's
         w_down_t = w_down.t() if path != "dense" else w_down
         if path != "dense" and not w_down_t.is_contiguous():
             # kernels need down columns as contiguous rows: the module keeps w_down so in eval
@@ -314,7 +324,10 @@ class LayerState:
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.zeros(M, dtype=torch.int32, device=x.device) if track else None
         if M <= FUSED_MAX_M:
-            y, counts, chunk = decode_fused_launch(x, w_first, w_down_t, w_up, uc, nnz, config=fused_config(M))
+            sc = self.scratch
+            if sc is not None and (sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1]):
+                sc = None
+            y, counts, chunk = decode_fused_launch(x, w_first, w_down_t, w_up, uc, nnz, config=fused_config(M), scratch=sc)
         else:
             y, counts, chunk = decode_launch(x, w_first, w_down_t, w_up, uc, nnz, with_counts=True)
         if track:
@@ -325,6 +338,13 @@ class LayerState:
             share = counts.sum(dtype=torch.float32) / (n_chunks * f)
             self._publish("union", torch.stack([share, share.new_full((), min(M, chunk)), share, share]))
         return y
+
+    def _ensure_scratch(self, x: torch.Tensor) -> None:
+        sc = self.scratch
+        if sc is None or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1]:
+            from .kernels.decode_fused import DecodeScratch
+
+            self.scratch = DecodeScratch(x.shape[1], x.device)
 
     def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu

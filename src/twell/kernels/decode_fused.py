@@ -35,7 +35,7 @@ import triton.language as tl
 from ._launch import on_device_of
 from .decode import check_decode_args
 
-__all__ = ["ffn_decode_fused", "decode_fused_launch", "fused_config", "FUSED_MAX_M", "FUSED_CONFIG"]
+__all__ = ["ffn_decode_fused", "decode_fused_launch", "fused_config", "DecodeScratch", "FUSED_MAX_M", "FUSED_CONFIG"]
 
 FUSED_MAX_M = 16  # tokens per call: one tensor-core tile of rows
 
@@ -102,6 +102,28 @@ def _decode_fused_kernel(
             tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], part, mask=amask, sem="relaxed")
 
 
+@triton.jit
+def _write_out_kernel(acc_ptr, y_ptr, stride_ym, M, d, BLOCK: tl.constexpr):
+    # y = acc in y's dtype, and acc zeroed for the next call (a DecodeScratch's buffer)
+    m = tl.program_id(1)
+    cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    v = tl.load(acc_ptr + m * d + cols, mask=mask, other=0.0)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + cols, v.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(acc_ptr + m * d + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+
+
+class DecodeScratch:
+    """A reusable fp32 accumulator for :func:`decode_fused_launch`: ``[16, d]`` zeros, left
+    zeroed by every call (its write-out kernel zeroes what the call used), so a call needs no
+    memset launch. One per layer, used by one stream at a time (two streams' calls on one
+    scratch would mix their sums). Allocate it outside a CUDA graph capture: a buffer from a
+    capture's memory pool is the graph's."""
+
+    def __init__(self, d: int, device) -> None:
+        self.acc = torch.zeros(FUSED_MAX_M, d, dtype=torch.float32, device=device)
+
+
 # BU units per program, BK columns of d per gate/up step, BD columns per down step, warps,
 # stages, all-rows adds (see the kernel). Per largest M: the fastest in CUDA graphs on the H200
 # (benchmarks/decode_fused_probe.py, d 2048, f 5632, bf16, k 8 to 56): 16-unit blocks at M = 1
@@ -119,19 +141,26 @@ def fused_config(M: int) -> tuple:
     return FUSED_CONFIG
 
 
-def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_nnz=None, *, config=None):
+def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_nnz=None, *, config=None,
+                        scratch: Optional[DecodeScratch] = None):
     """:func:`ffn_decode_fused` without the argument checks, for callers that validated them.
 
     Returns ``(y, counts, M)``: ``counts [NB]`` int32, the active units of each block of units
     (the batch is one chunk of M tokens). ``unit_counts [f]`` is overwritten, ``row_nnz [M]``
-    added to (pass zeros)."""
+    added to (pass zeros). With a ``scratch`` (for x's d and device) the call is two launches
+    (the fused kernel, then one that writes y and zeroes the scratch); without, three (a zeroed
+    buffer, the kernel, PyTorch's cast)."""
     M, d = x.shape
     f = w_first.shape[0]
     if M == 0 or d == 0 or f == 0:
         return torch.zeros(M, d, dtype=x.dtype, device=x.device), torch.zeros(0, dtype=torch.int32, device=x.device), max(M, 1)
     BU, BK, BD, nw, ns, all_rows = config or fused_config(M)
     NB = triton.cdiv(f, BU)
-    acc = torch.zeros(FUSED_MAX_M if all_rows else M, d, dtype=torch.float32, device=x.device)
+    if scratch is not None:
+        all_rows = False  # the write-out zeroes only the rows that were added to
+        acc = scratch.acc
+    else:
+        acc = torch.zeros(FUSED_MAX_M if all_rows else M, d, dtype=torch.float32, device=x.device)
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
     track = unit_counts is not None
     w_up_ = w_up if w_up is not None else w_first
@@ -144,6 +173,11 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
             GATED=w_up is not None, TRACK=track, ALL_ROWS=bool(all_rows), PREC="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=nw, num_stages=ns,
         )
+        if scratch is not None:
+            y = torch.empty(M, d, dtype=x.dtype, device=x.device)
+            WB = min(1024, triton.next_power_of_2(d))
+            _write_out_kernel[(triton.cdiv(d, WB), M)](acc, y, y.stride(0), M, d, BLOCK=WB, num_warps=4)
+            return y, counts, M
     return acc[:M].to(x.dtype), counts, M
 
 
@@ -156,6 +190,7 @@ def ffn_decode_fused(
     unit_counts: Optional[torch.Tensor] = None,
     row_nnz: Optional[torch.Tensor] = None,
     config: Optional[tuple] = None,
+    scratch: Optional[DecodeScratch] = None,
 ) -> torch.Tensor:
     """The whole FFN of at most 16 tokens with one weight-reading kernel (see the module's text).
 
@@ -167,6 +202,8 @@ def ffn_decode_fused(
             row_nnz: optional ``[M]`` int32 zeros, given the active units of each token (both
             or neither).
         config: ``(BU, BK, BD, num_warps, num_stages, all_rows)``.
+        scratch: a :class:`DecodeScratch` (zeroed accumulator kept between calls: one launch
+            fewer); None: a fresh buffer per call.
 
     Returns:
         ``y [M, d]`` in x's dtype.
@@ -181,4 +218,6 @@ def ffn_decode_fused(
             if t.dtype != torch.int32 or t.shape != (n,) or t.device != x.device or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous [{n}] int32 tensor on {x.device}, got "
                                  f"{list(t.shape)} {t.dtype} on {t.device}")
-    return decode_fused_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, config=config)[0]
+    if scratch is not None and (scratch.acc.shape != (FUSED_MAX_M, d) or scratch.acc.device != x.device):
+        raise ValueError(f"scratch must be a DecodeScratch for d = {d} on {x.device}, got {list(scratch.acc.shape)} on {scratch.acc.device}")
+    return decode_fused_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, config=config, scratch=scratch)[0]
