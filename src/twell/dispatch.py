@@ -282,7 +282,8 @@ class LayerState:
 
     # -- the paths ------------------------------------------------------------------------------
 
-    def run(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor]) -> torch.Tensor:
+    def run(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor],
+            make_scratch: bool = True) -> torch.Tensor:
         """The FFN of ``x [M, d]`` (unit-stride rows) with ``w_first``/``w_up [f, d]``,
         ``w_down [d, f]``: gated (``relu(x w_first^T) * (x w_up^T)``) when ``w_up`` is given.
         Records the module's statistics when it tracks them. Returns ``y [M, d]``."""
@@ -292,8 +293,11 @@ class LayerState:
         mode = m.kernel_mode
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path = self.choose(M, f, mode, m.kernel_max_density, capturing)
-        if DECODE_SCRATCH and M <= _fused_max_m() and x.is_cuda and not capturing and not m.training:
-            self._ensure_scratch(x)  # before a capture needs it: a buffer made inside one is the graph's
+        if make_scratch and DECODE_SCRATCH and M <= _fused_max_m() and x.is_cuda and not capturing and not m.training:
+            # before a capture needs it: a buffer made inside one is the graph's. Not from the
+            # compiled op (make_scratch False): cudagraph trees run their warm-up in the graphs'
+            # memory pool, and a buffer from there must not outlive it
+            self._ensure_scratch(x)
         w_down_t = w_down.t() if path != "dense" else w_down
         if path != "dense" and not w_down_t.is_contiguous():
             # kernels need down columns as contiguous rows: the module keeps w_down so in eval
@@ -340,8 +344,9 @@ class LayerState:
         return y
 
     def _ensure_scratch(self, x: torch.Tensor) -> None:
-        sc = self.scratch
-        if sc is None or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1]:
+        # made once and never replaced: a graph captured with it keeps its address (a layer whose
+        # device changes later runs the fused kernel without it, one memset more per call)
+        if self.scratch is None:
             from .kernels.decode_fused import DecodeScratch
 
             self.scratch = DecodeScratch(x.shape[1], x.device)

@@ -35,7 +35,7 @@ def ffn_infer(x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up
     """One FFN call of the layer that owns ``w_first`` (see the module docstring)."""
     state = layer_of_weight(w_first)
     if state is not None:
-        return state.run(x, w_first, w_down, w_up)
+        return state.run(x, w_first, w_down, w_up, make_scratch=False)
     warnings.warn("twell::ffn_infer: no twell module owns these weights (copied by a compiler?); "
                   "computing the FFN densely", RuntimeWarning, stacklevel=2)
     a = torch.mm(x, w_first.t())
