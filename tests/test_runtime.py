@@ -121,6 +121,35 @@ def test_estimate_from_a_decode_probe():
     assert s.union_share(16, 5632) == pytest.approx(share, rel=1e-6)
 
 
+def test_union_measured_by_a_small_dense_probe_steers_decode():
+    """A small dense call's probe also reports the share of units active for some token of its
+    batch (in the overflow slot); the layer fits a per-token rate to it, which carries the
+    layer's skew: with the same mean, a skewed layer (fewer units in the union) takes decode at a
+    batch size where the independence estimate from the mean would not."""
+    from twell.dispatch import FUSED_MAX_UNION
+
+    class Done:
+        def query(self):
+            return True
+
+    f, M, k = 5632, 16, 120.0
+    s = SparseGatedMLP(8, 16)._twell_layer
+    s._f, s._union_m = f, 0
+    s._host, s._event, s._kind, s._no_overflow = torch.tensor([k, k, 2 * k, 0.0]), Done(), "rows", True
+    s._poll()
+    assert s.union_rate is None and s.k_est == k
+    independent = s.union_share(M, f)
+    assert independent == pytest.approx(1 - (1 - k / f) ** M) and independent > FUSED_MAX_UNION
+    assert s.choose(M, f, "auto", None, True) == "dense"
+    share = 0.10  # measured: the batch's tokens share many of their units
+    s._host, s._event, s._union_m = torch.tensor([k, k, 2 * k, share]), Done(), M
+    s._poll()
+    assert s.k_est == k and s.estimate[0] == pytest.approx(k)  # the share is not read as overflow
+    assert s.union_share(M, f) == pytest.approx(share, rel=1e-6)
+    assert s.choose(M, f, "auto", None, True) == "decode"
+    assert s.union_share(1, f) == pytest.approx(1 - (1 - share) ** (1 / M), rel=1e-6)
+
+
 def test_row_stats():
     from twell.dispatch import row_stats
 
@@ -437,3 +466,24 @@ def test_eval_layout_leaves_weights_that_view_a_larger_buffer():
     assert torch.all(m.down_proj.weight == 2.0)
     own = twell.SparseGatedMLP(8, 12).eval()
     assert own.down_proj.weight.t().is_contiguous()  # the kernel layout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_small_eager_calls_measure_the_union_and_make_the_decode_accumulator():
+    """Eager calls of 16 tokens run dense, and their probes (every PROBE_EVERY_SMALL calls)
+    measure the share of units active for some token of the batch: the layer's union estimate
+    for 16 tokens then equals the measured share, and the fused decode's accumulator exists
+    before any capture."""
+    stack, xs = _gpu_stack(layers=1)
+    m = stack[0]
+    x = xs[:16].contiguous()
+    with torch.no_grad():
+        for _ in range(3):
+            m(x)
+            torch.cuda.synchronize()
+    s = m._twell_layer
+    assert m.last_path == "dense" and s.union_rate is not None
+    share = float(((x.float() @ m.gate_proj.weight.float().T) > 0).any(0).float().mean())
+    assert s.union_share(16, 5632) == pytest.approx(share, rel=0.02)
+    assert s.scratch is not None and s.scratch.acc.shape == (16, 2048) and bool(torch.all(s.scratch.acc == 0))

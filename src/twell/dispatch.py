@@ -30,8 +30,9 @@ The sparsity estimate never costs a host synchronisation: every ``PROBE_EVERY`` 
 ``PROBE_EVERY_SMALL`` calls of at most ``DECODE_MAX_M`` tokens, whose eager path is dense
 whatever the estimate and whose host time is what a caller waits for) a
 layer copies a few statistics of the call (row counts on the dense and prefill paths, the share
-of units active in the batch on the decode path) to pinned host memory without blocking, and a
-later call reads them once their CUDA event has completed.
+of units active in the batch on the decode path and on dense calls of at most ``FUSED_MAX_M``
+tokens) to pinned host memory without blocking, and a later call reads them once their CUDA
+event has completed.
 
 Inside a CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``)
 nothing is probed or polled: each layer's path is the one its state gives at capture time
@@ -81,6 +82,12 @@ DECODE_SCRATCH = True
 # (four launches, the pack's scratch) exceed what sparsity saves.
 PREFILL_MIN_M = 4096
 
+
+
+def _rate_of_union(share: float, m: float) -> float:
+    """The per-token firing rate p with ``1 - (1 - p)^m = share`` (units firing independently)."""
+    share = min(max(share, 0.0), 1.0)
+    return 1.0 - (1.0 - share) ** (1.0 / max(m, 1.0)) if share < 1.0 else 1.0
 
 
 def _fused_max_m() -> int:
@@ -170,6 +177,10 @@ class LayerState:
         self._module = weakref.ref(module)
         self.estimate: Optional[tuple[float, float]] = None  # prefill: (cost without the tail, max row)
         self.k_est: Optional[float] = None  # mean active units per token, from any path's probe
+        # per-token firing rate that reproduces the measured share of units active for some token
+        # of a small batch (skewed layers: below k_est / f); decode's choice uses it first
+        self.union_rate: Optional[float] = None
+        self._union_m = 0
         self.counters = None  # OverflowCounters of the prefill path, accumulated over calls
         self.last_path: Optional[str] = None
         self._tile = 256
@@ -200,14 +211,17 @@ class LayerState:
     def _poll(self) -> None:
         if self._event is not None and self._event.query():
             a, b, c, e = (float(v) for v in self._host.tolist())
-            if self._no_overflow:
-                e = 0.0
             if self._kind == "rows":  # mean, rms, max of active units per row; overflowed tiles per row
+                if self._union_m:  # a small dense call: e is the share of units active in its batch
+                    self.union_rate = _rate_of_union(e, self._union_m)
+                    e = 0.0
+                if self._no_overflow:
+                    e = 0.0
                 self.estimate = (a + self.RMS_WEIGHT * max(0.0, b - a) + e * self._tile / 8, c)
                 self.k_est = a
             else:  # "union": share of the units active in a chunk of b tokens
-                a = min(max(a, 0.0), 1.0)
-                self.k_est = self._f * (1.0 - (1.0 - a) ** (1.0 / max(b, 1.0))) if a < 1.0 else float(self._f)
+                self.union_rate = _rate_of_union(a, b)
+                self.k_est = self._f * self.union_rate
             self._event = None
 
     def cost(self, M: int) -> Optional[float]:
@@ -218,14 +232,19 @@ class LayerState:
         return base + self.TAIL_WEIGHT * top / max(M, 1)
 
     def union_share(self, M: int, f: int) -> Optional[float]:
-        """Expected share of the units active for some token of a decode chunk of ``M`` tokens, if
-        units fired independently at the estimated rate (skewed real layers have fewer)."""
-        if self.k_est is None:
-            return None
+        """Expected share of the units active for some token of a decode chunk of ``M`` tokens:
+        units firing independently at :attr:`union_rate` (fitted to a measured batch's share, so
+        it carries the layer's skew), else at the measured mean ``k_est / f`` (skewed layers then
+        have fewer than this says)."""
+        rate = self.union_rate
+        if rate is None:
+            if self.k_est is None:
+                return None
+            rate = min(self.k_est / max(f, 1), 1.0)
         from .kernels.decode import decode_config
 
         chunk = min(M, decode_config(M)[0])
-        return 1.0 - (1.0 - min(self.k_est / max(f, 1), 1.0)) ** chunk
+        return 1.0 - (1.0 - rate) ** chunk
 
     def choose(self, M: int, f: int, mode: str, max_density: Optional[float], capturing: bool) -> str:
         """``"dense"``, ``"decode"`` or ``"prefill"`` for a call of ``M`` tokens."""
@@ -274,11 +293,16 @@ class LayerState:
         self._event = torch.cuda.Event()
         self._event.record()
 
-    def _publish_rows(self, per_row: torch.Tensor, over_per_token: Optional[torch.Tensor]) -> None:
+    def _publish_rows(self, per_row: torch.Tensor, over_per_token: Optional[torch.Tensor],
+                      union: Optional[torch.Tensor] = None, union_m: int = 0) -> None:
         """per_row: ``[n]`` active units of (a sample of) the call's rows, float32;
-        over_per_token: overflowed tiles per token (None: no overflow on this path)."""
+        over_per_token: overflowed tiles per token (None: no overflow on this path); union: the
+        share of units active for some token of the call's ``union_m`` tokens (small dense calls;
+        it takes the overflow slot)."""
         if per_row.numel():
-            self._publish("rows", row_stats(per_row, over_per_token), no_overflow=over_per_token is None)
+            self._union_m = union_m if union is not None else 0
+            self._publish("rows", row_stats(per_row, over_per_token if union is None else union),
+                          no_overflow=over_per_token is None)
 
     # -- the paths ------------------------------------------------------------------------------
 
@@ -392,5 +416,8 @@ class LayerState:
         if probe and a.shape[0]:
             # after h is freed, so the probe's [rows, f] mask never raises the call's peak; a > 0
             # is still the pattern (relu_ keeps the sign)
-            self._publish_rows((a[:4096] > 0).sum(dim=1, dtype=torch.float32), None)
+            fires = a[:4096] > 0
+            M = a.shape[0]
+            union = fires.any(0).sum(dtype=torch.float32) / max(a.shape[1], 1) if M <= _fused_max_m() else None
+            self._publish_rows(fires.sum(dim=1, dtype=torch.float32), None, union, M)
         return y
