@@ -105,3 +105,22 @@ def test_model_results_merge_keeps_other_models(tmp_path):
     redo = merge_model_results(str(path), run("2b", "calibrated", 4.0), "2b")
     assert sorted(r["prefill_ms"] for r in redo["records"]) == [2.0, 2.0, 3.0, 3.0, 4.0, 4.0]
     assert set(redo["sparsity_by_model"]) == {"2b calibrated", "0.5b trained", "0.5b calibrated"}
+
+
+def test_published_reference_figures_join_the_matching_records():
+    """The published kernels' figures (constants from issue 10's side-by-side run) go only to
+    the records of the same M, distribution, asked k and shape, and the table shows them."""
+    from twell.bench.cli import _table
+    from twell.bench.inference import PUBLISHED_H200, add_published
+
+    base = dict(d=2048, f=5632, dense_ms=1.0, twell_ms=0.5, speedup=2.0, rel_err=1e-3, max_row_err=1e-3, dense_max_row_err=1e-3)
+    recs = [dict(base, M=131072, distribution="heavy", k=29), dict(base, M=131072, distribution="heavy", k=56),
+            dict(base, M=4096, distribution="even", k=29, d=4096, f=11008), dict(base, M=4096, distribution="even", k=29)]
+    add_published(recs)
+    dense_ms, ms, note = PUBLISHED_H200[(131072, "heavy", 29)]
+    assert recs[0]["published_ms"] == ms and recs[0]["published_speedup"] == pytest.approx(dense_ms / ms)
+    assert "wrong" in recs[0]["published_note"]
+    assert "published_ms" not in recs[1] and "published_ms" not in recs[2]
+    assert recs[3]["published_speedup"] == pytest.approx(0.43 / 0.30)
+    lines = _table(recs).splitlines()
+    assert lines[0].endswith("pub x") and lines[4].endswith(f"{0.43 / 0.30:6.2f}") and lines[2].endswith(" " * 6)

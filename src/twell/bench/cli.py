@@ -107,13 +107,14 @@ def plot_speedup(records: list[dict], path_png: str) -> None:
 
 def _table(records: list[dict]) -> str:
     lines = [f"{'M':>7} {'d':>5} {'f':>6} {'k':>5} {'dist':7} {'dense':>7} {'twell':>7} {'x':>5} {'kern':>7} {'kx':>5} "
-             f"{'g+p':>6} {'ud':>7} {'err':>8} {'row':>8} {'drow':>8}"]
+             f"{'g+p':>6} {'ud':>7} {'err':>8} {'row':>8} {'drow':>8} {'pub x':>6}"]
     for r in records:
         lines.append(
             f"{r['M']:>7} {r['d']:>5} {r['f']:>6} {r['k']:>5g} {r['distribution']:7} {r['dense_ms']:7.2f} {r['twell_ms']:7.2f} "
             f"{r['speedup']:5.2f} {r.get('kernels_ms', float('nan')):7.2f} {r.get('kernels_speedup', float('nan')):5.2f} "
             f"{r.get('gate_pack_ms', float('nan')):6.2f} {r.get('updown_ms', float('nan')):7.2f} {r['rel_err']:8.1e} "
-            f"{r['max_row_err']:8.1e} {r['dense_max_row_err']:8.1e}"
+            f"{r['max_row_err']:8.1e} {r['dense_max_row_err']:8.1e} "
+            + (f"{r['published_speedup']:6.2f}" if "published_speedup" in r else f"{'':6}")
         )
     return "\n".join(lines)
 
@@ -141,7 +142,7 @@ def bench_main(argv=None) -> None:
         raise SystemExit("twell bench needs a CUDA GPU")
     from ..kernels import gate_pack, updown
     from ..dispatch import LayerState as _KernelPath
-    from .inference import best_config, break_even_density, run_grid, run_variants
+    from .inference import add_published, best_config, break_even_density, run_grid, run_variants
 
     os.makedirs(args.out, exist_ok=True)
     tag = _gpu_tag()
@@ -181,8 +182,9 @@ def bench_main(argv=None) -> None:
         records = run_grid([(2048, 5632)], [16384], (29, 56, 280), ["even"], **kw)
     else:
         big_ok = lambda M, f, k: k <= 0.06 * f or M <= 16384  # noqa: E731  (forced kernels take seconds when dense)
-        records = run_grid([(2048, 5632)], [16384, 131072], KS, ["even", "skewed", "heavy"], kernel_k_limit=big_ok, **kw)
+        records = run_grid([(2048, 5632)], [4096, 16384, 131072], KS, ["even", "skewed", "heavy"], kernel_k_limit=big_ok, **kw)
         records += run_grid([(4096, 11008)], [16384, 65536], (29, 56, 280, 1000), ["even"], kernel_k_limit=big_ok, **kw)
+    add_published(records)  # the published kernels' figures, reference constants (not rerun)
     write_results(records, path)
     os.remove(partial)
     plot_speedup(records, os.path.splitext(path)[0] + ".png")
