@@ -36,7 +36,7 @@ event has completed.
 
 Inside a CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``)
 nothing is probed or polled: each layer's path is the one its state gives at capture time
-(decode below ``DECODE_MAX_M`` always; above it, prefill only if an estimate taken in eager
+(decode up to ``DECODE_MAX_M`` tokens where the union estimate allows, see above; above it, prefill only if an estimate taken in eager
 calls before the capture says so), and a replay runs that path whatever the data.
 
 ``kernel_mode`` may force a path: ``"dense"``, ``"decode"``, ``"prefill"``, or ``"twell"``
