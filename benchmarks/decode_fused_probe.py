@@ -1,5 +1,5 @@
-"""Issue 9: does the fused decode kernel (twell.kernels.decode_fused: one weight-reading kernel
-between a memset and a cast) beat the three-launch decode path and dense? One device call.
+"""Issue 9: does the fused decode kernel (twell.kernels.decode_fused: one weight-reading kernel,
+then the write-out) beat the three-launch decode path and dense? One device call.
 
 For M in (1, 4, 16) and k in (8, 29, 56) spread evenly (d 2048, f 5632, bf16), every call
 captured in a CUDA graph and its replays timed (L2 flushed before each): dense PyTorch, the
@@ -8,6 +8,8 @@ Each fused shape is first checked five times against fp32 (a varying or wrong su
 adds are not ordered before the cast). Records errors and the bytes each must read.
 
     python benchmarks/decode_fused_probe.py [OUTDIR]
+    python benchmarks/decode_fused_probe.py [OUTDIR] --sweep   # k 29 only: more block shapes, the
+        # fixed costs (cuBLAS gate, memset + cast), and a kept accumulator against a fresh one
     TRITON_INTERPRET=1 python benchmarks/decode_fused_probe.py /tmp --smoke   # CPU, tiny, untimed
 
 Writes OUTDIR/decode_fused_probe.json; prints a table. A failing shape is recorded, not fatal.
