@@ -124,3 +124,24 @@ def test_published_reference_figures_join_the_matching_records():
     assert recs[3]["published_speedup"] == pytest.approx(0.43 / 0.30)
     lines = _table(recs).splitlines()
     assert lines[0].endswith("pub x") and lines[4].endswith(f"{0.43 / 0.30:6.2f}") and lines[2].endswith(" " * 6)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU fallback (wall time)")
+def test_interleaved_timing_alternates_call_by_call():
+    """interleaved_ms calls its callables in turn, one call each per step, and returns each one's
+    median: a drift of the host between steps reaches both sides alike."""
+    import time
+
+    from twell.bench.timing import interleaved_ms
+
+    order = []
+
+    def work(tag, seconds):
+        def fn():
+            order.append(tag)
+            time.sleep(seconds)
+        return fn
+
+    a, b = interleaved_ms([work("a", 0.001), work("b", 0.003)], calls=15, warmup=2)
+    assert order == ["a", "b"] * 17
+    assert 0.9 < a < 2.5 and b / a > 1.8

@@ -17,7 +17,7 @@ from torch import nn
 
 from .inference import errors, machine_info, reference_fp32
 from .synthetic import make_ffn
-from .timing import alternating, eager_ms, graph_ms, host_us
+from .timing import alternating, eager_ms, graph_ms, host_us, interleaved_ms
 
 __all__ = ["DenseMLP", "batch_grid", "compile_compare", "decode_grid"]
 
@@ -83,9 +83,13 @@ def batch_grid(Ms=(1, 4, 16, 64, 256, 1024, 4096, 16384, 131072), ks=(29, 280), 
                     _warm(twell, x)
                     rec = dict(M=M, k=k, distribution=dist, d=D, f=F)
                     rec["k_measured"] = float(((x.float() @ s.w_gate.float().T) > 0).sum(dim=1).float().mean()) if M <= 16384 else None
-                    # alternating rounds: eager small batches are bound by the host, whose speed drifts
-                    rec["dense_ms"], rec["twell_ms"] = alternating(eager_ms, [lambda: dense(x), lambda: twell(x)],
-                                                                   rounds=3 if M <= 16384 else 1)
+                    # eager small batches are bound by the host, whose speed drifts: call by call in
+                    # turn up to 16384 tokens (a 131072-token call takes 14 ms: one round each)
+                    if M <= 16384:
+                        rec["dense_ms"], rec["twell_ms"] = interleaved_ms([lambda: dense(x), lambda: twell(x)],
+                                                                          calls=200 if M <= 1024 else 50)
+                    else:
+                        rec["dense_ms"], rec["twell_ms"] = alternating(eager_ms, [lambda: dense(x), lambda: twell(x)], rounds=1)
                     rec["path"] = twell.last_path
                     rec["dense_graph_ms"], rec["twell_graph_ms"] = alternating(
                         graph_ms, [lambda: dense(x), lambda: twell(x)], rounds=3 if M <= 16384 else 1)

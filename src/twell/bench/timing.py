@@ -12,6 +12,8 @@
 - :func:`alternating`: any of these for two or more callables in alternating rounds, the median
   per callable: where the host is the bottleneck (eager small batches) its speed drifts over
   seconds, and timing one side after the other turns that drift into a ratio.
+- :func:`interleaved_ms`: eager times of two or more callables taken call by call in turn (a, b,
+  a, b, ...), so that both sides of a ratio see the same host, microseconds apart.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["eager_ms", "graph_ms", "host_us", "peak_bytes", "capture", "alternating"]
+__all__ = ["eager_ms", "graph_ms", "host_us", "peak_bytes", "capture", "alternating", "interleaved_ms"]
 
 
 def eager_ms(fn: Callable[[], object], rep: int = 100, min_reps: int = 10) -> float:
@@ -88,3 +90,36 @@ def alternating(measure: Callable[[Callable[[], object]], float], fns: "list[Cal
         for i, fn in enumerate(fns):
             values[i].append(measure(fn))
     return [statistics.median(v) for v in values]
+
+
+def interleaved_ms(fns: "list[Callable[[], object]]", calls: int = 200, warmup: int = 10) -> "list[float]":
+    """Median milliseconds per call of each of ``fns``, timed call by call in turn (a, b, a, b,
+    ...): CUDA events around each call, L2 flushed before each (as ``triton.testing.do_bench``
+    does), one synchronisation at the end. Eager small batches are bound by the host, whose
+    speed drifts over seconds (on the H200 machine here a dense call took 43 to 118 us from one
+    record to the next); rounds of 100 ms per side still caught different phases of that drift,
+    where calls microseconds apart see the same host. Without CUDA: wall time per call, no flush
+    (for tests)."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+    if not torch.cuda.is_available():
+        samples: list[list[float]] = [[] for _ in fns]
+        for _ in range(calls):
+            for j, fn in enumerate(fns):
+                t0 = time.perf_counter()
+                fn()
+                samples[j].append((time.perf_counter() - t0) * 1e3)
+        return [statistics.median(v) for v in samples]
+    torch.cuda.synchronize()
+    flush = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(calls)] for _ in fns]
+    for i in range(calls):
+        for j, fn in enumerate(fns):
+            flush.zero_()
+            start, end = events[j][i]
+            start.record()
+            fn()
+            end.record()
+    torch.cuda.synchronize()
+    return [statistics.median(s.elapsed_time(e) for s, e in ev) for ev in events]
