@@ -227,6 +227,44 @@ def test_prefetcher_passes_errors_on():
         loader.batch(2)
 
 
+def test_prefetch_threads_are_stopped_at_exit(tmp_path):
+    """A Prefetcher left open registers its thread, and the exit hook stops and joins it (a
+    daemon thread inside torch while the process tears down aborted a script at its end); a
+    closed one leaves nothing registered."""
+    from twell.train import data as D
+
+    data = _synthetic(tmp_path / "c", 8 * 50 + 1).windows("train", 8, seed=1)
+    loader = Prefetcher(data, 2, depth=2)
+    loader.batch(0)
+    thread = loader._thread
+    assert thread.is_alive() and (loader._stop, thread) in D._LIVE
+    D._stop_all()
+    assert not thread.is_alive() and not D._LIVE
+    closed = Prefetcher(data, 2)
+    closed.batch(0)
+    closed.close()
+    assert not D._LIVE
+
+
+EXIT_SCRIPT = r"""
+import atexit
+state = {}
+# registered before twell's hook, so it runs after it (atexit runs the last registered first)
+atexit.register(lambda: print("stopped" if not state["thread"].is_alive() else "alive", flush=True))
+import numpy as np
+from twell.train.data import PackedSequences, Prefetcher
+loader = Prefetcher(PackedSequences(np.arange(5000, dtype=np.uint16), 8), 4, depth=2)
+loader.batch(0)
+state["thread"] = loader._thread
+"""
+
+
+def test_an_open_prefetcher_is_stopped_when_the_script_ends():
+    run = subprocess.run([sys.executable, "-c", EXIT_SCRIPT], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip().splitlines()[-1] == "stopped"
+
+
 def test_raw_streams_keep_their_randperm_order(tmp_path):
     tokens = np.arange(1001, dtype=np.uint16)
     train, val = load_corpus(["unused"], None, 10, seed=3, streams=(tokens, tokens))

@@ -29,6 +29,7 @@ with ``torch.randperm``; prepared ones compute it window by window with a keyed 
 
 from __future__ import annotations
 
+import atexit
 import functools
 import glob
 import json
@@ -504,6 +505,28 @@ def _produce(data: PackedSequences, first: int, count: int, pin: bool, advance, 
         first = advance(first)
 
 
+# Every running prefetch thread, as (stop event, thread), so that interpreter exit can stop them.
+_LIVE: "set[tuple[threading.Event, threading.Thread]]" = set()
+_LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_all() -> None:
+    """Stop every prefetch thread and wait for it, before the interpreter finalizes. A daemon
+    thread that is inside a torch op (the GIL released) when finalization starts is ended by
+    CPython with pthread_exit as it takes the GIL back, and that unwinding through C++ frames
+    calls std::terminate: "terminate called without an active exception", exit status -6, after
+    the script's last line (seen, now and then, in a test whose script ended without closing its
+    Prefetcher while the thread was still building batches ahead)."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+        _LIVE.clear()
+    for stop, _ in live:
+        stop.set()
+    for _, thread in live:
+        thread.join(timeout=10)
+
+
 class Prefetcher:
     """One rank's training micro-batches, built ahead of need in a background thread.
 
@@ -557,6 +580,8 @@ class Prefetcher:
         self._thread = threading.Thread(
             target=_produce, name="twell-prefetch", daemon=True,
             args=(self.data, first, self.batch_size, self.pin, self._advance, self._queue, self._stop))
+        with _LIVE_LOCK:
+            _LIVE.add((self._stop, self._thread))
         self._thread.start()
         self._expected = first
 
@@ -565,7 +590,14 @@ class Prefetcher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+            with _LIVE_LOCK:
+                _LIVE.discard((self._stop, self._thread))
         self._thread, self._expected = None, None
 
     def __del__(self):
-        self._stop.set()
+        stop, thread = getattr(self, "_stop", None), getattr(self, "_thread", None)
+        if stop is not None:
+            stop.set()
+        if thread is not None and _LIVE_LOCK is not None:  # None: the module is being torn down
+            with _LIVE_LOCK:
+                _LIVE.discard((stop, thread))
