@@ -144,9 +144,9 @@ def test_decode_gpu_bf16(M, k):
 
 # --- the fused decode kernel (twell.kernels.decode_fused) ----------------------------------------
 
-# M, d, f, (BU, BK, BD, warps, stages, all_rows); None: the default
-FUSED_CASES = [(1, 40, 100, (16, 16, 16, 4, 1, False)), (5, 72, 70, (32, 32, 32, 4, 1, True)), (16, 24, 37, None),
-               (3, 48, 64, (16, 16, 32, 2, 1, True))]
+# M, d, f, (BU, BK, BD, warps, stages); None: the default
+FUSED_CASES = [(1, 40, 100, (16, 16, 16, 4, 1)), (5, 72, 70, (32, 32, 32, 4, 1)), (16, 24, 37, None),
+               (3, 48, 64, (16, 16, 32, 2, 1))]
 
 
 @pytest.mark.parametrize("M,d,f,config", FUSED_CASES, ids=case_id)
@@ -176,7 +176,7 @@ def test_decode_fused_block_counts_fp16_and_no_active_unit():
     from twell.kernels.decode_fused import decode_fused_launch, ffn_decode_fused
 
     x, wg, wu, wd = gate_case(7, 40, 100, torch.float16, seed=3)
-    y, counts, chunk = decode_fused_launch(x, wg, wd.T.contiguous(), wu, config=(16, 16, 16, 4, 1, False))
+    y, counts, chunk = decode_fused_launch(x, wg, wd.T.contiguous(), wu, config=(16, 16, 16, 4, 1))
     ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
     assert rel_err(y, ref) < TOL[torch.float16] and chunk == 7
     active = ((x.float() @ wg.float().T) > 0).any(0)
@@ -207,7 +207,7 @@ def test_decode_fused_validation():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [1, 4, 16])
-@pytest.mark.parametrize("mode", ["fresh", "all_rows", "scratch"])
+@pytest.mark.parametrize("mode", ["fresh", "scratch"])
 def test_decode_fused_gpu_bf16(M, mode):
     """bf16 at the real shape, repeated (a wrong ordering of the adds would show as a varying or
     wrong sum), against fp32 and dense's row error; with a scratch, which must be left zeroed."""
@@ -223,7 +223,7 @@ def test_decode_fused_gpu_bf16(M, mode):
     wdt = s.w_down.T.contiguous()
     scratch = DecodeScratch(2048, "cuda") if mode == "scratch" else None
     for _ in range(5):
-        y = ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up, config=FUSED_CONFIG[:5] + (mode == "all_rows",), scratch=scratch)
+        y = ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up, config=FUSED_CONFIG, scratch=scratch)
         rel, row = errors(y, ref)
         assert rel < 1e-2 and row <= 2 * dense_row, (rel, row, dense_row)
     if scratch is not None:
@@ -240,8 +240,8 @@ def test_decode_fused_scratch_is_left_zeroed_and_reused(gated):
     scratch = DecodeScratch(40, "cpu")
     for call, xi in enumerate((x, x[:3].flip(0).contiguous(), x[1:2].contiguous())):
         kw = dict(w_up=wu) if gated else {}
-        y = ffn_decode_fused(xi, wg, wd.T.contiguous(), scratch=scratch, config=(16, 16, 16, 4, 1, True), **kw)
-        ref = ffn_decode_fused(xi, wg, wd.T.contiguous(), config=(16, 16, 16, 4, 1, False), **kw)
+        y = ffn_decode_fused(xi, wg, wd.T.contiguous(), scratch=scratch, config=(16, 16, 16, 4, 1), **kw)
+        ref = ffn_decode_fused(xi, wg, wd.T.contiguous(), config=(16, 16, 16, 4, 1), **kw)
         assert y.shape == xi.shape and rel_err(y, ref) < 1e-6, call
         assert torch.all(scratch.acc == 0), call
     with pytest.raises(ValueError, match="scratch must be"):

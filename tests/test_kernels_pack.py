@@ -122,14 +122,18 @@ def test_gate_pack_persistent_matches_reference(dtype, M, d, f, tile, programs):
     assert torch.equal(dense, (x.float() @ w.float().T).to(dtype))
 
 
-def test_gate_pack_persistent_validation():
+@pytest.mark.parametrize("gate_pack", [gate_pack_fused, gate_pack_persistent], ids=["fused", "persistent"])
+def test_matmul_gate_pack_validation(gate_pack):
     x = torch.zeros(3, 8)
     with pytest.raises(ValueError, match="w must be"):
-        gate_pack_persistent(x, torch.zeros(5, 7))
+        gate_pack(x, torch.zeros(5, 7))
     with pytest.raises(TypeError, match="dtype"):
-        gate_pack_persistent(x, torch.zeros(5, 8, dtype=torch.float16))
+        gate_pack(x, torch.zeros(5, 8, dtype=torch.float16))
     with pytest.raises(ValueError, match="tile"):
-        gate_pack_persistent(x, torch.zeros(5, 8), tile=512)
+        gate_pack(x, torch.zeros(5, 8), tile=512)
+
+
+def test_gate_pack_persistent_validation():
     with pytest.raises(ValueError, match="multiple of 16"):
         gate_pack_persistent(torch.zeros(3, 6, dtype=torch.float16), torch.zeros(5, 6, dtype=torch.float16))
     assert gate_pack_persistent(torch.zeros(0, 8), torch.zeros(5, 8)).counts.shape == (0, 1)
@@ -158,13 +162,6 @@ def test_pack_validation():
         pack_relu(torch.zeros(3, 4), tile=24)
     with pytest.raises(ValueError, match="compression"):
         pack_relu(torch.zeros(3, 4), compression=3)
-    x = torch.zeros(3, 8)
-    with pytest.raises(ValueError, match="w must be"):
-        gate_pack_fused(x, torch.zeros(5, 7))
-    with pytest.raises(TypeError, match="dtype"):
-        gate_pack_fused(x, torch.zeros(5, 8, dtype=torch.float16))
-    with pytest.raises(ValueError, match="tile"):
-        gate_pack_fused(x, torch.zeros(5, 8), tile=512)
 
 
 # --- GPU, bf16, real shapes --------------------------------------------------------------------

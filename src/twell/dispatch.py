@@ -317,11 +317,12 @@ class LayerState:
         mode = m.kernel_mode
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path = self.choose(M, f, mode, m.kernel_max_density, capturing)
-        if make_scratch and DECODE_SCRATCH and M <= _fused_max_m() and x.is_cuda and not capturing and not m.training:
+        if self.scratch is None and make_scratch and DECODE_SCRATCH and x.is_cuda and not capturing and not m.training \
+                and M <= _fused_max_m():
             # before a capture needs it: a buffer made inside one is the graph's. Not from the
             # compiled op (make_scratch False): cudagraph trees run their warm-up in the graphs'
             # memory pool, and a buffer from there must not outlive it
-            self._ensure_scratch(x)
+            self._make_scratch(x)
         w_down_t = w_down.t() if path != "dense" else w_down
         if path != "dense" and not w_down_t.is_contiguous():
             # kernels need down columns as contiguous rows: the module keeps w_down so in eval
@@ -367,13 +368,12 @@ class LayerState:
             self._publish("union", torch.stack([share, share.new_full((), min(M, chunk)), share, share]))
         return y
 
-    def _ensure_scratch(self, x: torch.Tensor) -> None:
+    def _make_scratch(self, x: torch.Tensor) -> None:
         # made once and never replaced: a graph captured with it keeps its address (a layer whose
         # device changes later runs the fused kernel without it, one memset more per call)
-        if self.scratch is None:
-            from .kernels.decode_fused import DecodeScratch
+        from .kernels.decode_fused import DecodeScratch
 
-            self.scratch = DecodeScratch(x.shape[1], x.device)
+        self.scratch = DecodeScratch(x.shape[1], x.device)
 
     def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu

@@ -48,6 +48,23 @@ __all__ = ["ffn_decode", "decode_launch", "decode_config", "DECODE_CONFIGS"]
 
 
 @triton.jit
+def _rows_times_units(x_rows, rmask, w_ptr, stride_w, units, wmask, d,
+                      BM: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """``[BM, BU]`` fp32: the block's token rows (``x_rows``: their row pointers, ``rmask``) times
+    the rows ``units`` of ``w`` (``[f, d]``, unit-stride rows), d in steps of BK; units outside
+    ``wmask`` are never read (their columns come out 0)."""
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BM, BU], dtype=tl.float32)
+    for k0 in range(0, d, BK):
+        kk = k0 + ks
+        kmask = kk < d
+        xa = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+        w = tl.load(w_ptr + units.to(tl.int64)[None, :] * stride_w + kk[:, None], mask=wmask[None, :] & kmask[:, None], other=0.0)
+        acc = tl.dot(xa, w, acc, input_precision=PREC)
+    return acc
+
+
+@triton.jit
 def _decode_up_kernel(
     pre_ptr, stride_pm,
     x_ptr, stride_xm,
@@ -78,14 +95,7 @@ def _decode_up_kernel(
         g = tl.where(fires, a, 0.0)
         if GATED:
             x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-            ks = tl.arange(0, BK)
-            u = tl.zeros([BM, BU], dtype=tl.float32)
-            for k0 in range(0, d, BK):
-                kk = k0 + ks
-                kmask = kk < d
-                xa = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                w = tl.load(wu_ptr + units.to(tl.int64)[None, :] * stride_wu + kk[:, None], mask=active[None, :] & kmask[:, None], other=0.0)
-                u = tl.dot(xa, w, u, input_precision=PREC)
+            u = _rows_times_units(x_rows, rmask, wu_ptr, stride_wu, units, active, d, BM, BU, BK, PREC)
             # the dense path rounds the up projection to x's dtype before the product
             g = g * u.to(h_ptr.dtype.element_ty).to(tl.float32)
         slot = tl.cumsum(active.to(tl.int32), axis=0) - 1

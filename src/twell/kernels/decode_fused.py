@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from ._launch import on_device_of
-from .decode import check_decode_args
+from .decode import _rows_times_units, check_decode_args
 
 __all__ = ["ffn_decode_fused", "decode_fused_launch", "fused_config", "DecodeScratch", "FUSED_MAX_M", "FUSED_CONFIG"]
 
@@ -47,23 +47,16 @@ def _decode_fused_kernel(
     acc_ptr, counts_ptr, uc_ptr, nnz_ptr,
     M, d, f,
     BM: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-    GATED: tl.constexpr, TRACK: tl.constexpr, ALL_ROWS: tl.constexpr, PREC: tl.constexpr,
+    GATED: tl.constexpr, TRACK: tl.constexpr, PREC: tl.constexpr,
 ):
     b = tl.program_id(0)
     rows = tl.arange(0, BM)
     rmask = rows < M
     units = b * BU + tl.arange(0, BU)
     umask = units < f
-    ks = tl.arange(0, BK)
     x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
     # the gate: this block's rows of w_first, read whole
-    a = tl.zeros([BM, BU], dtype=tl.float32)
-    for k0 in range(0, d, BK):
-        kk = k0 + ks
-        kmask = kk < d
-        xa = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-        w = tl.load(wf_ptr + units.to(tl.int64)[None, :] * stride_wf + kk[:, None], mask=umask[None, :] & kmask[:, None], other=0.0)
-        a = tl.dot(xa, w, a, input_precision=PREC)
+    a = _rows_times_units(x_rows, rmask, wf_ptr, stride_wf, units, umask, d, BM, BU, BK, PREC)
     a = a.to(wf_ptr.dtype.element_ty).to(tl.float32)  # the dense path's rounding of the product
     fires = (a > 0) & rmask[:, None] & umask[None, :]
     fires_i = fires.to(tl.int32)
@@ -77,14 +70,8 @@ def _decode_fused_kernel(
         tl.atomic_add(nnz_ptr + rows, per_row, mask=rmask & (per_row > 0), sem="relaxed")
     if n_active > 0:
         h = tl.where(fires, a, 0.0)
-        if GATED:
-            u = tl.zeros([BM, BU], dtype=tl.float32)
-            for k0 in range(0, d, BK):
-                kk = k0 + ks
-                kmask = kk < d
-                xa = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
-                w = tl.load(wu_ptr + units.to(tl.int64)[None, :] * stride_wu + kk[:, None], mask=active[None, :] & kmask[:, None], other=0.0)
-                u = tl.dot(xa, w, u, input_precision=PREC)
+        if GATED:  # the up rows of the active units only
+            u = _rows_times_units(x_rows, rmask, wu_ptr, stride_wu, units, active, d, BM, BU, BK, PREC)
             h = h * u.to(wu_ptr.dtype.element_ty).to(tl.float32)
         hb = h.to(wd_ptr.dtype.element_ty)
         cs = tl.arange(0, BD)
@@ -93,13 +80,8 @@ def _decode_fused_kernel(
             cmask = cols < d
             w = tl.load(wd_ptr + units.to(tl.int64)[:, None] * stride_wd + cols[None, :], mask=active[:, None] & cmask[None, :], other=0.0)
             part = tl.dot(hb, w, input_precision=PREC)
-            # relaxed: nothing reads acc until the next launch (acq_rel would fence every add).
-            # ALL_ROWS: the buffer has BM rows and rows >= M add zeros, so the adds need no row mask
-            if ALL_ROWS:
-                amask = (rows < BM)[:, None] & cmask[None, :]
-            else:
-                amask = rmask[:, None] & cmask[None, :]
-            tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], part, mask=amask, sem="relaxed")
+            # relaxed: nothing reads acc until the next launch (acq_rel would fence every add)
+            tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], part, mask=rmask[:, None] & cmask[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -125,11 +107,11 @@ class DecodeScratch:
 
 
 # BU units per program, BK columns of d per gate/up step, BD columns per down step, warps,
-# stages, all-rows adds (see the kernel). Per largest M: the fastest in CUDA graphs on the H200
+# stages. Per largest M: the fastest in CUDA graphs on the H200
 # (benchmarks/decode_fused_probe.py, d 2048, f 5632, bf16, k 8 to 56): 16-unit blocks at M = 1
 # (25.1 to 26.9 us), 64-unit blocks with 8 warps from M = 4 (30.2 to 34.6 us; fewer atomic adds).
-# All-rows adds (no row mask) were slower (27.8 to 36.5 us).
-FUSED_CONFIGS = {2: (16, 256, 256, 4, 3, False), 16: (64, 256, 256, 8, 3, False)}
+# Adds over all 16 buffer rows (no row mask) were slower (27.8 to 36.5 us) and were dropped.
+FUSED_CONFIGS = {2: (16, 256, 256, 4, 3), 16: (64, 256, 256, 8, 3)}
 FUSED_CONFIG = FUSED_CONFIGS[16]
 
 
@@ -154,13 +136,9 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
     f = w_first.shape[0]
     if M == 0 or d == 0 or f == 0:
         return torch.zeros(M, d, dtype=x.dtype, device=x.device), torch.zeros(0, dtype=torch.int32, device=x.device), max(M, 1)
-    BU, BK, BD, nw, ns, all_rows = config or fused_config(M)
+    BU, BK, BD, nw, ns = config or fused_config(M)
     NB = triton.cdiv(f, BU)
-    if scratch is not None:
-        all_rows = False  # the write-out zeroes only the rows that were added to
-        acc = scratch.acc
-    else:
-        acc = torch.zeros(FUSED_MAX_M if all_rows else M, d, dtype=torch.float32, device=x.device)
+    acc = scratch.acc if scratch is not None else torch.zeros(M, d, dtype=torch.float32, device=x.device)
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
     track = unit_counts is not None
     w_up_ = w_up if w_up is not None else w_first
@@ -170,7 +148,7 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
             acc, counts, unit_counts if track else counts, row_nnz if track else counts,
             M, d, f,
             BM=FUSED_MAX_M, BU=BU, BK=min(BK, max(16, triton.next_power_of_2(d))), BD=min(BD, max(16, triton.next_power_of_2(d))),
-            GATED=w_up is not None, TRACK=track, ALL_ROWS=bool(all_rows), PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            GATED=w_up is not None, TRACK=track, PREC="ieee" if x.dtype == torch.float32 else "tf32",
             num_warps=nw, num_stages=ns,
         )
         if scratch is not None:
@@ -201,7 +179,7 @@ def ffn_decode_fused(
         unit_counts: optional ``[f]`` int32, overwritten with the tokens each unit fired for;
             row_nnz: optional ``[M]`` int32 zeros, given the active units of each token (both
             or neither).
-        config: ``(BU, BK, BD, num_warps, num_stages, all_rows)``.
+        config: ``(BU, BK, BD, num_warps, num_stages)``.
         scratch: a :class:`DecodeScratch` (zeroed accumulator kept between calls: one launch
             fewer); None: a fresh buffer per call.
 

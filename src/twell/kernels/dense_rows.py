@@ -177,7 +177,7 @@ def dense_rows_backward(dz: torch.Tensor, a: torch.Tensor, u: Optional[torch.Ten
 
 
 def _backward_torch(dz, a, u, c):
-    """:func:`dense_rows_backward` in PyTorch ops (CPU without the interpreter; the tests' reference)."""
+    """:func:`dense_rows_backward` in PyTorch ops, for CPU tensors without the Triton interpreter."""
     c = c.reshape(()).to(torch.float32)
     if u is None:
         dz.copy_(torch.where(a > 0, dz.float() + c, 0.0))

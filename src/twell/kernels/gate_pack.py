@@ -263,22 +263,25 @@ def pack_relu(
 
 
 @triton.jit
+def _grouped_tile(tile_id, n_m, in_group, GROUP_M: tl.constexpr):
+    """``(pid_m, t)``: the row block and TwELL tile of output tile ``tile_id`` in grouped order
+    (GROUP_M row blocks in turn for each tile: they share its w rows while those are in L2), of
+    ``n_m`` row blocks, ``in_group = GROUP_M * N_TILES``."""
+    first_m = (tile_id // in_group) * GROUP_M
+    size_m = tl.minimum(n_m - first_m, GROUP_M)
+    return first_m + (tile_id % in_group) % size_m, (tile_id % in_group) // size_m
+
+
+@triton.jit
 def _gate_pack_kernel(
     x_ptr, stride_xm, w_ptr, stride_wf,
     val_ptr, col_ptr, cnt_ptr,
     M, f, d, SLOTS, N_TILES,
     BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, PREC: tl.constexpr,
 ):
-    # Grouped launch order: consecutive programs share w tiles (better L2 reuse).
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
-    in_group = GROUP_M * N_TILES
-    group = pid // in_group
-    first_m = group * GROUP_M
-    size_m = tl.minimum(n_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % in_group) % size_m
-    t = (pid % in_group) // size_m
-
+    pid_m, t = _grouped_tile(pid, n_m, GROUP_M * N_TILES, GROUP_M)
     rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     cin = tl.arange(0, TILE)
     gcol = t * TILE + cin
@@ -388,11 +391,7 @@ def _gate_pack_persistent_kernel(
     # whose [BM, TILE] scan needs its own shared memory (tile 256, 3 stages: 272 KB > 227 KB,
     # compiled for sm_90 with Triton 3.6)
     for tile_id in tl.range(pid, n_m * N_TILES, NUM_PROGS, flatten=False):
-        group = tile_id // in_group
-        first_m = group * GROUP_M
-        size_m = tl.minimum(n_m - first_m, GROUP_M)
-        pid_m = first_m + (tile_id % in_group) % size_m
-        t = (tile_id % in_group) // size_m
+        pid_m, t = _grouped_tile(tile_id, n_m, in_group, GROUP_M)
         acc = tl.zeros([BM, TILE], dtype=tl.float32)
         for k0 in range(0, d, BK):
             xa = x_desc.load([pid_m * BM, k0])
@@ -404,7 +403,7 @@ def _gate_pack_persistent_kernel(
         rmask, cmask = rows < M, gcol < f
         a = acc.to(val_ptr.dtype.element_ty)
         mask = rmask[:, None] & cmask[None, :]
-        if PACK:
+        if PACK:  # the epilogue of _gate_pack_kernel, with int32 offsets within the block
             nz = (a > 0) & mask
             nzi = nz.to(tl.int32)
             pos = tl.cumsum(nzi, axis=1) - 1

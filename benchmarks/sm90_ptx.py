@@ -1,0 +1,74 @@
+"""Compile the decode and matmul gate-pack kernels for sm_90 on the CPU (no GPU needed) and print
+a hash of each variant's PTX instructions (line info and debug sections stripped), so that a
+refactoring of kernel source can be shown to leave the compiled kernels unchanged: run it on
+both commits and compare. Needs the Triton the GPU machine has (3.6.0), e.g. in a side venv:
+
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch numpy
+    /tmp/t36/bin/python benchmarks/sm90_ptx.py
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from twell.kernels import decode, decode_fused, gate_pack  # noqa: E402
+
+TARGET = GPUTarget("cuda", 90, 32)
+BF = "*bf16"
+
+
+def instructions(ptx: str) -> str:
+    out = []
+    for line in ptx.splitlines():
+        if line.lstrip().startswith((".loc", ".file", "//", "$L__")):
+            continue
+        if ".debug_" in line:
+            break
+        out.append(re.sub(r"\$L__\w+", "L", line))
+    return "\n".join(out)
+
+
+def compiled(fn, types: dict, consts: dict, num_warps: int, num_stages: int) -> tuple[str, int]:
+    sig = {a: ("constexpr" if a in consts else types.get(a, "i32")) for a in fn.arg_names}
+    k = triton.compile(ASTSource(fn, sig, constexprs=consts), target=TARGET, options=dict(num_warps=num_warps, num_stages=num_stages))
+    return hashlib.sha1(instructions(k.asm["ptx"]).encode()).hexdigest()[:12], k.metadata.shared
+
+
+def main() -> None:
+    variants = []
+    for gated in (True, False):
+        for track in (True, False):
+            variants.append((f"decode_up g{gated:d} t{track:d}", decode._decode_up_kernel,
+                             dict(pre_ptr=BF, x_ptr=BF, wu_ptr=BF, h_ptr=BF, unit_ptr="*i32", cnt_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
+                             dict(BM=16, BU=32, BK=256, GATED=gated, TRACK=track, PREC="tf32"), 4, 3))
+            for cfg in decode_fused.FUSED_CONFIGS.values():
+                BU, BK, BD, nw, ns = cfg[:5]
+                extra = {"ALL_ROWS": False} if "ALL_ROWS" in decode_fused._decode_fused_kernel.arg_names else {}  # before 2026-12-01 s4
+                variants.append((f"decode_fused g{gated:d} t{track:d} bu{BU}", decode_fused._decode_fused_kernel,
+                                 dict(x_ptr=BF, wf_ptr=BF, wu_ptr=BF, wd_ptr=BF, acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
+                                 dict(BM=16, BU=BU, BK=BK, BD=BD, GATED=gated, TRACK=track, PREC="tf32", **extra), nw, ns))
+    for tile in (128, 256):
+        variants.append((f"gate_pack_fused tile{tile}", gate_pack._gate_pack_kernel,
+                         dict(x_ptr=BF, w_ptr=BF, val_ptr=BF, col_ptr="*i16", cnt_ptr="*i32"),
+                         dict(BM=128, TILE=tile, BK=64, GROUP_M=8, PREC="tf32"), 8, 3))
+        for pack in (True, False):
+            variants.append((f"gate_pack_persistent tile{tile} pack{pack:d}", gate_pack._gate_pack_persistent_kernel,
+                             dict(x_desc="tensordesc<bf16[128,64]>", w_desc=f"tensordesc<bf16[{tile},64]>", val_ptr=BF,
+                                  col_ptr="*i16", cnt_ptr="*i32", out_ptr=BF),
+                             dict(BM=128, TILE=tile, BK=64, GROUP_M=8, PACK=pack, PREC="tf32"), 8, 3))
+    for name, fn, types, consts, nw, ns in variants:
+        digest, shared = compiled(fn, types, consts, nw, ns)
+        print(f"{name:40s} {digest}  shared {shared} B")
+
+
+if __name__ == "__main__":
+    main()
