@@ -1,10 +1,11 @@
 """Where an eager small-batch call of the twell module spends host time, against the dense
 module (issue 8: eager speedup at M <= 64 reads 0.83x to 0.92x while the GPU work is the same).
 
-    python benchmarks/host_probe.py OUTDIR
+    python benchmarks/host_probe.py OUTDIR [M ...]
 
-For M in (1, 16): eager medians (do_bench, three alternating rounds), host time per call, and
-cProfile / torch.profiler tables of 2000 calls of each module (no sync inside). Writes
+For each M (default 1 and 16): eager medians (do_bench, three rounds), host time per call, and
+cProfile / torch.profiler tables of 2000 calls of each module (200 above 64 tokens, so that the
+launch queue never fills; no sync inside). Writes
 OUTDIR/host_probe.txt; prints it too.
 """
 
@@ -33,10 +34,12 @@ def log(s: str = "") -> None:
 
 
 def main() -> None:
-    s = make_ffn(64, 2048, 5632, 29, "even", dtype=torch.bfloat16, device="cuda", seed=40)
+    Ms = [int(a) for a in sys.argv[2:]] or [1, 16]
+    s = make_ffn(max(64, *Ms), 2048, 5632, 29, "even", dtype=torch.bfloat16, device="cuda", seed=40)
     dense, twell = _pair(s)
     wg, wu, wd = dense.gate_proj.weight, dense.up_proj.weight, dense.down_proj.weight
-    for M in (1, 16):
+    for M in Ms:
+        calls = 2000 if M <= 64 else 200
         x = s.x[:M].contiguous()
         with torch.no_grad():
             for _ in range(5):
@@ -55,19 +58,19 @@ def main() -> None:
                 fn = fns[name]
                 prof = cProfile.Profile()
                 prof.enable()
-                for _ in range(2000):
+                for _ in range(calls):
                     fn()
                 prof.disable()
                 torch.cuda.synchronize()
                 buf = io.StringIO()
                 pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(22)
-                log(f"--- cProfile {name} M={M} (2000 calls)")
+                log(f"--- cProfile {name} M={M} ({calls} calls)")
                 log(buf.getvalue()[-4000:])
                 with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as p:
-                    for _ in range(200):
+                    for _ in range(min(calls, 200)):
                         fn()
                 torch.cuda.synchronize()
-                log(f"--- torch.profiler {name} M={M} (200 calls)")
+                log(f"--- torch.profiler {name} M={M} ({min(calls, 200)} calls)")
                 log(p.key_averages().table(sort_by="self_cpu_time_total", row_limit=18))
     with open(os.path.join(OUT, "host_probe.txt"), "w") as fh:
         fh.write("\n".join(lines))

@@ -164,10 +164,43 @@ def test_probes_are_spaced():
     s.k_est = 1.0
     taken = [s._want_probe("auto", False, 4096) for _ in range(3 * s.PROBE_EVERY)]
     assert sum(taken) == 3
-    s._calls = 0  # small batches: their eager path is dense whatever the estimate, probe rarely
-    taken = [s._want_probe("auto", False, 1) for _ in range(2 * s.PROBE_EVERY_SMALL)]
-    assert sum(taken) == 2
+    # below PREFILL_MIN_M the eager path is dense whatever the estimate: probe rarely
+    s._union_fit_m = 16  # (the union of small batches is measured already)
+    for M in (1, 64, 1024, PREFILL_MIN_M - 1):
+        s._calls = 0
+        taken = [s._want_probe("auto", False, M) for _ in range(2 * s.PROBE_EVERY_SMALL)]
+        assert sum(taken) == 2, M
     assert not s._want_probe("auto", True, 4096) and not s._want_probe("dense", False, 4096)
+
+
+def test_first_small_batch_larger_than_any_measured_is_probed():
+    """Decode's choice in a capture of M tokens needs the union of a batch of about M; a probe
+    of one token says nothing of it. So the first eager call of up to FUSED_MAX_M tokens larger
+    than any measured is probed whatever the call count, and a union measured on fewer tokens
+    never replaces one measured on more."""
+    from twell.kernels.decode_fused import FUSED_MAX_M
+
+    class Done:
+        def query(self):
+            return True
+
+    s = SparseGatedMLP(8, 16)._twell_layer
+    s.k_est, s._f = 29.0, 5632
+    s._calls = 5
+    assert s._want_probe("auto", False, 4)  # none measured yet
+    s._host, s._event, s._kind, s._union_m, s._no_overflow = torch.tensor([29.0, 29.0, 40.0, 0.02]), Done(), "rows", 4, True
+    s._poll()
+    assert s._union_fit_m == 4 and s.union_share(4, 5632) == pytest.approx(0.02, rel=1e-6)
+    assert not s._want_probe("auto", False, 4) and not s._want_probe("auto", False, 2)
+    assert s._want_probe("auto", False, FUSED_MAX_M)  # larger: probed at once
+    # a one-token probe afterwards keeps the 4-token fit
+    s._host, s._event, s._union_m = torch.tensor([29.0, 29.0, 29.0, 29.0 / 5632]), Done(), 1
+    s._poll()
+    assert s._union_fit_m == 4 and s.union_share(4, 5632) == pytest.approx(0.02, rel=1e-6)
+    # a 16-token decode-path probe ("union": share, chunk) replaces it
+    s._host, s._event, s._kind = torch.tensor([0.05, 16.0, 0.05, 0.05]), Done(), "union"
+    s._poll()
+    assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.05, rel=1e-6)
 
 
 # --- statistics, layout, copies ----------------------------------------------------------------

@@ -27,9 +27,9 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
 - Otherwise dense.
 
 The sparsity estimate never costs a host synchronisation: every ``PROBE_EVERY`` calls (every
-``PROBE_EVERY_SMALL`` calls of at most ``DECODE_MAX_M`` tokens, whose eager path is dense
-whatever the estimate and whose host time is what a caller waits for) a
-layer copies a few statistics of the call (row counts on the dense and prefill paths, the share
+``PROBE_EVERY_SMALL`` calls of fewer than ``PREFILL_MIN_M`` tokens, whose eager path is dense
+whatever the estimate and whose host time is what a caller waits for; and at the first small call
+of a batch size larger than any measured before) a layer copies a few statistics of the call (row counts on the dense and prefill paths, the share
 of units active in the batch on the decode path and on dense calls of at most ``FUSED_MAX_M``
 tokens) to pinned host memory without blocking, and a later call reads them once their CUDA
 event has completed.
@@ -168,7 +168,7 @@ class LayerState:
     TAIL_WEIGHT = 850.0
     HYSTERESIS = 1.05
     PROBE_EVERY = 8  # calls between two estimates (each costs a few small launches)
-    PROBE_EVERY_SMALL = 64  # the same for calls of at most DECODE_MAX_M tokens
+    PROBE_EVERY_SMALL = 64  # the same for calls of fewer than PREFILL_MIN_M tokens
     SMALL_M = 1024  # up to here the dense path multiplies with PyTorch ops, above with relu_mul_
 
     def __init__(self, module) -> None:
@@ -180,7 +180,8 @@ class LayerState:
         # per-token firing rate that reproduces the measured share of units active for some token
         # of a small batch (skewed layers: below k_est / f); decode's choice uses it first
         self.union_rate: Optional[float] = None
-        self._union_m = 0
+        self._union_fit_m = 0  # tokens of the batch union_rate was fitted to
+        self._union_m = 0  # tokens of the small dense call whose probe is in flight (0: none)
         self.counters = None  # OverflowCounters of the prefill path, accumulated over calls
         self.last_path: Optional[str] = None
         self._tile = 256
@@ -213,16 +214,24 @@ class LayerState:
             a, b, c, e = (float(v) for v in self._host.tolist())
             if self._kind == "rows":  # mean, rms, max of active units per row; overflowed tiles per row
                 if self._union_m:  # a small dense call: e is the share of units active in its batch
-                    self.union_rate = _rate_of_union(e, self._union_m)
+                    self._fit_union(e, self._union_m)
                     e = 0.0
                 if self._no_overflow:
                     e = 0.0
                 self.estimate = (a + self.RMS_WEIGHT * max(0.0, b - a) + e * self._tile / 8, c)
                 self.k_est = a
             else:  # "union": share of the units active in a chunk of b tokens
-                self.union_rate = _rate_of_union(a, b)
-                self.k_est = self._f * self.union_rate
+                self.k_est = self._f * _rate_of_union(a, b)
+                self._fit_union(a, int(b))
             self._event = None
+
+    def _fit_union(self, share: float, m: int) -> None:
+        """Fit :attr:`union_rate` to ``share`` measured over a batch of ``m`` tokens, unless the
+        current fit came from a larger batch: one token says nothing of how a layer's tokens
+        share their units (its rate is just k / f), a batch of 16 does."""
+        if m >= self._union_fit_m:
+            self.union_rate = _rate_of_union(share, m)
+            self._union_fit_m = m
 
     def cost(self, M: int) -> Optional[float]:
         """Estimated prefill-kernel cost of a call of ``M`` tokens, in active units per token."""
@@ -273,13 +282,17 @@ class LayerState:
         raise ValueError(f"kernel_mode must be one of {MODES}, got {mode!r}")
 
     def _want_probe(self, mode: str, capturing: bool, M: int) -> bool:
-        """A new estimate is taken every PROBE_EVERY calls (PROBE_EVERY_SMALL for small M), one
-        in flight at a time, never in a capture."""
+        """A new estimate is taken every PROBE_EVERY calls of at least PREFILL_MIN_M tokens (the
+        calls whose path it decides), every PROBE_EVERY_SMALL calls of fewer (their eager path is
+        dense whatever it says, and the probe's launches are host time the caller waits for), and
+        at the first call of up to FUSED_MAX_M tokens larger than any whose union was measured
+        (decode's choice in a later capture of that size needs it); one in flight at a time,
+        never in a capture."""
         if mode != "auto" or capturing or self._event is not None:
             return False
         self._calls += 1
-        every = self.PROBE_EVERY_SMALL if M <= DECODE_MAX_M else self.PROBE_EVERY
-        return self._calls % every == 1 or self.k_est is None
+        every = self.PROBE_EVERY if M >= PREFILL_MIN_M else self.PROBE_EVERY_SMALL
+        return self._calls % every == 1 or self.k_est is None or self._union_fit_m < M <= _fused_max_m()
 
     def _publish(self, kind: str, values: torch.Tensor, no_overflow: bool = False) -> None:
         """Copy ``values`` ([4] float32 on the GPU) to pinned host memory without blocking."""

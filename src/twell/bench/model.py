@@ -31,6 +31,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .timing import reset_peak
+
 __all__ = ["calibrate_sparsity", "active_units", "greedy_decode", "bench_model"]
 
 RESIDUAL_DAMPING_WIDTH = 16.0  # residual_damping = this / d
@@ -216,8 +218,7 @@ def _prefill(model, ids, nv, energy_s: float) -> dict:
     for _ in range(2):
         fn()
     ms = eager_ms(fn, rep=1500, min_reps=10)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak()
     out = fn()
     torch.cuda.synchronize()
     peak = int(torch.cuda.max_memory_allocated())
@@ -245,8 +246,7 @@ def _train_step(model, batch: int, seq: int, steps: int = 4) -> dict:
                             fused=True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    reset_peak()
     try:
         for i in range(steps + 2):
             if i == 2:
@@ -288,8 +288,7 @@ def _decode_all(model, prompts: dict, new_tokens: int, variant: str, label: str,
     reported and replaced by eager steps, not hidden."""
     out = {}
     for b, prompt in prompts.items():
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        reset_peak()
         try:
             tc = time.time()
             g = greedy_decode(model, prompt, new_tokens, step_model=step_model)

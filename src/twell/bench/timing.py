@@ -9,6 +9,7 @@
 - :func:`host_us`: CPU time to issue one call, from the wall time of issuing a burst of calls
   without synchronising (short enough that the launch queue never fills and blocks).
 - :func:`peak_bytes`: the largest ``torch.cuda.max_memory_allocated`` over one call.
+- :func:`reset_peak`: start a peak-memory window from the same state for every variant.
 - :func:`alternating`: any of these for two or more callables in alternating rounds, the median
   per callable: where the host is the bottleneck (eager small batches) its speed drifts over
   seconds, and timing one side after the other turns that drift into a ratio.
@@ -24,7 +25,24 @@ from typing import Callable
 
 import torch
 
-__all__ = ["eager_ms", "graph_ms", "host_us", "peak_bytes", "capture", "alternating", "interleaved_ms"]
+__all__ = ["eager_ms", "graph_ms", "host_us", "peak_bytes", "reset_peak", "capture", "alternating", "interleaved_ms"]
+
+
+def reset_peak() -> None:
+    """Synchronise, free PyTorch's cuBLAS workspaces and reset the peak-memory statistics.
+
+    PyTorch keeps one cuBLAS workspace (32 MiB on the H200) per stream that ever ran a cuBLAS
+    call, and counts it as allocated memory: every capture's warm-up on a new side stream adds
+    one. A variant measured after another would carry the first one's workspaces into its peak
+    (the 2b decode records read 166 MiB above dense so: five workspaces and the decode
+    accumulators). Freed here, each variant's window counts the workspaces it makes itself.
+    """
+    torch.cuda.synchronize()
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)  # absent from CPU builds
+    if clear is not None:
+        clear()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
 
 
 def eager_ms(fn: Callable[[], object], rep: int = 100, min_reps: int = 10) -> float:

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One device call running the named steps in turn, each under its own time limit, so that one
+# call of at most 10 minutes checks and measures what a session changed.
+# Usage (on the GPU machine, repository root):
+#   bash benchmarks/run_session_h200.sh OUTDIR STEP...
+# Steps: tests (every GPU test; TESTS=paths to narrow), memprobe (benchmarks/decode_memory_probe.py),
+# hostprobe (benchmarks/host_probe.py at HOST_M tokens, default 1 16 4096), decode, batch,
+# grid (twell bench inference, no variants), model (twell bench model: 2b, calibrated k 29).
+# Each writes STEP.log and its results under OUTDIR/STEP/; OUTDIR/results.tar.gz holds them all
+# (the device tool returns few files). Prints each step's last lines.
+set -u
+OUTDIR="$1"
+shift
+mkdir -p "$OUTDIR"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+PY=python3
+{ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
+  $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
+} > "$OUTDIR/machine.log" 2>&1
+t0=$(date +%s)
+for step in "$@"; do
+  dir="$OUTDIR/$step"
+  mkdir -p "$dir"
+  case "$step" in
+    tests)    cmd=(timeout "${TESTS_S:-150}" $PY -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}) ;;
+    hostprobe) cmd=(timeout "${HOSTPROBE_S:-90}" $PY benchmarks/host_probe.py "$dir" ${HOST_M:-1 16 4096}) ;;
+    memprobe) cmd=(timeout "${MEMPROBE_S:-120}" $PY benchmarks/decode_memory_probe.py "$dir") ;;
+    decode)   cmd=(timeout "${DECODE_S:-150}" $PY -m twell.bench.cli decode --out "$dir") ;;
+    batch)    cmd=(timeout "${BATCH_S:-200}" $PY -m twell.bench.cli batch --out "$dir") ;;
+    grid)     cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60) ;;
+    model)    cmd=(timeout "${MODEL_S:-300}" $PY -m twell.bench.cli model --out "$dir") ;;
+    *) echo "unknown step $step"; continue ;;
+  esac
+  "${cmd[@]}" > "$OUTDIR/$step.log" 2>&1
+  echo "== $step: exit $? at $(( $(date +%s) - t0 )) s"
+  tail -n "${TAIL:-25}" "$OUTDIR/$step.log"
+done
+tar czf "$OUTDIR/../results.tar.gz" -C "$OUTDIR" . && mv "$OUTDIR/../results.tar.gz" "$OUTDIR/"
