@@ -47,7 +47,13 @@ def test_choice_by_batch_size_and_sparsity():
     assert choose(PREFILL_MIN_M) == "dense"  # no prefill estimate yet
     s.estimate = (29.0, 60.0)
     assert choose(PREFILL_MIN_M - 1) == "dense"
+    # the kernels' fixed cost per call: at 4096 tokens a layer of 29 units per token runs dense
+    # (the kernels measured 0.87x to 0.97x there), at 16384 on the kernels (1.50x)
+    assert choose(4096) == "dense" and choose(16384) == "prefill"
     assert choose(1 << 17) == "prefill"
+    s.estimate = (8.0, 20.0)
+    assert choose(4096) == "prefill"  # 8 units per token: the kernels won at 4096 (1.07x to 1.72x)
+    s.estimate = (29.0, 60.0)
     s.estimate = (300.0, 600.0)
     assert choose(1 << 17) == "dense"
     # forced modes

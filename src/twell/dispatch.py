@@ -153,19 +153,23 @@ class LayerState:
     The prefill kernels take a call of ``M`` tokens while ``cost(M) <= max_density * f``
     (5% more once on them: ``HYSTERESIS``), in active units per token::
 
-        cost = mean + 0.1 * (rms - mean) + 850 * max / M + overflowed tiles per token * min(tile, f) / 8
+        cost = mean + 0.1 * (rms - mean) + (850 * max + 90112) / M + overflowed tiles per token * min(tile, f) / 8
 
     The up/down kernel runs one program per token, so its time is at least the longest row's
     (about 1 us per entry on the H200, against about 1.2 ns per entry of throughput: the
     ``850 * max / M`` term), and a heavy-tailed layer loses more than its mean says (the rms
     term); an overflowed tile is recomputed exactly at about an eighth of a dense pass over its
-    units. The threshold and the weights come from the H200 benchmark
+    units. The path's fixed cost per call (four launches, the second pass for overflowed tiles,
+    the pack's scratch) is the ``90112 / M`` term: 22 units per token at 4096 tokens, where
+    the kernels won at k <= 16 (1.07x to 1.72x) and lost at k = 29 (0.87x to 0.97x), half a unit
+    at 131072. The threshold and the weights come from the H200 benchmark
     (benchmarks/NOTES_inference.md).
     """
 
     DEFAULT_MAX_DENSITY = 0.0102
     RMS_WEIGHT = 0.1
     TAIL_WEIGHT = 850.0
+    FIXED_WEIGHT = 22.0 * 4096
     HYSTERESIS = 1.05
     PROBE_EVERY = 8  # calls between two estimates (each costs a few small launches)
     PROBE_EVERY_SMALL = 64  # the same for calls of fewer than PREFILL_MIN_M tokens
@@ -238,7 +242,7 @@ class LayerState:
         if self.estimate is None:
             return None
         base, top = self.estimate
-        return base + self.TAIL_WEIGHT * top / max(M, 1)
+        return base + (self.TAIL_WEIGHT * top + self.FIXED_WEIGHT) / max(M, 1)
 
     def union_share(self, M: int, f: int) -> Optional[float]:
         """Expected share of the units active for some token of a decode chunk of ``M`` tokens:

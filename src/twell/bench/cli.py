@@ -127,6 +127,8 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--variants", action="store_true", help="also time the design variants")
     parser.add_argument("--no-grid", action="store_true", help="skip the main grid")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms")
+    parser.add_argument("--M", type=int, nargs="+", help="inference: only these tokens per call (d 2048 rows of the "
+                        "grid; a check, not a results file: written as inference_mlp_<gpu>_M.json)")
     parser.add_argument("--preset", help="model: the preset whose shape is built (default 2b; with --model, the "
                         "run's own preset labels it); training: the train steps' preset (default 0.5b)")
     parser.add_argument("--k", type=float, default=29, help="model: active units per token to construct (default 29)")
@@ -173,15 +175,17 @@ def bench_main(argv=None) -> None:
         log(f"variants done in {time.time() - t0:.0f}s; pack {best_pack}; token {best_token}; kernel_max_density {density}")
     if args.no_grid:
         return
-    path = os.path.join(args.out, f"inference_mlp_{tag}.json")
+    path = os.path.join(args.out, f"inference_mlp_{tag}{'_M' if args.M else ''}.json")
     partial = os.path.splitext(path)[0] + ".partial.jsonl"
     if os.path.exists(partial):
         os.remove(partial)
     kw = dict(rep=args.rep, log=log, partial_path=partial)
+    big_ok = lambda M, f, k: k <= 0.06 * f or M <= 16384  # noqa: E731  (forced kernels take seconds when dense)
     if args.quick:
         records = run_grid([(2048, 5632)], [16384], (29, 56, 280), ["even"], **kw)
+    elif args.M:
+        records = run_grid([(2048, 5632)], args.M, KS, ["even", "skewed", "heavy"], kernel_k_limit=big_ok, **kw)
     else:
-        big_ok = lambda M, f, k: k <= 0.06 * f or M <= 16384  # noqa: E731  (forced kernels take seconds when dense)
         records = run_grid([(2048, 5632)], [4096, 16384, 131072], KS, ["even", "skewed", "heavy"], kernel_k_limit=big_ok, **kw)
         records += run_grid([(4096, 11008)], [16384, 65536], (29, 56, 280, 1000), ["even"], kernel_k_limit=big_ok, **kw)
     add_published(records)  # the published kernels' figures, reference constants (not rerun)
