@@ -293,7 +293,8 @@ def test_mlp_gpu_bf16():
 def test_module_gpu_switches_to_kernels_without_sync():
     from twell.bench.inference import errors, reference_fp32
 
-    s = _gpu_case("even", k=8)  # at 4099 tokens the kernels pay up to about 20 units per token (LayerState.cost)
+    M = 8195  # eager calls take the kernels from dispatch.EAGER_PREFILL_MIN_M tokens
+    s = _gpu_case("even", M=M)
     s.x[7, 0] = 1.0  # no fully dense row here: the dispatcher would rightly keep cuBLAS
     m = twell.SparseGatedMLP(2048, 5632, device="cuda", dtype=torch.bfloat16).eval()
     m.track_stats = True
@@ -316,7 +317,7 @@ def test_module_gpu_switches_to_kernels_without_sync():
     ref = reference_fp32(s.x, s.w_gate, s.w_up, s.w_down)
     assert errors(y1, ref)[0] < 1e-2 and errors(y0, ref)[0] < 1e-2
     assert torch.equal(m.stats.unit_counts, stats0.unit_counts)
-    assert int(m.tokens_seen) == 2 * 4099
+    assert int(m.tokens_seen) == 2 * M
     # a dense layer goes back to cuBLAS
     with torch.no_grad():
         m.gate_proj.weight[:, 0] = 5.0

@@ -22,8 +22,9 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
   capture small batches run dense: there the host's time to issue a call (three cuBLAS calls
   against a cuBLAS call and two or three Triton launches, each about 14 us on the H200 machine
   here) decides, not the GPU's, and dense issues least.
-- ``M >= PREFILL_MIN_M`` and the layer's measured sparsity makes the prefill kernels pay
-  (see :meth:`LayerState.cost`): prefill.
+- ``M >= PREFILL_MIN_M`` inside a capture (``M >= EAGER_PREFILL_MIN_M`` outside one, where
+  the host's time to issue the path counts) and the layer's measured sparsity makes the prefill
+  kernels pay (see :meth:`LayerState.cost`): prefill.
 - Otherwise dense.
 
 The sparsity estimate never costs a host synchronisation: every ``PROBE_EVERY`` calls (every
@@ -57,7 +58,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_MAX_UNION", "DECODE_BLIND_M", "FUSED_MAX_UNION", "PREFILL_MIN_M", "MODES"]
+__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_MAX_UNION", "DECODE_BLIND_M", "FUSED_MAX_UNION", "PREFILL_MIN_M",
+           "EAGER_PREFILL_MIN_M", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
@@ -81,6 +83,12 @@ DECODE_SCRATCH = True
 # Below this many tokens per call, "auto" never takes the prefill kernels: their fixed costs
 # (four launches, the pack's scratch) exceed what sparsity saves.
 PREFILL_MIN_M = 4096
+# The same outside CUDA graphs, where the host must also issue the path's cuBLAS call, three
+# Triton launches and their checks: 0.4 to 0.5 ms per call on the H200 machine here in its slow
+# phases, as long as the kernels' GPU time at 4096 tokens (0.3 ms at k = 29), so that eager calls
+# there read 0.85x to 0.93x dense even at k = 8 while in graphs the same kernels gave 1.22x to
+# 1.81x at k <= 29 (benchmarks/NOTES_inference.md, run 7).
+EAGER_PREFILL_MIN_M = 8192
 
 
 
@@ -153,23 +161,19 @@ class LayerState:
     The prefill kernels take a call of ``M`` tokens while ``cost(M) <= max_density * f``
     (5% more once on them: ``HYSTERESIS``), in active units per token::
 
-        cost = mean + 0.1 * (rms - mean) + (850 * max + 90112) / M + overflowed tiles per token * min(tile, f) / 8
+        cost = mean + 0.1 * (rms - mean) + 850 * max / M + overflowed tiles per token * min(tile, f) / 8
 
     The up/down kernel runs one program per token, so its time is at least the longest row's
     (about 1 us per entry on the H200, against about 1.2 ns per entry of throughput: the
     ``850 * max / M`` term), and a heavy-tailed layer loses more than its mean says (the rms
     term); an overflowed tile is recomputed exactly at about an eighth of a dense pass over its
-    units. The path's fixed cost per call (four launches, the second pass for overflowed tiles,
-    the pack's scratch) is the ``90112 / M`` term: 22 units per token at 4096 tokens, where
-    the kernels won at k <= 16 (1.07x to 1.72x) and lost at k = 29 (0.87x to 0.97x), half a unit
-    at 131072. The threshold and the weights come from the H200 benchmark
+    units. The threshold and the weights come from the H200 benchmark
     (benchmarks/NOTES_inference.md).
     """
 
     DEFAULT_MAX_DENSITY = 0.0102
     RMS_WEIGHT = 0.1
     TAIL_WEIGHT = 850.0
-    FIXED_WEIGHT = 22.0 * 4096
     HYSTERESIS = 1.05
     PROBE_EVERY = 8  # calls between two estimates (each costs a few small launches)
     PROBE_EVERY_SMALL = 64  # the same for calls of fewer than PREFILL_MIN_M tokens
@@ -242,7 +246,7 @@ class LayerState:
         if self.estimate is None:
             return None
         base, top = self.estimate
-        return base + (self.TAIL_WEIGHT * top + self.FIXED_WEIGHT) / max(M, 1)
+        return base + self.TAIL_WEIGHT * top / max(M, 1)
 
     def union_share(self, M: int, f: int) -> Optional[float]:
         """Expected share of the units active for some token of a decode chunk of ``M`` tokens:
@@ -271,7 +275,7 @@ class LayerState:
                 if u is None:
                     return "decode" if M <= DECODE_BLIND_M else "dense"
                 return "decode" if u <= (FUSED_MAX_UNION if M <= _fused_max_m() else DECODE_MAX_UNION) else "dense"
-            if M < PREFILL_MIN_M:
+            if M < (PREFILL_MIN_M if capturing else EAGER_PREFILL_MIN_M):
                 return "dense"
             c = self.cost(M)
             if c is None:
