@@ -51,6 +51,7 @@ implementation finds the layer from its gate weight (:func:`layer_of_weight`) an
 
 from __future__ import annotations
 
+import functools
 import itertools
 import weakref
 from typing import Optional
@@ -98,6 +99,7 @@ def _rate_of_union(share: float, m: float) -> float:
     return 1.0 - (1.0 - share) ** (1.0 / max(m, 1.0)) if share < 1.0 else 1.0
 
 
+@functools.cache  # asked on every small call: an import statement is host time there
 def _fused_max_m() -> int:
     from .kernels.decode_fused import FUSED_MAX_M
 
