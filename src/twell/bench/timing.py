@@ -91,10 +91,9 @@ def host_us(fn: Callable[[], object], calls: int = 20, rounds: int = 7) -> float
 
 
 def peak_bytes(fn: Callable[[], object]) -> int:
-    """Peak bytes allocated on the current device while ``fn`` runs (weights included)."""
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
+    """Peak bytes allocated on the current device while ``fn`` runs (weights included), from
+    the state :func:`reset_peak` leaves."""
+    reset_peak()
     fn()
     torch.cuda.synchronize()
     return int(torch.cuda.max_memory_allocated())
