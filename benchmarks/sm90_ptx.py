@@ -52,10 +52,18 @@ def main() -> None:
                              dict(BM=16, BU=32, BK=256, GATED=gated, TRACK=track, PREC="tf32"), 4, 3))
             for cfg in decode_fused.FUSED_CONFIGS.values():
                 BU, BK, BD, nw, ns = cfg[:5]
-                extra = {"ALL_ROWS": False} if "ALL_ROWS" in decode_fused._decode_fused_kernel.arg_names else {}  # before 2026-12-01 s4
+                args = decode_fused._decode_fused_kernel.arg_names
+                extra = {"ALL_ROWS": False} if "ALL_ROWS" in args else {}  # before 2026-12-01 s4
+                extra.update({"GDC": False} if "GDC" in args else {})  # from 2026-12-01 s6
                 variants.append((f"decode_fused g{gated:d} t{track:d} bu{BU}", decode_fused._decode_fused_kernel,
                                  dict(x_ptr=BF, wf_ptr=BF, wu_ptr=BF, wd_ptr=BF, acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
                                  dict(BM=16, BU=BU, BK=BK, BD=BD, GATED=gated, TRACK=track, PREC="tf32", **extra), nw, ns))
+            if hasattr(decode_fused, "_decode_gemv_kernel"):  # from 2026-12-01 s6
+                for gdc in (False, True):
+                    cfg = decode_fused.GEMV_CONFIGS[max(decode_fused.GEMV_CONFIGS)]
+                    variants.append((f"decode_gemv g{gated:d} t{track:d} gdc{gdc:d}", decode_fused._decode_gemv_kernel,
+                                     dict(x_ptr=BF, wf_ptr=BF, wu_ptr=BF, wd_ptr=BF, acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
+                                     dict(BM=1, BU=cfg.BU, BK=cfg.BK, GATED=gated, TRACK=track, GDC=gdc), cfg.num_warps, cfg.num_stages))
     for tile in (128, 256):
         variants.append((f"gate_pack_fused tile{tile}", gate_pack._gate_pack_kernel,
                          dict(x_ptr=BF, w_ptr=BF, val_ptr=BF, col_ptr="*i16", cnt_ptr="*i32"),

@@ -11,6 +11,7 @@ from kernel_cases import case_id, gate_case, rel_err
 from twell import reference as R
 from twell.kernels import decode
 from twell.kernels.decode import ffn_decode
+from twell.kernels.decode_fused import GemvConfig
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 # M, d, f and a block configuration (BM, BU, BK, warps, BD, BE, warps, shares); None: the default
@@ -144,9 +145,14 @@ def test_decode_gpu_bf16(M, k):
 
 # --- the fused decode kernel (twell.kernels.decode_fused) ----------------------------------------
 
-# M, d, f, (BU, BK, BD, warps, stages); None: the default
+# M, d, f, (BU, BK, BD, warps, stages) or a GemvConfig (the CUDA-core variant); None: the default
+# (the CUDA-core variant up to GEMV_MAX_M tokens, the tensor-core one above)
 FUSED_CASES = [(1, 40, 100, (16, 16, 16, 4, 1)), (5, 72, 70, (32, 32, 32, 4, 1)), (16, 24, 37, None),
-               (3, 48, 64, (16, 16, 32, 2, 1))]
+               (3, 48, 64, (16, 16, 32, 2, 1)),
+               (1, 40, 100, GemvConfig(4, 16, 4, 1)),  # d in three steps, the last partial
+               (3, 72, 70, GemvConfig(8, 128, 2, 1)),  # one step wider than d; M not a power of 2
+               (7, 24, 37, GemvConfig(16, 16, 4, 2)),  # 8-row blocks with a masked row
+               (2, 48, 64, None), (4, 33, 45, None)]
 
 
 @pytest.mark.parametrize("M,d,f,config", FUSED_CASES, ids=case_id)
@@ -172,19 +178,30 @@ def test_decode_fused_matches_reference(M, d, f, config, gated):
         assert torch.equal(uc.long(), pattern.sum(0)) and torch.equal(nnz.long(), pattern.sum(1))
 
 
-def test_decode_fused_block_counts_fp16_and_no_active_unit():
+@pytest.mark.parametrize("config", [(16, 16, 16, 4, 1), GemvConfig(16, 16, 2, 1), GemvConfig(8, 64, 4, 1)], ids=str)
+def test_decode_fused_block_counts_fp16_and_no_active_unit(config):
     from twell.kernels.decode_fused import decode_fused_launch, ffn_decode_fused
 
+    BU = config[0]
     x, wg, wu, wd = gate_case(7, 40, 100, torch.float16, seed=3)
-    y, counts, chunk = decode_fused_launch(x, wg, wd.T.contiguous(), wu, config=(16, 16, 16, 4, 1))
+    y, counts, chunk = decode_fused_launch(x, wg, wd.T.contiguous(), wu, config=config)
     ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
     assert rel_err(y, ref) < TOL[torch.float16] and chunk == 7
     active = ((x.float() @ wg.float().T) > 0).any(0)
-    expect = torch.nn.functional.pad(active, (0, 112 - 100)).view(7, 16).sum(1)
+    nb = -(-100 // BU)
+    expect = torch.nn.functional.pad(active, (0, nb * BU - 100)).view(nb, BU).sum(1)
     assert torch.equal(counts.long(), expect)
     x, wg, wu, wd = gate_case(7, 40, 100, torch.float16, seed=3, adversarial=False)
     wg[:, 0] = -100.0  # x[:, 0] = 1: every pre-activation is about -100
-    assert torch.equal(ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu), torch.zeros(7, 40, dtype=torch.float16))
+    assert torch.equal(ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, config=config), torch.zeros(7, 40, dtype=torch.float16))
+
+
+def test_fused_config_by_tokens():
+    """The CUDA-core variant up to GEMV_MAX_M tokens, the tensor-core kernel above it."""
+    from twell.kernels.decode_fused import FUSED_MAX_M, GEMV_MAX_M, fused_config
+
+    for M in range(1, FUSED_MAX_M + 1):
+        assert isinstance(fused_config(M), GemvConfig) == (M <= GEMV_MAX_M), M
 
 
 def test_decode_fused_validation():
@@ -206,9 +223,10 @@ def test_decode_fused_validation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 4, 16])
+@pytest.mark.parametrize("M", [1, 2, 4, 16])
 @pytest.mark.parametrize("mode", ["fresh", "scratch"])
-def test_decode_fused_gpu_bf16(M, mode):
+@pytest.mark.parametrize("kind", ["dot", "default"])
+def test_decode_fused_gpu_bf16(M, mode, kind):
     """bf16 at the real shape, repeated (a wrong ordering of the adds would show as a varying or
     wrong sum), against fp32 and dense's row error; with a scratch, which must be left zeroed."""
     from twell.bench.inference import errors, reference_fp32
@@ -223,7 +241,7 @@ def test_decode_fused_gpu_bf16(M, mode):
     wdt = s.w_down.T.contiguous()
     scratch = DecodeScratch(2048, "cuda") if mode == "scratch" else None
     for _ in range(5):
-        y = ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up, config=FUSED_CONFIG, scratch=scratch)
+        y = ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up, config=FUSED_CONFIG if kind == "dot" else None, scratch=scratch)
         rel, row = errors(y, ref)
         assert rel < 1e-2 and row <= 2 * dense_row, (rel, row, dense_row)
     if scratch is not None:

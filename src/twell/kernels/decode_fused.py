@@ -17,6 +17,13 @@ boundaries order the atomic adds before the cast: a first design had the last pr
 returned wrong sums at M = 1 and 4 (an ordering bug the interpreter cannot show), so the
 write-out is its own launch here.
 
+Up to ``GEMV_MAX_M`` tokens the same fused FFN runs as a CUDA-core GEMV instead
+(``_decode_gemv_kernel``): the tensor-core kernel walks d in dependent steps per program and
+read the gate at about 1 TB/s at one token (benchmarks/NOTES_decode.md, round 4), while a
+program of a few units that loads its whole ``[BU, d]`` gate rows at once issues every load of
+the call in one wave (hundreds of programs resident at a time), so the gate is bound by HBM
+bandwidth rather than by a chain of loads. Its FMA count grows with M: a few tokens only.
+
 The gate and up values are rounded to x's dtype before use, as the dense path's products are;
 the down sums run in fp32 in whatever order the programs finish (exact up to rounding, not
 bit-reproducible). Every program also writes its block's number of active units (the
@@ -26,16 +33,17 @@ active units (``row_nnz``, atomic adds across blocks).
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import triton
 import triton.language as tl
 
-from ._launch import on_device_of
+from ._launch import on_device_of, pdl_ok
 from .decode import _rows_times_units, check_decode_args
 
-__all__ = ["ffn_decode_fused", "decode_fused_launch", "fused_config", "DecodeScratch", "FUSED_MAX_M", "FUSED_CONFIG"]
+__all__ = ["ffn_decode_fused", "decode_fused_launch", "fused_config", "DecodeScratch", "GemvConfig", "FUSED_MAX_M",
+           "FUSED_CONFIG", "GEMV_MAX_M"]
 
 FUSED_MAX_M = 16  # tokens per call: one tensor-core tile of rows
 
@@ -47,8 +55,10 @@ def _decode_fused_kernel(
     acc_ptr, counts_ptr, uc_ptr, nnz_ptr,
     M, d, f,
     BM: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr,
-    GATED: tl.constexpr, TRACK: tl.constexpr, PREC: tl.constexpr,
+    GATED: tl.constexpr, TRACK: tl.constexpr, PREC: tl.constexpr, GDC: tl.constexpr,
 ):
+    if GDC:  # as in _decode_gemv_kernel
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     rows = tl.arange(0, BM)
     rmask = rows < M
@@ -64,9 +74,9 @@ def _decode_fused_kernel(
     active = per_unit > 0
     n_active = tl.sum(active.to(tl.int32), axis=0)
     tl.store(counts_ptr + b, n_active)
+    per_row = tl.sum(fires_i, axis=1)
     if TRACK:
         tl.store(uc_ptr + units, per_unit, mask=umask)
-        per_row = tl.sum(fires_i, axis=1)
         tl.atomic_add(nnz_ptr + rows, per_row, mask=rmask & (per_row > 0), sem="relaxed")
     if n_active > 0:
         h = tl.where(fires, a, 0.0)
@@ -80,19 +90,96 @@ def _decode_fused_kernel(
             cmask = cols < d
             w = tl.load(wd_ptr + units.to(tl.int64)[:, None] * stride_wd + cols[None, :], mask=active[:, None] & cmask[None, :], other=0.0)
             part = tl.dot(hb, w, input_precision=PREC)
-            # relaxed: nothing reads acc until the next launch (acq_rel would fence every add)
-            tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], part, mask=rmask[:, None] & cmask[None, :], sem="relaxed")
+            # only the rows with an active unit in this block add (the others' part is 0: at k 29
+            # and 16 tokens about 3 rows in 4 of a 64-unit block); relaxed: nothing reads acc
+            # until the next launch (acq_rel would fence every add)
+            tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], part, mask=(per_row > 0)[:, None] & cmask[None, :], sem="relaxed")
 
 
 @triton.jit
-def _write_out_kernel(acc_ptr, y_ptr, stride_ym, M, d, BLOCK: tl.constexpr):
-    # y = acc in y's dtype, and acc zeroed for the next call (a DecodeScratch's buffer)
+def _write_out_kernel(acc_ptr, y_ptr, stride_ym, M, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    # y = acc in y's dtype, and acc zeroed for the next call (a DecodeScratch's buffer). With GDC
+    # (launched as a programmatic dependent launch) it may start before the kernel that fills acc
+    # ends: the wait returns once that kernel has completed and its writes are visible.
+    if GDC:
+        tl.extra.cuda.gdc_wait()
     m = tl.program_id(1)
     cols = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     v = tl.load(acc_ptr + m * d + cols, mask=mask, other=0.0)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + cols, v.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(acc_ptr + m * d + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+
+
+@triton.jit
+def _units_times_rows(x_ptr, stride_xm, M, w_ptr, stride_w, units, wmask, d,
+                      BM: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr):
+    """``[BM, BU]`` fp32: x's first M rows times the rows ``units`` of ``w`` (``[f, d]``,
+    unit-stride rows) by CUDA-core products, d in steps of BK (one step when BK >= d: every load
+    of the block issued at once); rows outside ``wmask`` are never read (they come out 0)."""
+    rows = tl.arange(0, BM)
+    ks = tl.arange(0, BK)
+    w_rows = w_ptr + units.to(tl.int64)[:, None] * stride_w
+    out = tl.zeros([BM, BU], dtype=tl.float32)
+    for k0 in range(0, d, BK):
+        kk = k0 + ks
+        kmask = kk < d
+        w = tl.load(w_rows + kk[None, :], mask=wmask[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+        for m in tl.static_range(BM):
+            if m < M:  # rows past M (BM is M rounded up to a power of two) do nothing
+                xm = tl.load(x_ptr + m * stride_xm + kk, mask=kmask, other=0.0).to(tl.float32)
+                part = tl.sum(w * xm[None, :], axis=1)
+                out = tl.where(rows[:, None] == m, out + part[None, :], out)
+    return out
+
+
+@triton.jit
+def _decode_gemv_kernel(
+    x_ptr, stride_xm,
+    wf_ptr, stride_wf, wu_ptr, stride_wu, wd_ptr, stride_wd,
+    acc_ptr, counts_ptr, uc_ptr, nnz_ptr,
+    M, d, f,
+    BM: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr,
+    GATED: tl.constexpr, TRACK: tl.constexpr, GDC: tl.constexpr,
+):
+    # the same steps as _decode_fused_kernel, with CUDA-core products (see the module's text)
+    if GDC:  # the write-out may be launched now (it waits for this kernel's end to read acc)
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    rmask = rows < M
+    units = b * BU + tl.arange(0, BU)
+    umask = units < f
+    a = _units_times_rows(x_ptr, stride_xm, M, wf_ptr, stride_wf, units, umask, d, BM, BU, BK)
+    a = a.to(wf_ptr.dtype.element_ty).to(tl.float32)  # the dense path's rounding of the product
+    fires = (a > 0) & rmask[:, None] & umask[None, :]
+    fires_i = fires.to(tl.int32)
+    per_unit = tl.sum(fires_i, axis=0)
+    active = per_unit > 0
+    n_active = tl.sum(active.to(tl.int32), axis=0)
+    tl.store(counts_ptr + b, n_active)
+    per_row = tl.sum(fires_i, axis=1)
+    if TRACK:
+        tl.store(uc_ptr + units, per_unit, mask=umask)
+        tl.atomic_add(nnz_ptr + rows, per_row, mask=rmask & (per_row > 0), sem="relaxed")
+    if n_active > 0:
+        h = tl.where(fires, a, 0.0)
+        if GATED:  # the up rows of the active units only
+            u = _units_times_rows(x_ptr, stride_xm, M, wu_ptr, stride_wu, units, active, d, BM, BU, BK)
+            h = h * u.to(wu_ptr.dtype.element_ty).to(tl.float32)
+        h = h.to(wd_ptr.dtype.element_ty).to(tl.float32)  # as the fused kernel feeds its dot
+        ks = tl.arange(0, BK)
+        wd_rows = wd_ptr + units.to(tl.int64)[:, None] * stride_wd
+        for k0 in range(0, d, BK):
+            kk = k0 + ks
+            kmask = kk < d
+            w = tl.load(wd_rows + kk[None, :], mask=active[:, None] & kmask[None, :], other=0.0).to(tl.float32)
+            for m in tl.static_range(BM):
+                # only rows with an active unit in this block add (relaxed: see the fused kernel)
+                if tl.sum(tl.where(rows == m, per_row, 0), axis=0) > 0:
+                    hm = tl.sum(tl.where(rows[:, None] == m, h, 0.0), axis=0)  # row m of h: [BU]
+                    part = tl.sum(hm[:, None] * w, axis=0)
+                    tl.atomic_add(acc_ptr + m * d + kk, part, mask=kmask, sem="relaxed")
 
 
 class DecodeScratch:
@@ -115,8 +202,34 @@ FUSED_CONFIGS = {2: (16, 256, 256, 4, 3), 16: (64, 256, 256, 8, 3)}
 FUSED_CONFIG = FUSED_CONFIGS[16]
 
 
-def fused_config(M: int) -> tuple:
-    """Block shapes used for a call of ``M`` tokens."""
+class GemvConfig(NamedTuple):
+    """Shape of the CUDA-core variant (``_decode_gemv_kernel``): ``BU`` units per program, d in
+    steps of ``BK`` (``BK >= d``: whole rows at once), warps, pipeline stages."""
+
+    BU: int
+    BK: int
+    num_warps: int
+    num_stages: int
+
+
+# Up to GEMV_MAX_M tokens the CUDA-core variant runs, with the shape for the largest M at most
+# each key. benchmarks/decode_gemv_probe.py (H200, bf16, d 2048, f 5632, k 8 to 56, CUDA graphs,
+# kept accumulator): 2 units per program with 2 warps (whole rows at once, 2816 programs) took
+# 16.5 / 18.3 / 22.9 / 34.4 us at M = 1 / 2 / 4 / 8 against 24.7 / 27.3 / 28.9 / 29.0 for the
+# tensor-core kernel (dense: 40 to 41 us); 4, 8 or 16 units, or d in halves or quarters, were
+# slower. Its FMAs grow with M, so the tensor-core kernel wins from about 6 tokens.
+# With the write-out as a programmatic dependent launch (run 2, decode_gemv_pdl): one unit per
+# program took 14.8 to 15.2 us at M = 1 against 15.9 to 16.1 for two; at M = 5 the CUDA-core
+# kernel took 27.1 to 27.8 us, the tensor-core one 28.2 to 28.4, at M = 6 29.5 against 28.1.
+GEMV_MAX_M = 5
+GEMV_CONFIGS = {1: GemvConfig(1, 2048, 2, 1), 5: GemvConfig(2, 2048, 2, 1)}
+
+
+def fused_config(M: int) -> Union[tuple, GemvConfig]:
+    """Block shapes used for a call of ``M`` tokens: a :class:`GemvConfig` up to
+    :data:`GEMV_MAX_M` tokens, else the tensor-core kernel's ``(BU, BK, BD, warps, stages)``."""
+    if M <= GEMV_MAX_M:
+        return GEMV_CONFIGS[min(m for m in GEMV_CONFIGS if m >= M)]
     for m in sorted(FUSED_CONFIGS):
         if M <= m:
             return FUSED_CONFIGS[m]
@@ -136,25 +249,36 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
     f = w_first.shape[0]
     if M == 0 or d == 0 or f == 0:
         return torch.zeros(M, d, dtype=x.dtype, device=x.device), torch.zeros(0, dtype=torch.int32, device=x.device), max(M, 1)
-    BU, BK, BD, nw, ns = config or fused_config(M)
-    NB = triton.cdiv(f, BU)
+    config = config or fused_config(M)
+    NB = triton.cdiv(f, config[0])
     acc = scratch.acc if scratch is not None else torch.zeros(M, d, dtype=torch.float32, device=x.device)
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
     track = unit_counts is not None
     w_up_ = w_up if w_up is not None else w_first
+    # the write-out as a programmatic dependent launch of the kernel (only with a scratch: else
+    # PyTorch's cast follows)
+    gdc = scratch is not None and pdl_ok(x)
+    args = (x, x.stride(0), w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0),
+            acc, counts, unit_counts if track else counts, row_nnz if track else counts, M, d, f)
     with on_device_of(x):
-        _decode_fused_kernel[(NB,)](
-            x, x.stride(0), w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0),
-            acc, counts, unit_counts if track else counts, row_nnz if track else counts,
-            M, d, f,
-            BM=FUSED_MAX_M, BU=BU, BK=min(BK, max(16, triton.next_power_of_2(d))), BD=min(BD, max(16, triton.next_power_of_2(d))),
-            GATED=w_up is not None, TRACK=track, PREC="ieee" if x.dtype == torch.float32 else "tf32",
-            num_warps=nw, num_stages=ns,
-        )
+        if isinstance(config, GemvConfig):
+            _decode_gemv_kernel[(NB,)](
+                *args, BM=triton.next_power_of_2(M), BU=config.BU, BK=min(config.BK, max(16, triton.next_power_of_2(d))),
+                GATED=w_up is not None, TRACK=track, GDC=gdc, num_warps=config.num_warps, num_stages=config.num_stages,
+            )
+        else:
+            BU, BK, BD, nw, ns = config
+            _decode_fused_kernel[(NB,)](
+                *args,
+                BM=FUSED_MAX_M, BU=BU, BK=min(BK, max(16, triton.next_power_of_2(d))), BD=min(BD, max(16, triton.next_power_of_2(d))),
+                GATED=w_up is not None, TRACK=track, PREC="ieee" if x.dtype == torch.float32 else "tf32", GDC=gdc,
+                num_warps=nw, num_stages=ns,
+            )
         if scratch is not None:
             y = torch.empty(M, d, dtype=x.dtype, device=x.device)
             WB = min(1024, triton.next_power_of_2(d))
-            _write_out_kernel[(triton.cdiv(d, WB), M)](acc, y, y.stride(0), M, d, BLOCK=WB, num_warps=4)
+            _write_out_kernel[(triton.cdiv(d, WB), M)](acc, y, y.stride(0), M, d, BLOCK=WB, GDC=gdc, num_warps=4,
+                                                       launch_pdl=gdc)
             return y, counts, M
     return acc[:M].to(x.dtype), counts, M
 
@@ -179,7 +303,8 @@ def ffn_decode_fused(
         unit_counts: optional ``[f]`` int32, overwritten with the tokens each unit fired for;
             row_nnz: optional ``[M]`` int32 zeros, given the active units of each token (both
             or neither).
-        config: ``(BU, BK, BD, num_warps, num_stages)``.
+        config: ``(BU, BK, BD, num_warps, num_stages)`` for the tensor-core kernel, or a
+            :class:`GemvConfig` for the CUDA-core one; None: :func:`fused_config`.
         scratch: a :class:`DecodeScratch` (zeroed accumulator kept between calls: one launch
             fewer); None: a fresh buffer per call.
 
