@@ -14,6 +14,8 @@ shape is first checked five times against fp32 and dense's worst row.
         # rounds), plus a few one-warp shapes at M = 1
     python benchmarks/decode_gemv_probe.py [OUTDIR] --dot   # the tensor-core kernel's shapes at
         # M 6, 8 and 16 (after its adds were limited to rows with an active unit in the block)
+    python benchmarks/decode_gemv_probe.py [OUTDIR] --wide  # the same on 32- and 64-row tiles at
+        # M 24 to 64, against the three-launch path
     TRITON_INTERPRET=1 python benchmarks/decode_gemv_probe.py /tmp --smoke   # CPU, tiny, untimed
 
 Writes OUTDIR/decode_gemv_probe.json; prints a table (us, and the speedup over dense of the best).
@@ -51,6 +53,13 @@ if "--dot" in sys.argv:  # (BU, BK, BD, warps, stages)
     SWEEP = [("dot_" + "x".join(map(str, c)), c) for c in [(16, 256, 256, 4, 3), (32, 256, 256, 4, 3), (32, 256, 256, 8, 3),
                                                            (64, 256, 256, 8, 3), (16, 512, 256, 4, 2), (32, 128, 256, 4, 4),
                                                            (16, 256, 512, 4, 3), (32, 512, 512, 8, 2)]]
+    if SMOKE:
+        SWEEP = [("dot_16x32x32x4x1", (16, 32, 32, 4, 1))]
+if "--wide" in sys.argv:  # the tensor-core kernel on 32- and 64-row tiles, against the three-launch path
+    MS = (24, 32, 48, 64)
+    SWEEP = [("dot_" + "x".join(map(str, c)), c) for c in [(64, 256, 256, 8, 3), (32, 256, 256, 4, 3), (64, 128, 256, 8, 3),
+                                                           (32, 128, 256, 4, 3), (64, 256, 128, 8, 2), (128, 128, 128, 8, 3),
+                                                           (16, 256, 256, 4, 3)]]
     if SMOKE:
         SWEEP = [("dot_16x32x32x4x1", (16, 32, 32, 4, 1))]
 
@@ -128,6 +137,10 @@ def main() -> None:
             rec = dict(M=M, k=k, distribution=dist, union=union, need_MB=(F * D + 2 * union * D) * 2 / 1e6)
             rec["dense_us"] = graph_us(lambda: dense_gated(x, s.w_gate, s.w_up, s.w_down))
             rec["dense_rel_err"], rec["dense_row_err"] = errors(dense_gated(x, s.w_gate, s.w_up, s.w_down), ref)
+            if M > 16:
+                from twell.kernels.decode import ffn_decode
+
+                rec["three_launch_us"] = graph_us(lambda: ffn_decode(x, s.w_gate, wdt, w_up=s.w_up))
             dot = FUSED_CONFIGS[2] if M <= 2 else FUSED_CONFIGS[16]
             for name, cfg in [("dot", dot)] + SWEEP:
                 try:
@@ -145,7 +158,8 @@ def main() -> None:
             bad = [n for n, v in rec.items() if isinstance(v, dict) and not v.get("ok", False)]
             best = min(gemv.items(), key=lambda t: t[1]["us"]) if gemv else None
             d_us = rec["dot"].get("us", float("nan"))
-            print(f"M {M} k {k:2d} {dist:6s} union {union:4d}: dense {rec['dense_us']:5.1f} us, dot {d_us:5.1f} "
+            print(f"M {M} k {k:2d} {dist:6s} union {union:4d} (share {union / F:.3f}): dense {rec['dense_us']:5.1f} us, "
+                  + (f"three launches {rec['three_launch_us']:5.1f}, " if "three_launch_us" in rec else "") + f"dot {d_us:5.1f} "
                   f"(x{rec['dense_us'] / max(d_us, 1e-9):.2f}), "
                   + (f"best {best[1]['us']:5.1f} ({best[0]}, x{rec['dense_us'] / max(best[1]['us'], 1e-9):.2f})" if best else "none exact")
                   + (f"; NOT EXACT or failed: {bad}" if bad else ""), flush=True)

@@ -152,7 +152,9 @@ FUSED_CASES = [(1, 40, 100, (16, 16, 16, 4, 1)), (5, 72, 70, (32, 32, 32, 4, 1))
                (1, 40, 100, GemvConfig(4, 16, 4, 1)),  # d in three steps, the last partial
                (3, 72, 70, GemvConfig(8, 128, 2, 1)),  # one step wider than d; M not a power of 2
                (7, 24, 37, GemvConfig(16, 16, 4, 2)),  # 8-row blocks with a masked row
-               (2, 48, 64, None), (4, 33, 45, None)]
+               (2, 48, 64, None), (4, 33, 45, None),
+               (21, 40, 70, (16, 16, 16, 4, 1)),  # a 32-row tile with masked rows
+               (64, 24, 37, None)]  # a full 64-row tile
 
 
 @pytest.mark.parametrize("M,d,f,config", FUSED_CASES, ids=case_id)
@@ -208,8 +210,8 @@ def test_decode_fused_validation():
     from twell.kernels.decode_fused import ffn_decode_fused
 
     x, wg, wu, wd = gate_case(4, 24, 37, torch.float32, seed=5)
-    with pytest.raises(ValueError, match="at most 16"):
-        ffn_decode_fused(torch.zeros(17, 24), wg, wd.T.contiguous(), w_up=wu)
+    with pytest.raises(ValueError, match="at most 64"):
+        ffn_decode_fused(torch.zeros(65, 24), wg, wd.T.contiguous(), w_up=wu)
     with pytest.raises(ValueError, match="w_down_t must be"):
         ffn_decode_fused(x, wg, wd, w_up=wu)
     with pytest.raises(ValueError, match="both"):
@@ -223,7 +225,7 @@ def test_decode_fused_validation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 2, 4, 16])
+@pytest.mark.parametrize("M", [1, 2, 4, 16, 40, 64])
 @pytest.mark.parametrize("mode", ["fresh", "scratch"])
 @pytest.mark.parametrize("kind", ["dot", "default"])
 def test_decode_fused_gpu_bf16(M, mode, kind):
@@ -256,7 +258,8 @@ def test_decode_fused_scratch_is_left_zeroed_and_reused(gated):
 
     x, wg, wu, wd = gate_case(9, 40, 100, torch.float32, seed=11)
     scratch = DecodeScratch(40, "cpu")
-    for call, xi in enumerate((x, x[:3].flip(0).contiguous(), x[1:2].contiguous())):
+    x20 = torch.cat([x, x.flip(0), x[:2]])  # 20 tokens: more than the scratch's 16 rows
+    for call, xi in enumerate((x, x[:3].flip(0).contiguous(), x20, x[1:2].contiguous())):
         kw = dict(w_up=wu) if gated else {}
         y = ffn_decode_fused(xi, wg, wd.T.contiguous(), scratch=scratch, config=(16, 16, 16, 4, 1), **kw)
         ref = ffn_decode_fused(xi, wg, wd.T.contiguous(), config=(16, 16, 16, 4, 1), **kw)

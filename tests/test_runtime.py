@@ -36,14 +36,14 @@ def test_choice_by_batch_size_and_sparsity():
     assert in_graph(1) == in_graph(DECODE_BLIND_M) == "decode"  # no estimate yet: only tiny batches
     assert in_graph(DECODE_BLIND_M + 1) == "dense"
     assert in_graph(DECODE_MAX_M + 1) == "dense"
-    s.k_est = 8.0  # 16 tokens share about 2% of the units
-    assert in_graph(16) == "decode" and in_graph(DECODE_MAX_M) == "dense"
-    s.k_est = 280.0  # 5% of the units for a single token: the fused kernel (M <= 16) still pays
+    s.k_est = 8.0  # 16 tokens share about 2% of the units, 64 about 9%
+    assert in_graph(16) == in_graph(DECODE_MAX_M) == "decode"
+    s.k_est = 280.0  # 5% of the units for a single token: the fused kernel still pays
     assert in_graph(1) == "decode" and in_graph(16) == "dense"  # 16 tokens: 56% of the units
     s.k_est = 1500.0  # 27% for a single token: decode would read too many rows
     assert in_graph(1) == "dense"
-    s.k_est = 29.0  # 16 tokens: 8% of the units (fused); 17 tokens: 8.4% (three launches: above 3%)
-    assert in_graph(16) == "decode" and in_graph(17) == "dense"
+    s.k_est = 29.0  # 16 tokens: 8% of the units, 32: 15%, 64: 28% (above FUSED_MAX_UNION)
+    assert in_graph(16) == in_graph(32) == "decode" and in_graph(DECODE_MAX_M) == "dense"
     assert choose(PREFILL_MIN_M) == "dense"  # no prefill estimate yet
     s.estimate = (29.0, 60.0)
     assert choose(PREFILL_MIN_M - 1) == "dense"
@@ -169,7 +169,7 @@ def test_probes_are_spaced():
     taken = [s._want_probe("auto", False, 4096) for _ in range(3 * s.PROBE_EVERY)]
     assert sum(taken) == 3
     # below PREFILL_MIN_M the eager path is dense whatever the estimate: probe rarely
-    s._union_fit_m = 16  # (the union of small batches is measured already)
+    s._union_fit_m = 64  # (the union of small batches is measured already)
     for M in (1, 64, 1024, PREFILL_MIN_M - 1):
         s._calls = 0
         taken = [s._want_probe("auto", False, M) for _ in range(2 * s.PROBE_EVERY_SMALL)]

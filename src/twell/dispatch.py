@@ -3,10 +3,10 @@
 Three paths compute the same function (up to rounding) for every input:
 
 ``"decode"`` (small batches, ``M <= DECODE_MAX_M`` tokens per call)
-    The gate read whole, then the up and down rows of the batch's active units only: up to
-    ``FUSED_MAX_M`` tokens one fused kernel (:func:`twell.kernels.decode_fused.ffn_decode_fused`),
-    above it three launches (:func:`twell.kernels.ffn_decode`). It never reads more weight bytes
-    than dense.
+    The gate read whole, then the up and down rows of the batch's active units only, in one
+    fused kernel (:func:`twell.kernels.decode_fused.ffn_decode_fused`; a forced call of more
+    than ``FUSED_MAX_M`` tokens takes three launches, :func:`twell.kernels.ffn_decode`). It
+    never reads more weight bytes than dense.
 ``"prefill"`` (large batches)
     cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the fused up/down kernel
     (:func:`twell.kernels.ffn_from_twell`); overflowed rows take the exact path.
@@ -17,8 +17,7 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
 
 - ``M <= DECODE_MAX_M`` inside a CUDA graph capture: decode, if the layer's measured sparsity
   says that the share of units active for some token of the batch is at most
-  ``FUSED_MAX_UNION`` (``M <= FUSED_MAX_M``) or ``DECODE_MAX_UNION`` (without a measurement
-  yet: only for ``M <= DECODE_BLIND_M``). Outside a
+  ``FUSED_MAX_UNION`` (without a measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
   capture small batches run dense: there the host's time to issue a call (three cuBLAS calls
   against a cuBLAS call and two or three Triton launches, each about 14 us on the H200 machine
   here) decides, not the GPU's, and dense issues least.
@@ -59,25 +58,23 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_MAX_UNION", "DECODE_BLIND_M", "FUSED_MAX_UNION", "PREFILL_MIN_M",
+__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION", "PREFILL_MIN_M",
            "EAGER_PREFILL_MIN_M", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
-# At and below this many tokens per call the decode kernels may run, while the expected share of
-# units active in a chunk of the batch stays at or below DECODE_MAX_UNION; with no estimate yet,
-# only up to DECODE_BLIND_M tokens. From the H200 sweep (benchmarks/NOTES_decode.md): decode
-# breaks even with dense at a share of about 0.04 to 0.05 (M = 1 to 16), 0.03 keeps a margin.
+# At and below this many tokens per call the fused decode kernel may run
+# (twell.kernels.decode_fused, FUSED_MAX_M = DECODE_MAX_M), while the expected share of units
+# active for some token of the batch is at most FUSED_MAX_UNION; with no estimate yet, only up to
+# DECODE_BLIND_M tokens. In CUDA graphs on the H200 (benchmarks/NOTES_decode.md, sixth session;
+# d 2048, f 5632, bf16): 1.37x to 1.43x dense at 6 to 16 tokens for shares up to 0.15, 1.09x to
+# 1.17x at 24 and 32 tokens for shares up to 0.27, 1.02x to 1.08x at 48 and 64 tokens for shares
+# up to 0.28, and 0.98x at 64 tokens with a share of 0.47.
 DECODE_MAX_M = 64
-DECODE_MAX_UNION = 0.03
 DECODE_BLIND_M = 4
-# Up to FUSED_MAX_M tokens (twell.kernels.decode_fused.FUSED_MAX_M) the fused decode kernel runs
-# instead, while the expected share is at most FUSED_MAX_UNION: in CUDA graphs on the H200 it was
-# 1.17x to 1.28x dense at M = 16 for shares up to 0.15 (k = 56; benchmarks/NOTES_decode.md),
-# where the three-launch path is 0.88x to 0.99x. Larger shares were not measured.
-FUSED_MAX_UNION = 0.15
+FUSED_MAX_UNION = 0.25
 # Whether a layer keeps a zeroed [16, d] fp32 accumulator for the fused decode kernel (128 KB at
-# d 2048), saving a memset launch per call (the memset and the cast measured 5.9 us together in
+# d 2048; calls of more tokens make a fresh one), saving a memset launch per call (the memset and the cast measured 5.9 us together in
 # a graph on the H200, of a 25 us call at M = 1). One per layer: calls on one stream are ordered,
 # and a layer runs on one stream at a time.
 DECODE_SCRATCH = True
@@ -251,19 +248,16 @@ class LayerState:
         return base + self.TAIL_WEIGHT * top / max(M, 1)
 
     def union_share(self, M: int, f: int) -> Optional[float]:
-        """Expected share of the units active for some token of a decode chunk of ``M`` tokens:
-        units firing independently at :attr:`union_rate` (fitted to a measured batch's share, so
-        it carries the layer's skew), else at the measured mean ``k_est / f`` (skewed layers then
+        """Expected share of the units active for some token of a batch of ``M`` tokens: units
+        firing independently at :attr:`union_rate` (fitted to a measured batch's share, so it
+        carries the layer's skew), else at the measured mean ``k_est / f`` (skewed layers then
         have fewer than this says)."""
         rate = self.union_rate
         if rate is None:
             if self.k_est is None:
                 return None
             rate = min(self.k_est / max(f, 1), 1.0)
-        from .kernels.decode import decode_config
-
-        chunk = min(M, decode_config(M)[0])
-        return 1.0 - (1.0 - rate) ** chunk
+        return 1.0 - (1.0 - rate) ** M
 
     def choose(self, M: int, f: int, mode: str, max_density: Optional[float], capturing: bool) -> str:
         """``"dense"``, ``"decode"`` or ``"prefill"`` for a call of ``M`` tokens."""
@@ -276,7 +270,7 @@ class LayerState:
                 u = self.union_share(M, f)
                 if u is None:
                     return "decode" if M <= DECODE_BLIND_M else "dense"
-                return "decode" if u <= (FUSED_MAX_UNION if M <= _fused_max_m() else DECODE_MAX_UNION) else "dense"
+                return "decode" if u <= FUSED_MAX_UNION else "dense"
             if M < (PREFILL_MIN_M if capturing else EAGER_PREFILL_MIN_M):
                 return "dense"
             c = self.cost(M)

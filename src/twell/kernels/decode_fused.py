@@ -1,4 +1,4 @@
-"""The FFN of a small batch (up to 16 tokens) with gate, up and down fused in one Triton kernel.
+"""The FFN of a small batch (up to 64 tokens) with gate, up and down fused in one Triton kernel.
 
 :mod:`twell.kernels.decode` takes three launches (cuBLAS gate, up kernel, down kernel), and on
 the H200 each small launch costs a fixed 8 to 14 us after an L2 flush, more than its bytes: at
@@ -9,6 +9,7 @@ Here one program per block of ``BU`` units does all of it::
     active   = units with a > 0 for some token           (the rest are never read again)
     h[m, u]  = relu(a) * (x[m] . w_up[u])  for active u  (non-gated: relu(a))
     acc[m]  += sum over active u of h[m, u] w_down_t[u]  fp32 atomic adds into a zeroed buffer
+                                                          (rows m with an active unit in the block)
 
 and ``y = acc`` rounded to x's dtype by PyTorch after the kernel. So a call is three launches
 (the buffer's memset, the kernel, the cast), of which only the kernel reads weights. Kernel
@@ -45,7 +46,8 @@ from .decode import _rows_times_units, check_decode_args
 __all__ = ["ffn_decode_fused", "decode_fused_launch", "fused_config", "DecodeScratch", "GemvConfig", "FUSED_MAX_M",
            "FUSED_CONFIG", "GEMV_MAX_M"]
 
-FUSED_MAX_M = 16  # tokens per call: one tensor-core tile of rows
+FUSED_MAX_M = 64  # tokens per call (tiles of 16, 32 or 64 token rows)
+SCRATCH_ROWS = 16  # rows of a DecodeScratch: larger calls take a fresh zeroed buffer
 
 
 @triton.jit
@@ -190,7 +192,7 @@ class DecodeScratch:
     capture's memory pool is the graph's."""
 
     def __init__(self, d: int, device) -> None:
-        self.acc = torch.zeros(FUSED_MAX_M, d, dtype=torch.float32, device=device)
+        self.acc = torch.zeros(SCRATCH_ROWS, d, dtype=torch.float32, device=device)
 
 
 # BU units per program, BK columns of d per gate/up step, BD columns per down step, warps,
@@ -198,6 +200,9 @@ class DecodeScratch:
 # (benchmarks/decode_fused_probe.py, d 2048, f 5632, bf16, k 8 to 56): 16-unit blocks at M = 1
 # (25.1 to 26.9 us), 64-unit blocks with 8 warps from M = 4 (30.2 to 34.6 us; fewer atomic adds).
 # Adds over all 16 buffer rows (no row mask) were slower (27.8 to 36.5 us) and were dropped.
+# Sixth session (adds only for rows with an active unit in the block): the same 64-unit shape was
+# the fastest of 8 at M = 6 to 16 (28.1 to 29.5 us) and of 7 on 32- and 64-row tiles at M = 24
+# to 64 (35.3 to 43.2 us; benchmarks/decode_gemv_probe.py --dot, --wide).
 FUSED_CONFIGS = {2: (16, 256, 256, 4, 3), 16: (64, 256, 256, 8, 3)}
 FUSED_CONFIG = FUSED_CONFIGS[16]
 
@@ -250,6 +255,8 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
     if M == 0 or d == 0 or f == 0:
         return torch.zeros(M, d, dtype=x.dtype, device=x.device), torch.zeros(0, dtype=torch.int32, device=x.device), max(M, 1)
     config = config or fused_config(M)
+    if scratch is not None and M > scratch.acc.shape[0]:
+        scratch = None
     NB = triton.cdiv(f, config[0])
     acc = scratch.acc if scratch is not None else torch.zeros(M, d, dtype=torch.float32, device=x.device)
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
@@ -270,7 +277,7 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
             BU, BK, BD, nw, ns = config
             _decode_fused_kernel[(NB,)](
                 *args,
-                BM=FUSED_MAX_M, BU=BU, BK=min(BK, max(16, triton.next_power_of_2(d))), BD=min(BD, max(16, triton.next_power_of_2(d))),
+                BM=max(16, triton.next_power_of_2(M)), BU=BU, BK=min(BK, max(16, triton.next_power_of_2(d))), BD=min(BD, max(16, triton.next_power_of_2(d))),
                 GATED=w_up is not None, TRACK=track, PREC="ieee" if x.dtype == torch.float32 else "tf32", GDC=gdc,
                 num_warps=nw, num_stages=ns,
             )
@@ -294,10 +301,10 @@ def ffn_decode_fused(
     config: Optional[tuple] = None,
     scratch: Optional[DecodeScratch] = None,
 ) -> torch.Tensor:
-    """The whole FFN of at most 16 tokens with one weight-reading kernel (see the module's text).
+    """The whole FFN of at most 64 tokens with one weight-reading kernel (see the module's text).
 
     Args:
-        x: ``[M, d]`` tokens, ``M <= 16`` (fp16, bf16 or fp32; unit-stride rows).
+        x: ``[M, d]`` tokens, ``M <= 64`` (fp16, bf16 or fp32; unit-stride rows).
         w_first: ``[f, d]`` gate (gated) or up (non-gated) rows; w_down_t: ``[f, d]``, row ``j`` =
             ``w_down[:, j]``; w_up: ``[f, d]`` for the gated MLP, None for the non-gated one.
         unit_counts: optional ``[f]`` int32, overwritten with the tokens each unit fired for;
@@ -306,7 +313,8 @@ def ffn_decode_fused(
         config: ``(BU, BK, BD, num_warps, num_stages)`` for the tensor-core kernel, or a
             :class:`GemvConfig` for the CUDA-core one; None: :func:`fused_config`.
         scratch: a :class:`DecodeScratch` (zeroed accumulator kept between calls: one launch
-            fewer); None: a fresh buffer per call.
+            fewer; used up to its 16 rows, a larger call makes a fresh buffer); None: a fresh
+            buffer per call.
 
     Returns:
         ``y [M, d]`` in x's dtype.
@@ -321,6 +329,6 @@ def ffn_decode_fused(
             if t.dtype != torch.int32 or t.shape != (n,) or t.device != x.device or not t.is_contiguous():
                 raise ValueError(f"{name} must be a contiguous [{n}] int32 tensor on {x.device}, got "
                                  f"{list(t.shape)} {t.dtype} on {t.device}")
-    if scratch is not None and (scratch.acc.shape != (FUSED_MAX_M, d) or scratch.acc.device != x.device):
+    if scratch is not None and (scratch.acc.shape != (SCRATCH_ROWS, d) or scratch.acc.device != x.device):
         raise ValueError(f"scratch must be a DecodeScratch for d = {d} on {x.device}, got {list(scratch.acc.shape)} on {scratch.acc.device}")
     return decode_fused_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, config=config, scratch=scratch)[0]
