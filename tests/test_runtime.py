@@ -38,6 +38,8 @@ def test_choice_by_batch_size_and_sparsity():
     assert in_graph(DECODE_MAX_M + 1) == "dense"
     s.k_est = 8.0  # 16 tokens share about 2% of the units, 64 about 9%
     assert in_graph(16) == in_graph(DECODE_MAX_M) == "decode"
+    s.k_est = 20.0  # 32 tokens: 10.7%; 33 tokens: 11.0%, above the 64-row tiles' 10%
+    assert in_graph(32) == "decode" and in_graph(33) == in_graph(DECODE_MAX_M) == "dense"
     s.k_est = 280.0  # 5% of the units for a single token: the fused kernel still pays
     assert in_graph(1) == "decode" and in_graph(16) == "dense"  # 16 tokens: 56% of the units
     s.k_est = 1500.0  # 27% for a single token: decode would read too many rows

@@ -17,7 +17,8 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
 
 - ``M <= DECODE_MAX_M`` inside a CUDA graph capture: decode, if the layer's measured sparsity
   says that the share of units active for some token of the batch is at most
-  ``FUSED_MAX_UNION`` (without a measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
+  ``FUSED_MAX_UNION`` (``FUSED_WIDE_MAX_UNION`` above ``FUSED_WIDE_M`` tokens; without a
+  measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
   capture small batches run dense: there the host's time to issue a call (three cuBLAS calls
   against a cuBLAS call and two or three Triton launches, each about 14 us on the H200 machine
   here) decides, not the GPU's, and dense issues least.
@@ -58,21 +59,25 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION", "PREFILL_MIN_M",
+__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION", "FUSED_WIDE_M",
+           "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M",
            "EAGER_PREFILL_MIN_M", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
 # At and below this many tokens per call the fused decode kernel may run
 # (twell.kernels.decode_fused, FUSED_MAX_M = DECODE_MAX_M), while the expected share of units
-# active for some token of the batch is at most FUSED_MAX_UNION; with no estimate yet, only up to
-# DECODE_BLIND_M tokens. In CUDA graphs on the H200 (benchmarks/NOTES_decode.md, sixth session;
-# d 2048, f 5632, bf16): 1.37x to 1.43x dense at 6 to 16 tokens for shares up to 0.15, 1.09x to
-# 1.17x at 24 and 32 tokens for shares up to 0.27, 1.02x to 1.08x at 48 and 64 tokens for shares
-# up to 0.28, and 0.98x at 64 tokens with a share of 0.47.
+# active for some token of the batch is at most FUSED_MAX_UNION (FUSED_WIDE_MAX_UNION above
+# FUSED_WIDE_M tokens, where the kernel's 64-row tiles leave a thin margin); with no estimate
+# yet, only up to DECODE_BLIND_M tokens. In CUDA graphs on the H200 (benchmarks/NOTES_decode.md,
+# sixth session; d 2048, f 5632, bf16): 1.37x to 1.43x dense at 6 to 16 tokens for shares up to
+# 0.15, 1.09x to 1.17x at 24 and 32 tokens for shares up to 0.27; at 48 and 64 tokens 1.06x to
+# 1.08x for shares up to 0.09, but 0.94x to 1.08x for shares of 0.11 to 0.28 from run to run.
 DECODE_MAX_M = 64
 DECODE_BLIND_M = 4
 FUSED_MAX_UNION = 0.25
+FUSED_WIDE_M = 32
+FUSED_WIDE_MAX_UNION = 0.10
 # Whether a layer keeps a zeroed [16, d] fp32 accumulator for the fused decode kernel (128 KB at
 # d 2048; calls of more tokens make a fresh one), saving a memset launch per call (the memset and the cast measured 5.9 us together in
 # a graph on the H200, of a 25 us call at M = 1). One per layer: calls on one stream are ordered,
@@ -270,7 +275,7 @@ class LayerState:
                 u = self.union_share(M, f)
                 if u is None:
                     return "decode" if M <= DECODE_BLIND_M else "dense"
-                return "decode" if u <= FUSED_MAX_UNION else "dense"
+                return "decode" if u <= (FUSED_MAX_UNION if M <= FUSED_WIDE_M else FUSED_WIDE_MAX_UNION) else "dense"
             if M < (PREFILL_MIN_M if capturing else EAGER_PREFILL_MIN_M):
                 return "dense"
             c = self.cost(M)
