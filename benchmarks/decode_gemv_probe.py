@@ -32,7 +32,7 @@ import torch
 
 from twell.bench.inference import dense_gated, errors, reference_fp32
 from twell.bench.synthetic import make_ffn
-from twell.kernels.decode_fused import FUSED_CONFIGS, DecodeScratch, GemvConfig, ffn_decode_fused
+from twell.kernels.decode_fused import FUSED_CONFIG, GEMV_CONFIGS, DecodeScratch, GemvConfig, ffn_decode_fused
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
 SMOKE = "--smoke" in sys.argv
@@ -46,6 +46,8 @@ GEMV = [GemvConfig(2, 2048, 2, 1), GemvConfig(4, 2048, 2, 1), GemvConfig(4, 2048
 if SMOKE:
     GEMV = [GemvConfig(4, 32, 4, 1)]
 CASES = [(8, "even"), (29, "even"), (56, "even"), (29, "skewed")]
+# the tensor-core kernel's shape at 1 and 2 tokens before the CUDA-core variant took them over
+DOT_SMALL = (16, 256, 256, 4, 3)
 MS = (1, 2, 4, 8)
 SWEEP = [("gemv_" + "x".join(map(str, c)), c) for c in GEMV]
 if "--dot" in sys.argv:  # (BU, BK, BD, warps, stages)
@@ -74,6 +76,8 @@ def graph_us(fn) -> float:
 
 
 def pdl_main() -> None:
+    if SMOKE:
+        raise SystemExit("--pdl times CUDA graphs: it needs a GPU")
     from twell.bench.timing import alternating, graph_ms
     from twell.kernels import _launch
     from twell.kernels.decode_fused import fused_config
@@ -97,8 +101,8 @@ def pdl_main() -> None:
             ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
             rec = dict(M=M, k=k, distribution=dist)
             _, rec["dense_row_err"] = errors(dense_gated(x, s.w_gate, s.w_up, s.w_down), ref)
-            dot = FUSED_CONFIGS[2] if M <= 2 else FUSED_CONFIGS[16]
-            cands = [("dot", dot), ("gemv", fused_config(1))]
+            dot = DOT_SMALL if M <= 2 else FUSED_CONFIG
+            cands = [("dot", dot), ("gemv", fused_config(M) if M <= max(GEMV_CONFIGS) else GEMV_CONFIGS[max(GEMV_CONFIGS)])]
             if M == 1:
                 cands += [("gemv_1x2048x1x1", GemvConfig(1, 2048, 1, 1)), ("gemv_2x2048x1x1", GemvConfig(2, 2048, 1, 1)),
                           ("gemv_1x2048x2x1", GemvConfig(1, 2048, 2, 1))]
@@ -141,7 +145,7 @@ def main() -> None:
                 from twell.kernels.decode import ffn_decode
 
                 rec["three_launch_us"] = graph_us(lambda: ffn_decode(x, s.w_gate, wdt, w_up=s.w_up))
-            dot = FUSED_CONFIGS[2] if M <= 2 else FUSED_CONFIGS[16]
+            dot = DOT_SMALL if M <= 2 else FUSED_CONFIG
             for name, cfg in [("dot", dot)] + SWEEP:
                 try:
                     errs = [errors(ffn_decode_fused(x, s.w_gate, wdt, w_up=s.w_up, config=cfg, scratch=scratch), ref) for _ in range(5)]

@@ -59,11 +59,11 @@ def main() -> None:
                                  dict(x_ptr=BF, wf_ptr=BF, wu_ptr=BF, wd_ptr=BF, acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
                                  dict(BM=16, BU=BU, BK=BK, BD=BD, GATED=gated, TRACK=track, PREC="tf32", **extra), nw, ns))
             if hasattr(decode_fused, "_decode_gemv_kernel"):  # from 2026-12-01 s6
-                for gdc in (False, True):
-                    cfg = decode_fused.GEMV_CONFIGS[max(decode_fused.GEMV_CONFIGS)]
-                    variants.append((f"decode_gemv g{gated:d} t{track:d} gdc{gdc:d}", decode_fused._decode_gemv_kernel,
+                for m, cfg in decode_fused.GEMV_CONFIGS.items():  # each shape at the largest M it serves
+                    BM = triton.next_power_of_2(m)
+                    variants.append((f"decode_gemv g{gated:d} t{track:d} bm{BM}", decode_fused._decode_gemv_kernel,
                                      dict(x_ptr=BF, wf_ptr=BF, wu_ptr=BF, wd_ptr=BF, acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
-                                     dict(BM=1, BU=cfg.BU, BK=cfg.BK, GATED=gated, TRACK=track, GDC=gdc), cfg.num_warps, cfg.num_stages))
+                                     dict(BM=BM, BU=cfg.BU, BK=cfg.BK, GATED=gated, TRACK=track, GDC=True), cfg.num_warps, cfg.num_stages))
     for tile in (128, 256):
         variants.append((f"gate_pack_fused tile{tile}", gate_pack._gate_pack_kernel,
                          dict(x_ptr=BF, w_ptr=BF, val_ptr=BF, col_ptr="*i16", cnt_ptr="*i32"),

@@ -152,7 +152,7 @@ FUSED_CASES = [(1, 40, 100, (16, 16, 16, 4, 1)), (5, 72, 70, (32, 32, 32, 4, 1))
                (1, 40, 100, GemvConfig(4, 16, 4, 1)),  # d in three steps, the last partial
                (3, 72, 70, GemvConfig(8, 128, 2, 1)),  # one step wider than d; M not a power of 2
                (7, 24, 37, GemvConfig(16, 16, 4, 2)),  # 8-row blocks with a masked row
-               (2, 48, 64, None), (4, 33, 45, None),
+               (1, 40, 100, None), (2, 48, 64, None), (4, 33, 45, None),  # the shipped CUDA-core shapes
                (21, 40, 70, (16, 16, 16, 4, 1)),  # a 32-row tile with masked rows
                (64, 24, 37, None)]  # a full 64-row tile
 
@@ -250,19 +250,66 @@ def test_decode_fused_gpu_bf16(M, mode, kind):
         assert torch.all(scratch.acc == 0)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("M", [3, 7, 40, 64])
+def test_decode_fused_gpu_other_dtypes_and_tiles(dtype, M):
+    """fp16 and fp32 on both kernels and on 64-row tiles (fp32 there needs its smaller pipeline
+    to fit shared memory), gated and non-gated, statistics against the pattern, with the kept
+    accumulator and with programmatic dependent launch off: every result the same."""
+    from twell.kernels import _launch
+    from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
+
+    torch.manual_seed(M)
+    d, f = 512, 1408
+    x = torch.randn(M, d, device="cuda", dtype=dtype)
+    wg = torch.randn(f, d, device="cuda", dtype=dtype) / d**0.5
+    x[:, 0], wg[:, 0] = 1.0, -1.28  # a bias input: about 10% of the units fire per token
+    wu = torch.randn(f, d, device="cuda", dtype=dtype) / d**0.5
+    wd = torch.randn(d, f, device="cuda", dtype=dtype) / f**0.5
+    scratch = DecodeScratch(d, "cuda")
+    tol = 1e-2 if dtype == torch.float16 else 1e-4
+    pattern = (x.double() @ wg.double().T) > 0
+    for gated in (True, False):
+        kw = dict(w_up=wu) if gated else {}
+        ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double()) if gated else R.mlp(x.double(), wg.double(), wd.double())
+        outs = []
+        for pdl in (True, False):
+            _launch.USE_PDL = pdl
+            try:
+                uc = torch.full((f,), -7, dtype=torch.int32, device="cuda")
+                nnz = torch.zeros(M, dtype=torch.int32, device="cuda")
+                y = ffn_decode_fused(x, wg, wd.T.contiguous(), unit_counts=uc, row_nnz=nnz, scratch=scratch, **kw)
+            finally:
+                _launch.USE_PDL = True
+            assert y.dtype == dtype and rel_err(y, ref) < tol, (gated, pdl, rel_err(y, ref))
+            # a pre-activation within fp32 rounding of zero may take either sign
+            assert (uc.long() - pattern.sum(0)).abs().sum() <= 2 and (nnz.long() - pattern.sum(1)).abs().sum() <= 2
+            assert torch.all(scratch.acc == 0)
+            outs.append(y)
+        assert rel_err(outs[0], outs[1].double()) < tol
+
+
 @pytest.mark.parametrize("gated", [True, False])
-def test_decode_fused_scratch_is_left_zeroed_and_reused(gated):
+@pytest.mark.parametrize("config", [(16, 16, 16, 4, 1), GemvConfig(4, 16, 2, 1)], ids=str)
+def test_decode_fused_scratch_is_left_zeroed_and_reused(gated, config):
     """With a DecodeScratch: two launches per call, the same results as without, and the
-    scratch all zeros after each call (three calls of different batches on one scratch)."""
+    scratch all zeros after each call (calls of different batches on one scratch; 20 tokens,
+    more than its 16 rows, take a fresh buffer and must leave it untouched)."""
     from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
 
     x, wg, wu, wd = gate_case(9, 40, 100, torch.float32, seed=11)
     scratch = DecodeScratch(40, "cpu")
     x20 = torch.cat([x, x.flip(0), x[:2]])  # 20 tokens: more than the scratch's 16 rows
-    for call, xi in enumerate((x, x[:3].flip(0).contiguous(), x20, x[1:2].contiguous())):
+    batches = (x, x[:3].flip(0).contiguous(), x20, x[1:2].contiguous())
+    if isinstance(config, GemvConfig):  # the CUDA-core variant serves a few tokens
+        batches = (x[:3], x[4:5], x[:5].flip(0).contiguous())
+    for call, xi in enumerate(batches):
+        xi = xi.contiguous()
         kw = dict(w_up=wu) if gated else {}
-        y = ffn_decode_fused(xi, wg, wd.T.contiguous(), scratch=scratch, config=(16, 16, 16, 4, 1), **kw)
-        ref = ffn_decode_fused(xi, wg, wd.T.contiguous(), config=(16, 16, 16, 4, 1), **kw)
+        y = ffn_decode_fused(xi, wg, wd.T.contiguous(), scratch=scratch, config=config, **kw)
+        ref = ffn_decode_fused(xi, wg, wd.T.contiguous(), config=config, **kw)
         assert y.shape == xi.shape and rel_err(y, ref) < 1e-6, call
         assert torch.all(scratch.acc == 0), call
     with pytest.raises(ValueError, match="scratch must be"):

@@ -19,9 +19,9 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
   says that the share of units active for some token of the batch is at most
   ``FUSED_MAX_UNION`` (``FUSED_WIDE_MAX_UNION`` above ``FUSED_WIDE_M`` tokens; without a
   measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
-  capture small batches run dense: there the host's time to issue a call (three cuBLAS calls
-  against a cuBLAS call and two or three Triton launches, each about 14 us on the H200 machine
-  here) decides, not the GPU's, and dense issues least.
+  capture small batches run dense: there the host's time to issue a call (each launch about
+  14 us on the H200 machine here) decides, not the GPU's, and dense, whose three cuBLAS calls
+  and two element-wise ops need no checks or Triton launcher, issues fastest.
 - ``M >= PREFILL_MIN_M`` inside a capture (``M >= EAGER_PREFILL_MIN_M`` outside one, where
   the host's time to issue the path counts) and the layer's measured sparsity makes the prefill
   kernels pay (see :meth:`LayerState.cost`): prefill.
@@ -71,8 +71,10 @@ MODES = ("auto", "dense", "twell", "decode", "prefill")
 # FUSED_WIDE_M tokens, where the kernel's 64-row tiles leave a thin margin); with no estimate
 # yet, only up to DECODE_BLIND_M tokens. In CUDA graphs on the H200 (benchmarks/NOTES_decode.md,
 # sixth session; d 2048, f 5632, bf16): 1.37x to 1.43x dense at 6 to 16 tokens for shares up to
-# 0.15, 1.09x to 1.17x at 24 and 32 tokens for shares up to 0.27; at 48 and 64 tokens 1.06x to
-# 1.08x for shares up to 0.09, but 0.94x to 1.08x for shares of 0.11 to 0.28 from run to run.
+# 0.15 (1.49x at 4 tokens with a share of about 0.18: k 280), 1.09x to 1.17x at 24 and 32 tokens
+# for shares up to 0.27; at 48 and 64 tokens 1.06x to 1.08x for shares up to 0.09, but 0.94x to
+# 1.08x for shares of 0.11 to 0.28 from run to run. (At 17 to 32 tokens and shares below 0.05
+# the three-launch path was 1 to 2 us faster still; not worth a second rule.)
 DECODE_MAX_M = 64
 DECODE_BLIND_M = 4
 FUSED_MAX_UNION = 0.25

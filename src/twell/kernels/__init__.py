@@ -7,8 +7,9 @@
 - :mod:`.updown`: the FFN from TwELL (:func:`ffn_from_twell`): gated up/down (nothing
   ``[M, f]``-sized is written) or the non-gated down projection, with the exact path for
   overflowed tiles and its counters.
-- :mod:`.decode` and :mod:`.decode_fused`: small batches (the gate read whole, up and down rows of
-  the batch's active units only), three launches or, up to 16 tokens, one fused kernel.
+- :mod:`.decode_fused` and :mod:`.decode`: small batches (the gate read whole, up and down rows
+  of the batch's active units only): up to 64 tokens one fused kernel (a CUDA-core GEMV up to 5
+  tokens, tensor-core tiles above) and its write-out; any number of tokens in three launches.
 - :mod:`.elementwise`: ``relu(g) * u`` in one pass, for the modules' dense inference branch.
 - :mod:`.dense_rows`: the element-wise passes (forward and backward) of the training rows held
   dense: heavy rows, and every row of an all-dense call.

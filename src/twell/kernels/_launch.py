@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 
@@ -27,9 +28,9 @@ USE_PDL = True
 
 
 def pdl_ok(t: torch.Tensor) -> bool:
-    """Whether kernels on ``t``'s device may use programmatic dependent launch (CUDA, compute
-    capability 9.0 or later, not the Triton interpreter)."""
-    if not (USE_PDL and t.is_cuda):
+    """Whether kernels on ``t``'s device may use programmatic dependent launch (NVIDIA CUDA,
+    compute capability 9.0 or later, not the Triton interpreter)."""
+    if not (USE_PDL and t.is_cuda) or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     ok = _PDL.get(idx)

@@ -11,12 +11,15 @@ Here one program per block of ``BU`` units does all of it::
     acc[m]  += sum over active u of h[m, u] w_down_t[u]  fp32 atomic adds into a zeroed buffer
                                                           (rows m with an active unit in the block)
 
-and ``y = acc`` rounded to x's dtype by PyTorch after the kernel. So a call is three launches
-(the buffer's memset, the kernel, the cast), of which only the kernel reads weights. Kernel
-boundaries order the atomic adds before the cast: a first design had the last program to finish
-(an atomic ticket) write y and zero a persistent buffer, in one launch; on the H200 in bf16 it
-returned wrong sums at M = 1 and 4 (an ordering bug the interpreter cannot show), so the
-write-out is its own launch here.
+and ``y = acc`` rounded to x's dtype after the kernel: with a kept accumulator (a
+:class:`DecodeScratch`, up to 16 tokens) by ``_write_out_kernel``, which also zeroes it for the
+next call (two launches per call), else by PyTorch's cast of a fresh zeroed buffer (three). Only
+the first kernel reads weights. The adds are ordered before the write-out by the kernel
+boundary: on Hopper the write-out is a programmatic dependent launch that starts early and waits
+(``griddepcontrol.wait``) until the kernel has completed and its writes are visible. A first
+design had the last program to finish (an atomic ticket) write y and zero the buffer, in one
+launch; on the H200 in bf16 it returned wrong sums at M = 1 and 4 (an ordering bug the
+interpreter cannot show), so the write-out is its own launch here.
 
 Up to ``GEMV_MAX_M`` tokens the same fused FFN runs as a CUDA-core GEMV instead
 (``_decode_gemv_kernel``): the tensor-core kernel walks d in dependent steps per program and
@@ -200,11 +203,14 @@ class DecodeScratch:
 # (benchmarks/decode_fused_probe.py, d 2048, f 5632, bf16, k 8 to 56): 16-unit blocks at M = 1
 # (25.1 to 26.9 us), 64-unit blocks with 8 warps from M = 4 (30.2 to 34.6 us; fewer atomic adds).
 # Adds over all 16 buffer rows (no row mask) were slower (27.8 to 36.5 us) and were dropped.
-# Sixth session (adds only for rows with an active unit in the block): the same 64-unit shape was
-# the fastest of 8 at M = 6 to 16 (28.1 to 29.5 us) and of 7 on 32- and 64-row tiles at M = 24
-# to 64 (35.3 to 43.2 us; benchmarks/decode_gemv_probe.py --dot, --wide).
-FUSED_CONFIGS = {2: (16, 256, 256, 4, 3), 16: (64, 256, 256, 8, 3)}
-FUSED_CONFIG = FUSED_CONFIGS[16]
+# Sixth session (adds only for rows with an active unit in the block; up to 5 tokens the CUDA-core
+# variant runs instead): the same 64-unit shape was the fastest of 8 at M = 6 to 16 (28.1 to
+# 29.5 us) except k = 8 at 6 and 8 tokens (16-unit blocks: 26.7 against 28.1 us), and of 7 on 32-
+# and 64-row tiles at M = 24 to 64 (35.3 to 43.2 us; benchmarks/decode_gemv_probe.py --dot,
+# --wide). fp32 inputs on 32- and 64-row tiles take 2 stages: 3 would need up to 256 KB of shared
+# memory (more than the H100's 227 KB per block).
+FUSED_CONFIGS = {64: (64, 256, 256, 8, 3)}
+FUSED_CONFIG = FUSED_CONFIGS[64]
 
 
 class GemvConfig(NamedTuple):
@@ -275,17 +281,24 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
             )
         else:
             BU, BK, BD, nw, ns = config
+            BM = max(16, triton.next_power_of_2(M))
+            if x.element_size() == 4 and BM >= 32:
+                ns = min(ns, 2)  # shared memory (see FUSED_CONFIGS)
             _decode_fused_kernel[(NB,)](
                 *args,
-                BM=max(16, triton.next_power_of_2(M)), BU=BU, BK=min(BK, max(16, triton.next_power_of_2(d))), BD=min(BD, max(16, triton.next_power_of_2(d))),
+                BM=BM, BU=BU, BK=min(BK, max(16, triton.next_power_of_2(d))), BD=min(BD, max(16, triton.next_power_of_2(d))),
                 GATED=w_up is not None, TRACK=track, PREC="ieee" if x.dtype == torch.float32 else "tf32", GDC=gdc,
                 num_warps=nw, num_stages=ns,
             )
         if scratch is not None:
             y = torch.empty(M, d, dtype=x.dtype, device=x.device)
             WB = min(1024, triton.next_power_of_2(d))
-            _write_out_kernel[(triton.cdiv(d, WB), M)](acc, y, y.stride(0), M, d, BLOCK=WB, GDC=gdc, num_warps=4,
-                                                       launch_pdl=gdc)
+            try:
+                _write_out_kernel[(triton.cdiv(d, WB), M)](acc, y, y.stride(0), M, d, BLOCK=WB, GDC=gdc, num_warps=4,
+                                                           launch_pdl=gdc)
+            except BaseException:
+                acc.zero_()  # the kept accumulator holds this call's sums: never hand them to the next call
+                raise
             return y, counts, M
     return acc[:M].to(x.dtype), counts, M
 
