@@ -30,10 +30,11 @@ USE_PDL = True
 def pdl_ok(t: torch.Tensor) -> bool:
     """Whether kernels on ``t``'s device may use programmatic dependent launch (NVIDIA CUDA,
     compute capability 9.0 or later, not the Triton interpreter)."""
-    if not (USE_PDL and t.is_cuda) or torch.version.hip is not None or os.environ.get("TRITON_INTERPRET") == "1":
+    if not (USE_PDL and t.is_cuda):
         return False
     idx = t.device.index if t.device.index is not None else torch.cuda.current_device()
     ok = _PDL.get(idx)
-    if ok is None:
-        ok = _PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    if ok is None:  # asked on every small call: decided once per device
+        ok = _PDL[idx] = (torch.version.hip is None and os.environ.get("TRITON_INTERPRET") != "1"
+                          and torch.cuda.get_device_capability(idx)[0] >= 9)
     return ok

@@ -44,7 +44,7 @@ import triton.language as tl
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
 from ._launch import on_device_of
 
-__all__ = ["ffn_decode", "decode_launch", "decode_config", "DECODE_CONFIGS"]
+__all__ = ["ffn_decode", "decode_launch", "check_stat_buffers", "decode_config", "DECODE_CONFIGS"]
 
 
 @triton.jit
@@ -195,6 +195,19 @@ def check_decode_args(x, w_first, w_down_t, w_up) -> tuple[int, int, int]:
     return M, d, f
 
 
+def check_stat_buffers(x: torch.Tensor, unit_counts: Optional[torch.Tensor], row_nnz: Optional[torch.Tensor], f: int) -> None:
+    """Clear errors for the optional statistics of a decode call of ``x [M, d]``: ``unit_counts``
+    ``[f]`` and ``row_nnz`` ``[M]``, contiguous int32 on x's device, both or neither."""
+    if (unit_counts is None) != (row_nnz is None):
+        raise ValueError("pass unit_counts and row_nnz together (both or neither)")
+    if unit_counts is not None:
+        for t, name, n in ((unit_counts, "unit_counts", f), (row_nnz, "row_nnz", x.shape[0])):
+            check_tensor(t, name, dim=1, dtypes=(torch.int32,))
+            if t.shape[0] != n or not t.is_contiguous() or t.device != x.device:
+                raise ValueError(f"{name} must be a contiguous [{n}] int32 tensor on {x.device}, got "
+                                 f"{list(t.shape)} {t.dtype} on {t.device}")
+
+
 def ffn_decode(
     x: torch.Tensor,
     w_first: torch.Tensor,
@@ -226,13 +239,7 @@ def ffn_decode(
         ``y [M, d]``: ``(relu(x w_first^T) [* (x w_up^T)]) w_down_t`` with fp32 accumulation.
     """
     M, d, f = check_decode_args(x, w_first, w_down_t, w_up)
-    if (unit_counts is None) != (row_nnz is None):
-        raise ValueError("pass unit_counts and row_nnz together, or neither")
-    if unit_counts is not None:
-        for t, name, n in ((unit_counts, "unit_counts", f), (row_nnz, "row_nnz", M)):
-            check_tensor(t, name, dim=1, dtypes=(torch.int32,))
-            if t.shape[0] != n or not t.is_contiguous() or t.device != x.device:
-                raise ValueError(f"{name} must be a contiguous [{n}] int32 tensor on {x.device}")
+    check_stat_buffers(x, unit_counts, row_nnz, f)
     if out is not None and (
         tuple(out.shape) != (M, d) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device or (M > 1 and out.stride(0) < d)
     ):

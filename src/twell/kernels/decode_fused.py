@@ -44,13 +44,32 @@ import triton
 import triton.language as tl
 
 from ._launch import on_device_of, pdl_ok
-from .decode import _rows_times_units, check_decode_args
+from .decode import _rows_times_units, check_decode_args, check_stat_buffers
 
 __all__ = ["ffn_decode_fused", "decode_fused_launch", "fused_config", "DecodeScratch", "GemvConfig", "FUSED_MAX_M",
            "FUSED_CONFIG", "GEMV_MAX_M"]
 
 FUSED_MAX_M = 64  # tokens per call (tiles of 16, 32 or 64 token rows)
 SCRATCH_ROWS = 16  # rows of a DecodeScratch: larger calls take a fresh zeroed buffer
+
+
+@triton.jit
+def _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK: tl.constexpr):
+    """From the block's rounded gate ``a [BM, BU]``: ``fires`` (a > 0 on valid rows and units),
+    ``active [BU]`` (fires for some token), their number (stored as the block's count: the
+    dispatcher's probe) and ``per_row [BM]`` (each token's active units in the block); when
+    tracking, each unit's firing count (overwritten) and each token's (added across blocks)."""
+    fires = (a > 0) & rmask[:, None] & umask[None, :]
+    fires_i = fires.to(tl.int32)
+    per_unit = tl.sum(fires_i, axis=0)
+    active = per_unit > 0
+    n_active = tl.sum(active.to(tl.int32), axis=0)
+    tl.store(counts_ptr + b, n_active)
+    per_row = tl.sum(fires_i, axis=1)
+    if TRACK:
+        tl.store(uc_ptr + units, per_unit, mask=umask)
+        tl.atomic_add(nnz_ptr + rows, per_row, mask=rmask & (per_row > 0), sem="relaxed")
+    return fires, active, n_active, per_row
 
 
 @triton.jit
@@ -73,16 +92,7 @@ def _decode_fused_kernel(
     # the gate: this block's rows of w_first, read whole
     a = _rows_times_units(x_rows, rmask, wf_ptr, stride_wf, units, umask, d, BM, BU, BK, PREC)
     a = a.to(wf_ptr.dtype.element_ty).to(tl.float32)  # the dense path's rounding of the product
-    fires = (a > 0) & rmask[:, None] & umask[None, :]
-    fires_i = fires.to(tl.int32)
-    per_unit = tl.sum(fires_i, axis=0)
-    active = per_unit > 0
-    n_active = tl.sum(active.to(tl.int32), axis=0)
-    tl.store(counts_ptr + b, n_active)
-    per_row = tl.sum(fires_i, axis=1)
-    if TRACK:
-        tl.store(uc_ptr + units, per_unit, mask=umask)
-        tl.atomic_add(nnz_ptr + rows, per_row, mask=rmask & (per_row > 0), sem="relaxed")
+    fires, active, n_active, per_row = _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK)
     if n_active > 0:
         h = tl.where(fires, a, 0.0)
         if GATED:  # the up rows of the active units only
@@ -157,16 +167,7 @@ def _decode_gemv_kernel(
     umask = units < f
     a = _units_times_rows(x_ptr, stride_xm, M, wf_ptr, stride_wf, units, umask, d, BM, BU, BK)
     a = a.to(wf_ptr.dtype.element_ty).to(tl.float32)  # the dense path's rounding of the product
-    fires = (a > 0) & rmask[:, None] & umask[None, :]
-    fires_i = fires.to(tl.int32)
-    per_unit = tl.sum(fires_i, axis=0)
-    active = per_unit > 0
-    n_active = tl.sum(active.to(tl.int32), axis=0)
-    tl.store(counts_ptr + b, n_active)
-    per_row = tl.sum(fires_i, axis=1)
-    if TRACK:
-        tl.store(uc_ptr + units, per_unit, mask=umask)
-        tl.atomic_add(nnz_ptr + rows, per_row, mask=rmask & (per_row > 0), sem="relaxed")
+    fires, active, n_active, per_row = _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK)
     if n_active > 0:
         h = tl.where(fires, a, 0.0)
         if GATED:  # the up rows of the active units only
@@ -335,13 +336,7 @@ def ffn_decode_fused(
     M, d, f = check_decode_args(x, w_first, w_down_t, w_up)
     if M > FUSED_MAX_M:
         raise ValueError(f"the fused decode kernel takes at most {FUSED_MAX_M} tokens per call, got {M}")
-    if (unit_counts is None) != (row_nnz is None):
-        raise ValueError("pass both unit_counts and row_nnz, or neither")
-    if unit_counts is not None:
-        for t, name, n in ((unit_counts, "unit_counts", f), (row_nnz, "row_nnz", M)):
-            if t.dtype != torch.int32 or t.shape != (n,) or t.device != x.device or not t.is_contiguous():
-                raise ValueError(f"{name} must be a contiguous [{n}] int32 tensor on {x.device}, got "
-                                 f"{list(t.shape)} {t.dtype} on {t.device}")
+    check_stat_buffers(x, unit_counts, row_nnz, f)
     if scratch is not None and (scratch.acc.shape != (SCRATCH_ROWS, d) or scratch.acc.device != x.device):
         raise ValueError(f"scratch must be a DecodeScratch for d = {d} on {x.device}, got {list(scratch.acc.shape)} on {scratch.acc.device}")
     return decode_fused_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, config=config, scratch=scratch)[0]
