@@ -12,5 +12,5 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY=python3
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv | tee "$OUTDIR/training_gpu_tests.log"
 $PY -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUTDIR/training_gpu_tests.log"
-timeout "${TEST_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider tests/test_train_kernels.py tests/test_train_path.py 2>&1 | tail -25 | tee -a "$OUTDIR/training_gpu_tests.log"
+timeout "${TEST_TIMEOUT:-180}" $PY -m pytest -q -p no:cacheprovider tests/test_train_kernels.py tests/test_train_path.py tests/test_kernels_dense_rows.py 2>&1 | tail -25 | tee -a "$OUTDIR/training_gpu_tests.log"
 timeout "${BENCH_TIMEOUT:-380}" $PY -m twell.bench.cli training --out "$OUTDIR" "$@" 2>&1 | tee "$OUTDIR/training_bench.log" | tail -60

@@ -34,7 +34,7 @@ def forward_ref(a, u):
     a64 = a.double()
     h = torch.relu(a64) if u is None else torch.relu(a64) * u.double()
     h = h.to(a.dtype)  # the kernel stores h in the input dtype and sums what it stored
-    return h, h.double().abs().sum(1), (a > 0).sum(0)
+    return h, h.double().abs().sum(1), (a > 0).sum(0), (a > 0).sum(1)
 
 
 def backward_ref(dz, a, u, c):
@@ -55,12 +55,13 @@ DTYPES = [torch.float32, torch.float16] if DEV == "cpu" else [torch.bfloat16, to
 @pytest.mark.parametrize("gated", [True, False])
 def test_forward(dtype, M, f, gated):
     a, u, _ = case(M, f, dtype)
-    h, l1, counts = dense_rows_forward(a, u if gated else None)
-    h_ref, l1_ref, counts_ref = forward_ref(a, u if gated else None)
+    h, l1, counts, row_counts = dense_rows_forward(a, u if gated else None)
+    h_ref, l1_ref, counts_ref, row_counts_ref = forward_ref(a, u if gated else None)
     assert h.dtype == dtype and l1.dtype == torch.float32 and counts.dtype == torch.int64
+    assert row_counts.dtype == torch.int32
     assert torch.equal(h, h_ref)  # one product of two stored values, rounded once: exact
     assert rel_err(l1, l1_ref) < 1e-6
-    assert torch.equal(counts, counts_ref)
+    assert torch.equal(counts, counts_ref) and torch.equal(row_counts.long(), row_counts_ref)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -88,9 +89,10 @@ def test_backward(dtype, M, f, gated, c):
 def test_relu_keeps_nan_and_bad_input_is_refused():
     a, u, dz = case(5, 9, torch.float32)
     a[3, 4] = float("nan")
-    h, l1, counts = dense_rows_forward(a, u)
+    h, l1, counts, row_counts = dense_rows_forward(a, u)
     assert torch.isnan(h[3, 4]) and torch.isnan(l1[3]) and not torch.isnan(l1[torch.arange(5) != 3]).any()
     assert int(counts[4]) == int((a[:, 4] > 0).sum())  # NaN is not active
+    assert int(row_counts[3]) == int((a[3] > 0).sum())
     c = torch.zeros(1, device=DEV)
     with pytest.raises(ValueError, match="must match"):
         dense_rows_forward(a, u[:, :8].contiguous())
@@ -106,8 +108,9 @@ def test_relu_keeps_nan_and_bad_input_is_refused():
 
 def test_empty():
     a = torch.zeros(0, 6, device=DEV)
-    h, l1, counts = dense_rows_forward(a, a)
-    assert h.shape == (0, 6) and l1.shape == (0,) and torch.equal(counts, torch.zeros(6, dtype=torch.int64, device=DEV))
+    h, l1, counts, row_counts = dense_rows_forward(a, a)
+    assert h.shape == (0, 6) and l1.shape == (0,) and row_counts.shape == (0,)
+    assert torch.equal(counts, torch.zeros(6, dtype=torch.int64, device=DEV))
 
 
 @pytest.mark.gpu
@@ -116,9 +119,10 @@ def test_gpu_bf16_real_shape_keeps_the_l1_term():
     """M 4096, f 5632 in bf16: the formulas hold, and a c far below half a bf16 step of dz still
     moves du and da (it is added in fp32 before the products)."""
     a, u, dz = case(4096, 5632, torch.bfloat16, seed=3)
-    h, l1, counts = dense_rows_forward(a, u)
-    h_ref, l1_ref, counts_ref = forward_ref(a, u)
+    h, l1, counts, row_counts = dense_rows_forward(a, u)
+    h_ref, l1_ref, counts_ref, row_counts_ref = forward_ref(a, u)
     assert torch.equal(h, h_ref) and rel_err(l1, l1_ref) < 1e-6 and torch.equal(counts, counts_ref)
+    assert torch.equal(row_counts.long(), row_counts_ref)
     c = 1e-5
     d1, da, _ = dense_rows_backward(dz.clone(), a, u, torch.tensor([c], device="cuda"))
     d1_0, da_0, _ = dense_rows_backward(dz.clone(), a, u, torch.zeros(1, device="cuda"))

@@ -84,17 +84,21 @@ def run(fn, tensors, r, lam):
     return (type(out)(*detached) if hasattr(out, "_fields") else detached), [t.grad for t in leaves]
 
 
-def compare(tensors, width, dtype, gated=True, lam=0.37, seed=1):
-    """Run the sparse op in ``dtype`` and dense autograd in float64 on the same (rounded) inputs;
-    check y, l1, every gradient and the statistics. Returns (out, grads, dense grads)."""
+def compare(tensors, width, dtype, gated=True, lam=0.37, seed=1, op="sparse"):
+    """Run the sparse op (``op`` "dense": the all-rows-dense op, width unused) in ``dtype`` and
+    dense autograd in float64 on the same (rounded) inputs; check y, l1, every gradient and the
+    statistics. Returns (out, grads, dense grads)."""
     tensors = [t.to(dtype) for t in tensors]
     M, d = tensors[0].shape
     r = torch.randn(M, d, generator=torch.Generator().manual_seed(seed)).to(DEV, dtype)  # both see the same r
+    if op == "dense":
+        fn = T.dense_gated_ffn if gated else T.dense_ffn
+    else:
+        fn = (lambda *t: sparse_gated_ffn(*t, width)) if gated else (lambda *t: sparse_ffn(*t, width))
+    out, grads = run(fn, tensors, r, lam)
     if gated:
-        out, grads = run(lambda *t: sparse_gated_ffn(*t, width), tensors, r, lam)
         ref, ref_grads = run(lambda x, wg, wu, wd: dense_ffn(x, wg, wu, wd), [t.double() for t in tensors], r.double(), lam)
     else:
-        out, grads = run(lambda *t: sparse_ffn(*t, width), tensors, r, lam)
         ref, ref_grads = run(lambda x, wu, wd: dense_ffn(x, wu, None, wd), [t.double() for t in tensors], r.double(), lam)
     assert out.y.dtype == dtype and out.y.shape == (M, d)
     assert out.l1.dtype == torch.float32 and out.l1.dim() == 0
@@ -108,7 +112,8 @@ def compare(tensors, width, dtype, gated=True, lam=0.37, seed=1):
     assert out.row_counts.dtype == torch.int32 and torch.equal(out.row_counts.long(), (a > 0).sum(1))
     assert out.unit_counts.dtype == torch.int64 and torch.equal(out.unit_counts, (a > 0).sum(0))
     W = min(width, a.shape[1])
-    assert out.n_heavy.dtype == torch.int64 and int(out.n_heavy) == int(((a > 0).sum(1) > W).sum())
+    heavy = 0 if op == "dense" else int(((a > 0).sum(1) > W).sum())
+    assert out.n_heavy.dtype == torch.int64 and int(out.n_heavy) == heavy
     for t in (out.row_counts, out.unit_counts, out.n_heavy):
         assert not t.requires_grad
     return out, grads, ref_grads
@@ -230,6 +235,51 @@ def test_all_dense_keeps_the_l1_gradient_in_bf16(monkeypatch):
     ref = l1_part(dense_ffn, [t.double() for t in (x, wg, wu, wd)])
     got = l1_part(lambda *t: sparse_gated_ffn(*t, 4), [t.bfloat16() for t in (x, wg, wu, wd)])
     assert float((((x @ wg.T) > 0).sum(1) > 4).float().mean()) > T.ALL_DENSE_SHARE  # the all-dense path
+    assert float((got * ref).sum() / (ref * ref).sum()) > 0.5
+
+
+@pytest.mark.parametrize("dtype,M", [(torch.float32, 37), (torch.float16, 16), (torch.float32, 1)], ids=case_id)
+@pytest.mark.parametrize("gated", [True, False])
+def test_dense_op_adversarial(dtype, M, gated):
+    """The all-rows-dense training op (a layer's dense path) on the adversarial case (an empty
+    row, rows of every unit, a dead unit, a hot unit; M, d, f multiples of no block): y, l1,
+    every gradient and the statistics as dense autograd's."""
+    x, wg, wu, wd = make_case(M, 40, 75, seed=13, adversarial=M >= 8)
+    out, grads, _ = compare((x, wg, wu, wd) if gated else (x, wg, wd), 1, dtype, gated=gated, op="dense")
+    if M >= 8:
+        assert int(out.row_counts[1]) == 0 and int(out.unit_counts[DEAD]) == 0
+        assert torch.all(grads[1][DEAD] == 0) and torch.all(grads[-1][:, DEAD] == 0)
+
+
+def test_dense_op_empty_and_saved_tensors():
+    """M = 0: zeros, no NaN. Saved for backward: two [M, f] tensors gated (a and u), one
+    non-gated (h), where dense autograd keeps three gated."""
+    x, wg, wu, wd = (t.float() for t in make_case(0, 40, 75, seed=3, adversarial=False))
+    out, grads = run(T.dense_gated_ffn, (x, wg, wu, wd), torch.zeros(0, 40, device=DEV), 0.5)
+    assert float(out.l1) == 0.0 and out.y.shape == (0, 40)
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in grads)
+    x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=3))
+    assert _saved_shapes(T.dense_gated_ffn, (x, wg, wu, wd)).count((37, 75)) == 2
+    assert _saved_shapes(T.dense_ffn, (x, wg, wd)).count((37, 75)) == 1
+    assert saved_bytes(T.dense_gated_ffn, x, wg, wu, wd) < saved_bytes(dense_ffn, x, wg, wu, wd)
+
+
+def test_dense_op_keeps_the_l1_gradient_in_bf16():
+    """As test_all_dense_keeps_the_l1_gradient_in_bf16, for the all-rows-dense op."""
+    x, wg, wu, wd = make_case(512, 40, 75, seed=12, density=0.3, adversarial=False)
+    r = torch.randn(512, 40, generator=torch.Generator().manual_seed(1)).to(DEV) / 512
+
+    def l1_part(fn, tensors):
+        out = []
+        for lam in (2e-5, 0.0):
+            leaves = [t.clone().requires_grad_() for t in tensors]
+            y, l1 = fn(*leaves)[:2]
+            ((y * r.to(y.dtype)).sum() + lam * l1).backward()
+            out.append(leaves[1].grad.double())
+        return out[0] - out[1]
+
+    ref = l1_part(dense_ffn, [t.double() for t in (x, wg, wu, wd)])
+    got = l1_part(T.dense_gated_ffn, [t.bfloat16() for t in (x, wg, wu, wd)])
     assert float((got * ref).sum() / (ref * ref).sum()) > 0.5
 
 
@@ -376,7 +426,10 @@ def _gpu_tensors(M=4096, d=2048, f=5632, k=29):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [True, False])
-def test_gpu_bf16_real_shape(gated):
+@pytest.mark.parametrize("op", ["sparse", "dense"])
+def test_gpu_bf16_real_shape(gated, op):
+    """M 4096, d 2048, f 5632, bf16, the L1 path weighted so that it counts: the sparse op (with
+    heavy rows) and the all-rows-dense op against bf16 and fp32 autograd."""
     tensors = _gpu_tensors()
     if not gated:
         tensors = [tensors[0], tensors[1], tensors[3]]
@@ -384,15 +437,18 @@ def test_gpu_bf16_real_shape(gated):
     r = torch.randn(M, d, device="cuda", dtype=torch.bfloat16)
     lam = 0.25 * M  # c = lam / M = 0.25 against |dy . w_down^T[j]| ~ 0.6: the L1 path counts
     width = choose_width(29.0)
+    if op == "dense":
+        fn = T.dense_gated_ffn if gated else T.dense_ffn
+    else:
+        fn = (lambda *t: sparse_gated_ffn(*t, width)) if gated else (lambda *t: sparse_ffn(*t, width))
+    out, grads = run(fn, tensors, r, lam)
     if gated:
-        out, grads = run(lambda *t: sparse_gated_ffn(*t, width), tensors, r, lam)
         ref, ref_grads = run(lambda x, wg, wu, wd: dense_ffn(x, wg, wu, wd), tensors, r, lam)
         fp32, fp32_grads = run(lambda x, wg, wu, wd: dense_ffn(x, wg, wu, wd), [t.float() for t in tensors], r.float(), lam)
     else:
-        out, grads = run(lambda *t: sparse_ffn(*t, width), tensors, r, lam)
         ref, ref_grads = run(lambda x, wu, wd: dense_ffn(x, wu, None, wd), tensors, r, lam)
         fp32, fp32_grads = run(lambda x, wu, wd: dense_ffn(x, wu, None, wd), [t.float() for t in tensors], r.float(), lam)
-    assert int(out.n_heavy) >= 1
+    assert int(out.n_heavy) >= 1 if op == "sparse" else int(out.n_heavy) == 0
     assert rel_err(out.y, ref[0]) <= 1e-2 and rel_err(out.y, fp32[0]) <= 1e-2
     assert abs(float(out.l1) - float(fp32[1])) <= 1e-2 * float(fp32[1])
     for gr, gr_ref, gr32 in zip(grads, ref_grads, fp32_grads):

@@ -13,7 +13,7 @@ from twell.train_path import TrainPath, use_sparse
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 
 
-def _pair(cls, d=24, f=40, seed=0):
+def _pair(cls, d=24, f=40, seed=0, kernels="sparse"):
     torch.manual_seed(seed)
     dense = cls(d, f).to(DEV)
     sparse = cls(d, f).to(DEV)
@@ -21,14 +21,17 @@ def _pair(cls, d=24, f=40, seed=0):
     with torch.no_grad():  # about a quarter of the units fire: a real pattern, light and heavy rows
         dense._first_projection().weight.add_(-0.15)
         sparse._first_projection().weight.copy_(dense._first_projection().weight)
-    sparse.train_kernels = "sparse"
+    sparse.train_kernels = kernels
     return dense, sparse
 
 
 @pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
 @pytest.mark.parametrize("use_checkpoint", [False, True])
-def test_module_on_the_training_kernels_equals_dense(cls, use_checkpoint):
-    dense, sparse = _pair(cls)
+@pytest.mark.parametrize("kernels", ["sparse", "dense"])
+def test_module_on_the_training_kernels_equals_dense(cls, use_checkpoint, kernels):
+    """train_kernels "sparse" (the sparse kernels) and "dense" (the all-rows-dense op with its
+    fused passes) against the module's plain PyTorch math (its path on the CPU without a choice)."""
+    dense, sparse = _pair(cls, kernels=kernels)
     x = torch.randn(3, 7, 24, device=DEV)
     r = torch.randn(3, 7, 24, device=DEV)
     lam = 0.3  # large: a wrong L1 gradient shows
@@ -40,7 +43,7 @@ def test_module_on_the_training_kernels_equals_dense(cls, use_checkpoint):
         ((y * r).sum() + lam * m.l1).backward()
         grads.append([xi.grad] + [p.grad for p in m.parameters()])
         m.out = y.detach()
-    assert sparse.last_train_path == "sparse"
+    assert sparse.last_train_path == kernels and dense.last_train_path in (None, "dense")
     torch.testing.assert_close(sparse.out, dense.out, rtol=1e-5, atol=1e-5)
     for a, b in zip(grads[1], grads[0]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
@@ -166,18 +169,19 @@ def test_trainer_step_on_the_sparse_kernels_equals_dense(tmp_path):
     from twell.train.trainer import Trainer
 
     runs = {}
-    for kernels in ("dense", "sparse"):
+    for kernels in ("auto", "dense", "sparse"):  # auto: on the CPU the plain PyTorch math
         # fp32 on the GPU too (its default is bf16 autocast): the two paths must agree to fp32 rounding
         t = Trainer(config(tmp_path, kernels=kernels, l1=0.05, batch_size=1, seq_len=8, device=DEV, precision="fp32"))
         assert all(m.train_kernels == kernels for m in t.modules)
         ce, l1 = t.forward_backward()
         runs[kernels] = (ce, l1, {n: p.grad.clone() for n, p in t.model.named_parameters()},
                          [m.last_train_path for m in t.modules])
-    assert runs["sparse"][3] == ["sparse", "sparse"]
-    torch.testing.assert_close(runs["sparse"][0], runs["dense"][0], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(runs["sparse"][1], runs["dense"][1], rtol=1e-5, atol=1e-6)
-    for name, g in runs["dense"][2].items():
-        torch.testing.assert_close(runs["sparse"][2][name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert runs["sparse"][3] == ["sparse", "sparse"] and runs["dense"][3] == ["dense", "dense"]
+    for kernels in ("dense", "sparse"):
+        torch.testing.assert_close(runs[kernels][0], runs["auto"][0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(runs[kernels][1], runs["auto"][1], rtol=1e-5, atol=1e-6)
+        for name, g in runs["auto"][2].items():
+            torch.testing.assert_close(runs[kernels][2][name], g, rtol=1e-4, atol=1e-6, msg=name)
     with pytest.raises(ValueError, match="kernels"):
         Trainer(config(tmp_path, kernels="fast"))
 

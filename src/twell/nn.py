@@ -28,7 +28,7 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
-from . import reference
+from . import reference, train_path
 from .checks import KERNEL_DTYPES, triton_interpreting
 
 __all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules"]
@@ -200,14 +200,14 @@ class _SparseFFN(nn.Module):
 
     def _train_choice(self, x: torch.Tensor) -> Optional[tuple[str, int]]:
         """``(path, width)`` of a call that wants gradients and may take the training kernels
-        (CUDA, or the Triton interpreter with ``train_kernels = "sparse"`` for tests; no bias;
-        fp32/fp16/bf16 after autocast; not while ``torch.compile`` traces); None: the plain dense
-        math, no choice made."""
+        (CUDA, or the Triton interpreter with ``train_kernels`` "sparse" or "dense" for tests; no
+        bias; fp32/fp16/bf16 after autocast; not while ``torch.compile`` traces); None: the plain
+        dense math, no choice made."""
         if not torch.is_grad_enabled() or self.down_proj.bias is not None:
             return None
         if torch.compiler.is_compiling():
             return None  # the sparse Function synchronises with the host: compiled training runs dense
-        if not x.is_cuda and not (self.train_kernels == "sparse" and triton_interpreting()):
+        if not x.is_cuda and not (self.train_kernels != "auto" and triton_interpreting()):
             return None
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
@@ -215,11 +215,14 @@ class _SparseFFN(nn.Module):
             return None  # float64 and the like: the dense math
         return self._twell_train.choose(self.train_kernels, self.intermediate_size, self.train_max_density)
 
-    def _train_sparse(self, x: torch.Tensor, width: int, weights: tuple) -> torch.Tensor:
-        """The FFN of ``x [..., d]`` by the sparse training kernels (:mod:`twell.train_ops`), with
-        the L1 term and the statistics from the same kernels. Under autocast the input and the
-        weights are cast to its dtype here (differentiably: gradients reach fp32 weights in fp32)."""
-        from .train_ops import sparse_ffn, sparse_gated_ffn
+    def _train_kernels(self, x: torch.Tensor, path: str, width: int, weights: tuple) -> torch.Tensor:
+        """The FFN of ``x [..., d]`` by twell's training ops, with the L1 term and the statistics
+        from the same kernels: ``path`` "sparse", the sparse training kernels at ELL width
+        ``width`` (:func:`twell.train_ops.sparse_gated_ffn`); "dense", every row dense in fused
+        passes (:func:`twell.train_ops.dense_gated_ffn`). ``weights``: (first, up, down) gated,
+        (up, down) non-gated. Under autocast the input and the weights are cast to its dtype here
+        (differentiably: gradients reach fp32 weights in fp32)."""
+        from .train_ops import dense_ffn, dense_gated_ffn, sparse_ffn, sparse_gated_ffn
 
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
@@ -228,15 +231,17 @@ class _SparseFFN(nn.Module):
             dt = torch.get_autocast_dtype(dev)
             x2, weights = x2.to(dt), tuple(w.to(dt) for w in weights)
         with torch.autocast(dev, enabled=False):
-            fn = sparse_gated_ffn if len(weights) == 3 else sparse_ffn
-            out = fn(x2.contiguous(), *weights, width)
+            if path == "sparse":
+                out = (sparse_gated_ffn if len(weights) == 3 else sparse_ffn)(x2.contiguous(), *weights, width)
+            else:
+                out = (dense_gated_ffn if len(weights) == 3 else dense_ffn)(x2.contiguous(), *weights)
         self.l1 = out.l1 if self.training else None
         if self._tracking():
             self._record_counts(out.row_counts, out.unit_counts)
         state = self._twell_train
         if state.want_probe():
             state.publish(out.row_counts)
-        state.last_path = "sparse"
+        state.last_path = path
         return out.y.reshape(shape)
 
     def _train_dense_done(self, first: torch.Tensor) -> None:
@@ -375,8 +380,8 @@ class SparseGatedMLP(_SparseFFN):
         if self._inference_ok(x, w_down):
             return self._infer(x, self.gate_proj.weight, w_down, self.up_proj.weight)
         choice = self._train_choice(x)
-        if choice is not None and choice[0] == "sparse":
-            return self._train_sparse(x, choice[1], (self.gate_proj.weight, self.up_proj.weight, w_down))
+        if choice is not None and (choice[0] == "sparse" or train_path.FUSED_DENSE):
+            return self._train_kernels(x, *choice, (self.gate_proj.weight, self.up_proj.weight, w_down))
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         g = torch.relu(self.gate_proj(x2))
@@ -418,8 +423,8 @@ class SparseMLP(_SparseFFN):
         if self._inference_ok(x, w_down):
             return self._infer(x, self.up_proj.weight, w_down, None)
         choice = self._train_choice(x)
-        if choice is not None and choice[0] == "sparse":
-            return self._train_sparse(x, choice[1], (self.up_proj.weight, w_down))
+        if choice is not None and (choice[0] == "sparse" or train_path.FUSED_DENSE):
+            return self._train_kernels(x, *choice, (self.up_proj.weight, w_down))
         shape = x.shape
         x2 = x.reshape(-1, self.hidden_size)
         h = torch.relu(self.up_proj(x2))

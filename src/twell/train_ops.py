@@ -41,8 +41,11 @@ __all__ = [
     "TrainFFNOutput",
     "SparseGatedFFNFunction",
     "SparseFFNFunction",
+    "DenseTrainFFNFunction",
     "sparse_gated_ffn",
     "sparse_ffn",
+    "dense_gated_ffn",
+    "dense_ffn",
     "choose_width",
     "saved_bytes",
 ]
@@ -231,19 +234,20 @@ def _add_hot(grads, hot, blocks, sources):
 
 
 def _dense_rows(x_r, a_r, w_up, w_down):
-    """The forward of rows held dense (the heavy rows, or every row of an all-dense call) from
-    their pre-activation ``a_r``: ``(s, u, y, l1_rows, unit_counts)``, ``s`` being what the
-    backward needs besides u: a_r gated (it recomputes g and h), h non-gated (u None). The
+    """The forward of rows held dense (the heavy rows, or every row of a dense call) from their
+    pre-activation ``a_r``: ``(s, u, y, l1_rows, unit_counts, row_counts)``, ``s`` being what
+    the backward needs besides u: a_r gated (it recomputes g and h), h non-gated (u None). The
     element-wise work is one pass (:func:`twell.kernels.dense_rows.dense_rows_forward`)."""
     u = None if w_up is None else torch.mm(x_r, w_up.t())
-    h, l1_rows, unit_counts = dense_rows_forward(a_r, u)
+    h, l1_rows, unit_counts, row_counts = dense_rows_forward(a_r, u)
     y = torch.mm(h, w_down.t())
-    return (h if u is None else a_r), u, y, l1_rows, unit_counts
+    return (h if u is None else a_r), u, y, l1_rows, unit_counts, row_counts
 
 
-def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down):
-    """The backward of rows held dense: ``(dx_r, (dw_up, dw_gate or None, dw_down_t))``, their
-    share of the weight gradients (``dw_down_t`` is ``[f, d]``); ``s``, ``u`` as
+def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down, down_t=True):
+    """The backward of rows held dense: ``(dx_r, (dw_up, dw_gate or None, dw_down))``, their
+    share of the weight gradients, ``dw_down`` as ``[f, d]`` (``down_t``: the layout the per-unit
+    kernel adds the light rows into) or ``[d, f]`` (w_down's own); ``s``, ``u`` as
     :func:`_dense_rows` returned them. Gated: dh stays fp32 until it is multiplied by g and u, as
     on the light rows, because the L1 term's c sign(h) is far below half a bf16 step of the
     product's (on-grid) values and would round away if added in bf16. Non-gated: dh is itself
@@ -251,9 +255,13 @@ def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down):
     work is one pass (:func:`twell.kernels.dense_rows.dense_rows_backward`)."""
     d1, da, h = dense_rows_backward(torch.mm(dy_r, w_down), s, u, c)
     if u is None:  # d1 is dh, s is h
-        return torch.mm(d1, w_first), (torch.mm(d1.t(), x_r), None, torch.mm(s.t(), dy_r))
-    dx = torch.mm(d1, w_up).add_(torch.mm(da, w_first))  # d1 is du
-    return dx, (torch.mm(d1.t(), x_r), torch.mm(da.t(), x_r), torch.mm(h.t(), dy_r))
+        h = s
+        dx = torch.mm(d1, w_first)
+        grads = (torch.mm(d1.t(), x_r), None)
+    else:  # d1 is du
+        dx = torch.addmm(torch.mm(da, w_first), d1, w_up)
+        grads = (torch.mm(d1.t(), x_r), torch.mm(da.t(), x_r))
+    return dx, (*grads, torch.mm(h.t(), dy_r) if down_t else torch.mm(dy_r.t(), h))
 
 
 def _dense_outputs(ctx, y, l1, counts, unit_counts, heavy_rows):
@@ -284,12 +292,12 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         a = torch.mm(x, w_gate.t())
         cols, g, counts, y, u, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down, w_up)
         if ctx.all_dense:
-            a_d, u_d, y, l1_rows, unit_counts = _dense_rows(x, a, w_up, w_down)
+            a_d, u_d, y, l1_rows, unit_counts, _ = _dense_rows(x, a, w_up, w_down)
             ctx.save_for_backward(x, w_gate, w_up, w_down, a_d, u_d)
             return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, unit_counts, heavy_rows)
         a_h = u_h = heavy_counts = None
         if heavy_rows.numel():
-            a_h, u_h, y[heavy_rows], l1_rows[heavy_rows], heavy_counts = _dense_rows(x[heavy_rows], a[heavy_rows], w_up, w_down)
+            a_h, u_h, y[heavy_rows], l1_rows[heavy_rows], heavy_counts, _ = _dense_rows(x[heavy_rows], a[heavy_rows], w_up, w_down)
         del a
         l1 = l1_rows.sum() / max(M, 1)
         unit_counts, n_heavy = _stats(per_unit, heavy_counts, heavy_rows)
@@ -302,8 +310,9 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     def backward(ctx, dy, dl1, *_):
         if ctx.all_dense:  # every row held dense
             x, w_gate, w_up, w_down, a, u = ctx.saved_tensors
-            dx, (dw_up, dw_gate, dw_down_t) = _dense_rows_backward(x, dy, a, u, _l1_scale(dl1, x.shape[0], x.device), w_gate, w_up, w_down)
-            return dx, dw_gate, dw_up, dw_down_t.t(), None
+            dx, (dw_up, dw_gate, dw_down) = _dense_rows_backward(x, dy, a, u, _l1_scale(dl1, x.shape[0], x.device),
+                                                                 w_gate, w_up, w_down, down_t=False)
+            return dx, dw_gate, dw_up, dw_down, None
         x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, a_h, u_h, hot = ctx.saved_tensors
         M, d = x.shape
         f = w_up.shape[0]
@@ -332,13 +341,13 @@ class SparseFFNFunction(torch.autograd.Function):
         a = torch.mm(x, w_up.t())
         cols, h, counts, y, _, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down)
         if ctx.all_dense:
-            h_d, _, y, l1_rows, unit_counts = _dense_rows(x, a, None, w_down)
+            h_d, _, y, l1_rows, unit_counts, _ = _dense_rows(x, a, None, w_down)
             del a
             ctx.save_for_backward(x, w_up, w_down, h_d)
             return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, unit_counts, heavy_rows)
         h_h = heavy_counts = None
         if heavy_rows.numel():
-            h_h, _, y[heavy_rows], l1_rows[heavy_rows], heavy_counts = _dense_rows(x[heavy_rows], a[heavy_rows], None, w_down)
+            h_h, _, y[heavy_rows], l1_rows[heavy_rows], heavy_counts, _ = _dense_rows(x[heavy_rows], a[heavy_rows], None, w_down)
         del a
         l1 = l1_rows.sum() / max(M, 1)
         unit_counts, n_heavy = _stats(per_unit, heavy_counts, heavy_rows)
@@ -351,8 +360,9 @@ class SparseFFNFunction(torch.autograd.Function):
     def backward(ctx, dy, dl1, *_):
         if ctx.all_dense:  # every row held dense
             x, w_up, w_down, h = ctx.saved_tensors
-            dx, (dw_up, _, dw_down_t) = _dense_rows_backward(x, dy, h, None, _l1_scale(dl1, x.shape[0], x.device), w_up, None, w_down)
-            return dx, dw_up, dw_down_t.t(), None
+            dx, (dw_up, _, dw_down) = _dense_rows_backward(x, dy, h, None, _l1_scale(dl1, x.shape[0], x.device),
+                                                           w_up, None, w_down, down_t=False)
+            return dx, dw_up, dw_down, None
         x, w_up, w_down, cols, h, counts, heavy_rows, h_h, hot = ctx.saved_tensors
         M, d = x.shape
         f = w_up.shape[0]
@@ -364,6 +374,46 @@ class SparseFFNFunction(torch.autograd.Function):
             dx[heavy_rows], base = _dense_rows_backward(x[heavy_rows], dy[heavy_rows], h_h, None, c, w_up, None, w_down)
         dw_up, _, dw_down_t = _unit_weight_grads(x, dy, cols, counts, h, None, dh, None, hot, base, f, w_up.dtype)
         return dx, dw_up, dw_down_t.t(), None
+
+
+class DenseTrainFFNFunction(torch.autograd.Function):
+    """The FFN with every row held dense, and its L1 term and statistics: cuBLAS products and one
+    fused element-wise pass each way (:mod:`twell.kernels.dense_rows`). What a layer trains with
+    where the sparse kernels would not pay (``train_kernels = "dense"``, or ``"auto"`` on a layer
+    with many active units: early in training, before the L1 term has made it sparse).
+
+    Against dense autograd of the same math, which walks ``[M, f]`` tensors for relu, the
+    product, ``|h|``, the active mask and their gradients (six to nine passes), this makes one
+    pass each way and saves two ``[M, f]`` tensors (a and u; non-gated h) where autograd saves
+    three; and it keeps the L1 term's gradient in fp32 until it meets g and u (in bf16 it would
+    round away, see :func:`_dense_rows_backward`).
+
+    ``apply(x, w_first, w_down, w_up)`` -> ``(y, l1, row_counts, unit_counts, n_heavy)``; w_first
+    is w_gate gated, w_up non-gated (then w_up is None); use :func:`dense_gated_ffn` /
+    :func:`dense_ffn`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_first, w_down, w_up):
+        _check_args(x, w_first if w_up is None else w_up, w_down, None if w_up is None else w_first, 1)
+        M = x.shape[0]
+        a = torch.mm(x, w_first.t())
+        s, u, y, l1_rows, unit_counts, row_counts = _dense_rows(x, a, w_up, w_down)
+        del a
+        ctx.save_for_backward(x, w_first, w_down, w_up, s, u)
+        n_heavy = torch.zeros((), dtype=torch.int64, device=x.device)
+        ctx.mark_non_differentiable(row_counts, unit_counts, n_heavy)
+        return y, l1_rows.sum() / max(M, 1), row_counts, unit_counts, n_heavy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dl1, *_):
+        x, w_first, w_down, w_up, s, u = ctx.saved_tensors
+        c = _l1_scale(dl1, x.shape[0], x.device)
+        dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), s, u, c, w_first, w_up, w_down, down_t=False)
+        if w_up is None:  # dw_a is w_first's (w_up's) gradient
+            return dx, dw_a, dw_down, None
+        return dx, dw_b, dw_down, dw_a  # gated: dw_a is w_up's, dw_b w_gate's
 
 
 def sparse_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:
@@ -388,6 +438,19 @@ def sparse_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, 
 def sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:
     """Non-gated FFN ``y = relu(x w_up^T) w_down^T`` for training; as :func:`sparse_gated_ffn`."""
     return TrainFFNOutput(*SparseFFNFunction.apply(x, w_up, w_down, width))
+
+
+def dense_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> TrainFFNOutput:
+    """Gated FFN for training with every row dense (:class:`DenseTrainFFNFunction`), with its L1
+    term and statistics; arguments and result as :func:`sparse_gated_ffn` (no width; ``n_heavy``
+    is 0: no row takes a backup, all are dense)."""
+    return TrainFFNOutput(*DenseTrainFFNFunction.apply(x, w_gate, w_down, w_up))
+
+
+def dense_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> TrainFFNOutput:
+    """Non-gated FFN ``y = relu(x w_up^T) w_down^T`` for training, every row dense; as
+    :func:`dense_gated_ffn`."""
+    return TrainFFNOutput(*DenseTrainFFNFunction.apply(x, w_up, w_down, None))
 
 
 def saved_bytes(fn: Callable[..., object], *inputs: torch.Tensor) -> int:

@@ -4,8 +4,10 @@ A module in training (gradients wanted) on CUDA calls :meth:`TrainPath.choose` o
 forward. With ``train_kernels = "auto"`` (the default) the sparse kernels
 (:mod:`twell.train_ops`) run while the layer's measured mean of active units per token is at
 most ``MAX_DENSITY * f`` (:func:`use_sparse`) and ``AUTO_SPARSE`` is on (the default), with the
-ELL width from :func:`twell.train_ops.choose_width`; else dense PyTorch.
-``"dense"`` and ``"sparse"`` force one.
+ELL width from :func:`twell.train_ops.choose_width`; else the dense path. ``"dense"`` and
+``"sparse"`` force one. The dense path is :func:`twell.train_ops.dense_gated_ffn` (cuBLAS
+products, the relu, product, L1 term and statistics in one fused pass each way) while
+``FUSED_DENSE`` is on, as by default; else the module's plain PyTorch math.
 
 The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the layer copies the
 mean and max of its row counts to pinned host memory without blocking, and a later call reads
@@ -39,6 +41,12 @@ MAX_DENSITY = 0.006
 # memory (benchmarks/results/training_mlp_h200.json). (An earlier measurement, 0.86x, ran at lr
 # 3e-4, where the constructed sparsity did not hold: most rows went heavier than the width.)
 AUTO_SPARSE = True
+
+
+# Whether a layer's dense training path runs twell.train_ops.dense_gated_ffn (True) or the
+# module's PyTorch ops (relu, product, |h| and the active mask as separate passes over [M, f]).
+# Measured in `twell bench training` (module_dense_ms against plain_dense_ms, same process).
+FUSED_DENSE = True
 
 
 def use_sparse(active_mean: float, f: int, max_density: Optional[float] = None) -> bool:

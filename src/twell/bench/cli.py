@@ -290,55 +290,56 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
     os.remove(partial)
     _write_csv(records, os.path.splitext(path)[0] + ".csv")
     plot_training(records, steps, os.path.splitext(path)[0] + ".png")
-    log(f"\n{'M':>6} {'k':>5} {'dist':7} {'dense':>7} {'sparse':>7} {'x':>5} {'rule':>6} {'auto':>6} {'grad err':>8} "
-        f"{'row':>8} {'drow':>8} {'saved MiB':>12}")
+    log(f"\n{'M':>6} {'k':>5} {'dist':7} {'dense':>7} {'sparse':>7} {'x':>5} {'dpath':>7} {'x':>5} {'twell':>7} {'x':>5} "
+        f"{'path':>6} {'grad err':>8} {'row':>8} {'drow':>8} {'saved MiB':>12}")
     for r in records:
         log(f"{r['M']:>6} {r['k']:>5} {r['distribution']:7} {r['dense_ms']:7.2f} {r['sparse_ms']:7.2f} "
-            f"{r['sparse_speedup']:5.2f} {r['breakeven_path']:>6} {r['auto_path']:>6} {max(r['grad_rel_err'].values()):8.1e} "
+            f"{r['sparse_speedup']:5.2f} {r['dense_path_ms']:7.2f} {r['dense_path_speedup']:5.2f} {r['twell_ms']:7.2f} "
+            f"{r['speedup']:5.2f} {str(r['twell_path']):>6} {max(r['grad_rel_err'].values()):8.1e} "
             f"{r['max_row_err']:8.1e} {r['dense_max_row_err']:8.1e} {r['saved_bytes'] / 2**20:5.0f}/{r['dense_saved_bytes'] / 2**20:<6.0f}")
-    for dn, sp in zip(steps[0::3], steps[1::3]):
-        log(f"train step {dn['preset']} lr {dn.get('lr', 3e-4):g}: dense {dn['tokens_per_s']:.0f} tokens/s, sparse "
-            f"{sp['tokens_per_s']:.0f} ({sp['tokens_per_s'] / dn['tokens_per_s']:.3f}x); peak {dn['peak_bytes'] / 2**30:.1f} / "
-            f"{sp['peak_bytes'] / 2**30:.1f} GiB; final loss {dn['losses'][-1]:.4f} / {sp['losses'][-1]:.4f}")
-    for au in steps[2::3]:
-        dn = next(s for s in steps if s["kernels"] == "dense" and s.get("lr") == au.get("lr"))
-        log(f"train step {au['preset']} lr {au.get('lr', 3e-4):g}: auto {au['tokens_per_s']:.0f} tokens/s "
-            f"({au['tokens_per_s'] / dn['tokens_per_s']:.3f}x dense), paths {au['paths']}")
+    for st in steps:
+        dn = next(s for s in steps if s["kernels"] == "dense" and s.get("lr") == st.get("lr"))
+        log(f"train step {st['preset']} lr {st.get('lr', 3e-4):g} {st['kernels']:>11}: {st['tokens_per_s']:.0f} tokens/s "
+            f"({st['tokens_per_s'] / dn['tokens_per_s']:.3f}x dense), peak {st['peak_bytes'] / 2**30:.1f} GiB, "
+            f"final loss {st['losses'][-1]:.4f}, paths {st['paths']}")
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")
 
 
 def plot_training(records: list[dict], steps: list[dict], path_png: str) -> None:
-    """Forward + backward speedup against k (one line per M and distribution), and the train
-    steps' loss curves with dense and sparse kernels."""
+    """Forward + backward speedup against k (one line per M and distribution) of the module with
+    default settings and of the sparse kernels forced, and the train steps' loss curves."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    fig, axes = plt.subplots(1, 3, figsize=(18, 5))
     styles = {"even": "-", "skewed": "--", "heavy": ":"}
     groups: dict = {}
     for r in records:
         groups.setdefault((r["M"], r["distribution"]), []).append(r)
-    for (M, dist), rs in sorted(groups.items()):
-        rs = sorted(rs, key=lambda r: r["k"])
-        axes[0].plot([r["k"] for r in rs], [r["sparse_speedup"] for r in rs], styles.get(dist, "-"), marker="o", ms=3,
-                     label=f"M={M} {dist}")
-    axes[0].axhline(1.0, color="k", lw=0.8)
-    axes[0].set_xscale("log")
-    axes[0].set_yscale("log")
-    axes[0].set_xlabel("k: mean active units per token")
-    axes[0].set_ylabel("forward + backward speedup over dense bf16 PyTorch")
-    axes[0].set_title("sparse training kernels (d 2048, f 5632)", fontsize=10)
-    axes[0].grid(True, which="both", alpha=0.3)
-    axes[0].legend(fontsize=7)
+    panels = (("speedup", "SparseGatedMLP, default settings (train_kernels auto)"),
+              ("sparse_speedup", "sparse training kernels forced"))
+    for ax, (key, title) in zip(axes[:2], panels):
+        for (M, dist), rs in sorted(groups.items()):
+            rs = sorted((r for r in rs if key in r), key=lambda r: r["k"])
+            ax.plot([r["k"] for r in rs], [r[key] for r in rs], styles.get(dist, "-"), marker="o", ms=3,
+                    label=f"M={M} {dist}")
+        ax.axhline(1.0, color="k", lw=0.8)
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("k: mean active units per token")
+        ax.set_ylabel("forward + backward speedup over dense bf16 PyTorch")
+        ax.set_title(f"{title} (d 2048, f 5632)", fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=7)
     for s in steps:
-        axes[1].plot(range(1, len(s["losses"]) + 1), s["losses"], ls="-" if s["kernels"] == "dense" else "--",
+        axes[2].plot(range(1, len(s["losses"]) + 1), s["losses"], ls="-" if s["kernels"] == "dense" else "--",
                      label=f"{s['kernels']}, lr {s.get('lr', 3e-4):g}: {s['tokens_per_s']:.0f} tok/s")
-    axes[1].set_xlabel("step (5 warm-up steps first)")
-    axes[1].set_ylabel("cross entropy")
-    axes[1].set_title(f"{steps[0]['preset'] if steps else ''} train steps, same weights and batches", fontsize=10)
-    axes[1].legend(fontsize=8)
+    axes[2].set_xlabel("step (5 warm-up steps first)")
+    axes[2].set_ylabel("cross entropy")
+    axes[2].set_title(f"{steps[0]['preset'] if steps else ''} train steps, same weights and batches", fontsize=10)
+    axes[2].legend(fontsize=8)
     gpu = records[0].get("gpu", "") if records else ""
     fig.suptitle(f"twell training FFN, bf16, {gpu}", fontsize=11)
     fig.tight_layout()

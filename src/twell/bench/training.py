@@ -7,9 +7,19 @@ warm-up):
 
 - dense: ``torch.autograd.grad`` of the three-Linear PyTorch MLP for the gradient ``dy`` of y:
   what a user's training step runs today (no L1 term, which would only add to dense's time);
-- twell (``twell_ms``, ``speedup``): the same gradients from twell's sparse training kernels
-  (:func:`sparse_gated_ffn`), with its L1 term in the loss (``y . dy + lam * l1``, as training
-  runs it); ``sparse_ms``/``sparse_speedup`` repeat them under their older names;
+- twell (``twell_ms``, ``speedup``): what a user trains with, :class:`twell.SparseGatedMLP`
+  holding the same weights with default settings (``train_kernels = "auto"``, statistics on),
+  in training mode, the same gradients with its L1 term in the loss (``y . dy + lam * l1``), timed
+  after warm-up calls that let the layer measure its sparsity and choose its path
+  (``twell_path``: the path the timed calls took);
+- sparse (``sparse_ms``, ``sparse_speedup``): the sparse training kernels forced
+  (:func:`sparse_gated_ffn`), with the L1 term;
+- dense path (``dense_path_ms``, ``dense_path_speedup``): twell's dense training op forced
+  (:func:`twell.train_ops.dense_gated_ffn`: cuBLAS and one fused element-wise pass each way),
+  with the L1 term: what ``"auto"`` runs on a layer the sparse kernels would not pay on;
+- ``plain_module_ms`` (only where ``plain_module`` asks, M 16384 by default): the module on
+  its dense path with ``twell.train_path.FUSED_DENSE`` off, i.e. PyTorch ops for the relu, the
+  product, the L1 term and the statistics: what the dense path cost before the fused op;
 - ``breakeven_path``: the op-level rule :func:`twell.train_path.use_sparse` for this sparsity;
   ``auto_path``: what the modules' ``train_kernels = "auto"`` trains with (the same rule while
   ``twell.train_path.AUTO_SPARSE`` is on, as it is by default).
@@ -28,7 +38,7 @@ import torch
 
 from .inference import bench_ms, errors, machine_info
 from .synthetic import make_ffn
-from .timing import reset_peak
+from .timing import interleaved_ms, reset_peak
 
 __all__ = ["run_training_grid", "train_step_records", "constructed_state", "sparse_model", "train_step"]
 
@@ -78,15 +88,42 @@ def _sparse_fn(x, wg, wu, wd, dy, width: int) -> Callable[[], tuple]:
     return run
 
 
+def _module_fn(x, wg, wu, wd, dy, kernels: str = "auto") -> tuple[Callable[[], tuple], torch.nn.Module]:
+    """``(run, module)``: forward + backward of a :class:`twell.SparseGatedMLP` in training mode
+    holding ``wg, wu, wd`` (shared storage), ``train_kernels = kernels``, loss ``y . dy + LAM l1``.
+    A few calls are made first, so that the layer has measured its sparsity and chosen its path."""
+    from ..nn import SparseGatedMLP
+
+    f, d = wg.shape
+    m = SparseGatedMLP(d, f, device=x.device, dtype=x.dtype)
+    for lin, w in ((m.gate_proj, wg), (m.up_proj, wu), (m.down_proj, wd)):
+        lin.weight = torch.nn.Parameter(w.detach())
+    m.train()
+    m.train_kernels = kernels
+    params = tuple(m.parameters())
+    lam = torch.full((), LAM, device=x.device)
+
+    def run():
+        y = m(x)
+        return torch.autograd.grad((y, m.l1), (x, *params), (dy, lam))
+
+    for _ in range(3):
+        run()
+        torch.cuda.synchronize()
+    return run, m
+
+
 def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632),
                       distributions=("even", "skewed", "heavy"), d: int = 2048, f: int = 5632, rep: int = 100,
-                      log: Callable[[str], None] = print, partial_path: Optional[str] = None) -> list[dict]:
+                      log: Callable[[str], None] = print, partial_path: Optional[str] = None,
+                      plain_module: tuple = (16384,)) -> list[dict]:
     """One record per ``(M, k, distribution)`` (see the module's text); ``partial_path``: a JSONL
-    file each record is appended to as it is measured, so a cut run keeps what it did."""
+    file each record is appended to as it is measured, so a cut run keeps what it did;
+    ``plain_module``: the M at which the module's plain PyTorch dense path is timed too."""
     import json
 
-    from ..train_ops import choose_width, saved_bytes, sparse_gated_ffn
     from .. import train_path
+    from ..train_ops import choose_width, dense_gated_ffn, saved_bytes, sparse_gated_ffn
     from ..train_path import use_sparse
 
     info = machine_info()
@@ -114,15 +151,46 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 g_plain = torch.autograd.grad(out.y, (x, wg, wu, wd), dy)
                 n_heavy = int(out.n_heavy)
                 del out
+                module, m = _module_fn(x, wg, wu, wd, dy)  # after its warm-up calls: the path it keeps
+                g_module = torch.autograd.grad(m(x), (x, *m.parameters()), dy)
                 rec = dict(M=M, d=d, f=f, k=k, distribution=dist, k_measured=k_mean, k_max=k_max, width=width,
                            heavy_rows=n_heavy,
                            grad_rel_err={n: _rel(a, r) for n, a, r in zip(names, g_plain, ref)},
                            dense_grad_rel_err={n: _rel(a, r) for n, a, r in zip(names, g_dense, ref)},
-                           max_row_err=_worst_row(g_plain[0], ref[0]), dense_max_row_err=_worst_row(g_dense[0], ref[0]))
-                del g_plain, g_dense, ref
-                rec["dense_ms"] = bench_ms(dense, rep=rep)
-                rec["twell_ms"] = rec["sparse_ms"] = bench_ms(sparse, rep=rep)
-                rec["speedup"] = rec["sparse_speedup"] = rec["dense_ms"] / rec["sparse_ms"]
+                           twell_grad_rel_err={n: _rel(a, r) for n, a, r in zip(names, g_module, ref)},
+                           max_row_err=_worst_row(g_plain[0], ref[0]), dense_max_row_err=_worst_row(g_dense[0], ref[0]),
+                           twell_max_row_err=_worst_row(g_module[0], ref[0]))
+                del g_plain, g_dense, g_module, ref
+                lam_t = torch.full((), LAM, device=x.device)
+
+                def dense_path(x=x, wg=wg, wu=wu, wd=wd, dy=dy):
+                    out = dense_gated_ffn(x, wg, wu, wd)
+                    return torch.autograd.grad((out.y, out.l1), (x, wg, wu, wd), (dy, lam_t))
+
+                fns = [dense, sparse, dense_path, module]
+                if M in plain_module:
+                    plain_run, _ = _module_fn(x, wg, wu, wd, dy, kernels="dense")
+
+                    def plain(run=plain_run):
+                        train_path.FUSED_DENSE = False
+                        try:
+                            return run()
+                        finally:
+                            train_path.FUSED_DENSE = True
+
+                    fns.append(plain)
+                # call by call in turn, so that every variant sees the same host and clocks
+                calls = max(10, min(40, int(rep * 12 / max(bench_ms(dense, rep=1, warmup=1, min_reps=1), 1e-3))))
+                times = interleaved_ms(fns, calls=calls, warmup=2)
+                rec["timed_calls"] = calls
+                rec["dense_ms"], rec["sparse_ms"], rec["dense_path_ms"], rec["twell_ms"] = times[:4]
+                if M in plain_module:
+                    rec["plain_module_ms"] = times[4]
+                rec["sparse_speedup"] = rec["dense_ms"] / rec["sparse_ms"]
+                rec["dense_path_speedup"] = rec["dense_ms"] / rec["dense_path_ms"]
+                rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
+                rec["twell_path"] = m.last_train_path
+                del module, m, dense_path
                 rec["breakeven_path"] = "sparse" if use_sparse(k_mean, f) else "dense"
                 rec["auto_path"] = "sparse" if (train_path.AUTO_SPARSE and use_sparse(k_mean, f)) else "dense"
                 F = torch.nn.functional
@@ -132,9 +200,11 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 rec.update(info)
                 records.append(rec)
                 e = rec["grad_rel_err"]
+                plain = f", plain module {rec['plain_module_ms']:7.3f}" if "plain_module_ms" in rec else ""
                 log(f"M {M:>6} k {k:>5} {dist:6} (mean {k_mean:7.1f}, W {width:3}, heavy {n_heavy:6}): dense "
-                    f"{rec['dense_ms']:7.3f} ms, sparse {rec['sparse_ms']:7.3f} ({rec['sparse_speedup']:.2f}x), auto "
-                    f"{rec['auto_path']} | err x {e['x']:.1e} g {e['gate']:.1e} u {e['up']:.1e} "
+                    f"{rec['dense_ms']:7.3f} ms, sparse {rec['sparse_ms']:7.3f} ({rec['sparse_speedup']:.2f}x), dense path "
+                    f"{rec['dense_path_ms']:7.3f} ({rec['dense_path_speedup']:.2f}x){plain}, module {rec['twell_ms']:7.3f} "
+                    f"({rec['speedup']:.2f}x, {rec['twell_path']}) | err x {e['x']:.1e} g {e['gate']:.1e} u {e['up']:.1e} "
                     f"d {e['down']:.1e} | saved {rec['saved_bytes'] / 2**20:.0f} / {rec['dense_saved_bytes'] / 2**20:.0f} MiB")
                 if partial_path:
                     with open(partial_path, "a") as fh:
@@ -204,7 +274,9 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
     steps after 5 warm-up steps, peak memory (the model, optimizer state and steps: what the process
     held before the model was built is not counted), and the loss curve (AdamW, bf16 autocast, L1 term).
 
-    Three records (dense, sparse, auto) per learning rate in ``lrs``. The constructed sparsity is
+    Four records per learning rate in ``lrs``, by ``kernels``: "dense" (the modules' plain
+    PyTorch math, ``twell.train_path.FUSED_DENSE`` off: the baseline), "dense_fused" (the dense
+    path as it ships: :func:`twell.train_ops.dense_gated_ffn`), "sparse", "auto" (the default). The constructed sparsity is
     not a trained one: nothing holds it while the weights move (the first steps at lr 3e-4 made
     most rows heavier than the ELL width), so lr 0 (every step's work done, the weights kept) is
     the timing at the constructed sparsity, and lr 3e-4 the loss-curve check. Each record has
@@ -218,12 +290,15 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
     gen = torch.Generator(device="cuda").manual_seed(3)
     ids = torch.randint(0, vocab, (steps + 5, batch, seq + 1), device="cuda", generator=gen)
     config, state = constructed_state(preset, k, ids[0, :4, :seq], vocab)
+    from .. import train_path
+
     out = []
     for lr in lrs:
-        for kernels in ("dense", "sparse", "auto"):
+        for kernels in ("dense", "dense_fused", "sparse", "auto"):
+            train_path.FUSED_DENSE = kernels != "dense"
             reset_peak()  # each variant makes its own cuBLAS workspaces inside its window
             held_before = torch.cuda.memory_allocated()  # the caller's tensors (the grid's, say): not this step's
-            model = sparse_model(config, state, kernels)
+            model = sparse_model(config, state, kernels.replace("_fused", ""))
             mods = sparse_modules(model)
             opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1 if lr else 0.0, fused=True)
             losses = []
@@ -255,6 +330,7 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
                 f"{[round(v, 1) for v in rec['active_mean_last_step']]}, max {first_max} / {rec['active_max_last_step']}")
             del model, opt, mods
             torch.cuda.empty_cache()
+    train_path.FUSED_DENSE = True
     return out
 
 

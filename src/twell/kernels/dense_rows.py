@@ -8,7 +8,7 @@ relu's mask. Written as PyTorch ops those were about 2.5 ms of the 8.1 ms an all
 at M 16384, f 5632 on the H200 (dense PyTorch: 5.0 ms). Here each direction is one pass::
 
     forward   a [M, f] (, u [M, f]) --dense_rows_forward--> h, |h| summed per row [M] (fp32),
-              active tokens per unit [f] (int64)
+              active tokens per unit [f] (int64), active units per row [M] (int32)
     backward  dz = dy w_down [M, f], a (, u), c --dense_rows_backward--> gated: du (written over
               dz), da, h; non-gated: dh (written over dz)
 
@@ -47,12 +47,13 @@ def _relu(a):
 
 
 @triton.jit
-def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, M, F,
+def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, rc_ptr, M, F,
                     GATED: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     base = rows.to(tl.int64)[:, None] * F
     l1 = tl.zeros([BM], dtype=tl.float32)
+    per_row = tl.zeros([BM], dtype=tl.int32)
     for f0 in range(0, F, BF):
         cols = f0 + tl.arange(0, BF)
         ok = row_ok[:, None] & (cols < F)[None, :]
@@ -63,9 +64,12 @@ def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, M, F,
         h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + base + cols[None, :], h, mask=ok)
         l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
-        n = tl.sum((a > 0).to(tl.int32), axis=0)
+        active = (a > 0).to(tl.int32)
+        per_row += tl.sum(active, axis=1)
+        n = tl.sum(active, axis=0)
         tl.atomic_add(cnt_ptr + cols, n, mask=(cols < F) & (n > 0), sem="relaxed")
     tl.store(l1_ptr + rows, l1, mask=row_ok)
+    tl.store(rc_ptr + rows, per_row, mask=row_ok)
 
 
 @triton.jit
@@ -104,12 +108,20 @@ def _check(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
         raise ValueError(f"{name} must be contiguous")
 
 
-def _blocks(f: int) -> tuple[int, int]:
-    bf = min(256, triton.next_power_of_2(max(f, 1)))
+def _blocks(f: int, widest: int = 256) -> tuple[int, int]:
+    bf = min(widest, triton.next_power_of_2(max(f, 1)))
     return 4096 // bf, bf  # about 4K values per step per program
 
 
-def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+# The forward pass's block: 32 rows x 128 columns, 4 warps. On the H200 (bf16, f 5632;
+# benchmarks/train_host_probe.py, results/training_runs/train_host_probe_s7_h200.json) it took
+# 0.207 / 0.754 ms at M 16384 / 65536 against 0.473 / 1.819 for the backward's 16 x 256 with 8
+# warps (PyTorch's relu and product alone: 0.221 / 0.853): twice the rows per program halve the
+# per-unit atomic adds, and 4 warps keep more programs resident.
+FORWARD_WIDEST, FORWARD_WARPS = 128, 4
+
+
+def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward's element-wise pass over rows held dense.
 
     Args:
@@ -118,7 +130,7 @@ def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torc
 
     Returns:
         ``(h [M, f] in a's dtype, l1_rows [M] fp32 = sum_j |h_ij|, unit_counts [f] int64 =
-        tokens with a_ij > 0)``.
+        tokens with a_ij > 0, row_counts [M] int32 = units with a_ij > 0)``.
     """
     _check("a", a, a)
     if u is not None:
@@ -126,18 +138,22 @@ def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torc
     M, f = a.shape
     if not (a.is_cuda or triton_interpreting()):
         h = torch.relu(a) if u is None else torch.relu(a) * u
-        return h, h.abs().sum(1, dtype=torch.float32), (a > 0).sum(0, dtype=torch.int64)
+        active = a > 0
+        return (h, h.abs().sum(1, dtype=torch.float32), active.sum(0, dtype=torch.int64),
+                active.sum(1, dtype=torch.int32))
     h = torch.empty_like(a)
     l1 = torch.empty(M, dtype=torch.float32, device=a.device)
+    row_counts = torch.empty(M, dtype=torch.int32, device=a.device)
     counts = torch.zeros(f, dtype=torch.int32, device=a.device)
     if M and f:
-        BM, BF = _blocks(f)
+        BM, BF = _blocks(f, FORWARD_WIDEST)
         with on_device_of(a):
-            _forward_kernel[(triton.cdiv(M, BM),)](a, a if u is None else u, h, l1, counts, M, f,
-                                                   GATED=u is not None, BM=BM, BF=BF, num_warps=8)
+            _forward_kernel[(triton.cdiv(M, BM),)](a, a if u is None else u, h, l1, counts, row_counts, M, f,
+                                                   GATED=u is not None, BM=BM, BF=BF, num_warps=FORWARD_WARPS)
     else:
         l1.zero_()
-    return h, l1, counts.to(torch.int64)
+        row_counts.zero_()
+    return h, l1, counts.to(torch.int64), row_counts
 
 
 def dense_rows_backward(dz: torch.Tensor, a: torch.Tensor, u: Optional[torch.Tensor],
