@@ -28,6 +28,8 @@ _EXPORTS = {
     "sparsify": "hf",
     "sparse_gated_ffn": "train_ops",
     "sparse_ffn": "train_ops",
+    "dense_gated_ffn": "train_ops",
+    "dense_ffn": "train_ops",
 }
 
 __all__ = list(_EXPORTS)

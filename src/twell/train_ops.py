@@ -24,6 +24,10 @@ int32, the heavy rows' indices and their dense ``a`` and ``u`` (``[n_heavy, f]``
 :func:`saved_bytes` measures it.
 
 The results equal dense autograd up to rounding, for every input: any M, d, f, any pattern.
+
+:func:`dense_gated_ffn` / :func:`dense_ffn` are the same FFN with every row dense (cuBLAS and
+one fused element-wise pass each way, with the L1 term and the statistics): what a layer trains
+with where the sparse kernels would not pay.
 """
 
 from __future__ import annotations

@@ -31,7 +31,10 @@ TRAIN_MODES = ("auto", "dense", "sparse")
 # Break-even share of active units per token: the sparse kernels' forward + backward beat dense
 # below it (H200, bf16, d 2048, f 5632, M 16384: at k = 29 of 5632 even / skewed / heavy 1.31x /
 # 1.07x / 1.31x, at k = 56 0.87x / 0.78x / 1.35x; M 65536: k = 29 1.54x / 1.56x / 2.27x, k = 56
-# 0.89x / 0.95x / 1.60x; benchmarks/results/training_mlp_h200.json). 0.006 f = 34 units.
+# 0.89x / 0.95x / 1.60x; run 5 of benchmarks/NOTES_training.md). 0.006 f = 34 units. Timed call
+# by call in turn with dense (run 6, training_mlp_h200.json) the sparse op reads less at M 16384
+# (k 29 even / skewed / heavy 1.20x / 1.01x / 1.44x), so there this rule keeps skewed k 29 sparse
+# at 0.98x of dense; at M 65536 1.46x / 1.40x / 2.32x.
 MAX_DENSITY = 0.006
 
 
