@@ -264,6 +264,25 @@ def test_dense_op_empty_and_saved_tensors():
     assert saved_bytes(T.dense_gated_ffn, x, wg, wu, wd) < saved_bytes(dense_ffn, x, wg, wu, wd)
 
 
+def test_dense_op_only_the_gradients_asked_for_and_ignores_autocast():
+    """Frozen weights get no gradient (and cost no product); under autocast the op keeps its
+    inputs' dtype in the forward and the backward (autocast would otherwise recast only the
+    forward's products)."""
+    x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=14))
+    r = torch.randn(37, 40, generator=torch.Generator().manual_seed(3)).to(DEV)
+    xl = x.clone().requires_grad_()
+    wul = wu.clone().requires_grad_()
+    out = T.dense_gated_ffn(xl, wg, wul, wd)
+    ((out.y * r).sum() + 0.3 * out.l1).backward()
+    _, ref = run(T.dense_gated_ffn, (x, wg, wu, wd), r, 0.3)
+    assert torch.equal(xl.grad, ref[0]) and torch.equal(wul.grad, ref[2])
+    with torch.autocast(DEV, dtype=torch.bfloat16):
+        out, grads = run(T.dense_gated_ffn, (x, wg, wu, wd), r, 0.3)
+    assert out.y.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
+    for g, g_ref in zip(grads, ref):
+        assert rel_err(g, g_ref) < 1e-6
+
+
 def test_dense_op_keeps_the_l1_gradient_in_bf16():
     """As test_all_dense_keeps_the_l1_gradient_in_bf16, for the all-rows-dense op."""
     x, wg, wu, wd = make_case(512, 40, 75, seed=12, density=0.3, adversarial=False)

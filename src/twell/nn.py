@@ -374,7 +374,9 @@ class SparseGatedMLP(_SparseFFN):
         """``[..., d] -> [..., d]``. On CUDA, when no gradient is needed and there is no bias,
         takes the inference path: decode kernels for small batches, TwELL prefill kernels where
         this layer's measured sparsity makes them pay, else dense cuBLAS (:mod:`twell.dispatch`;
-        ``self.kernel_mode``). Otherwise the dense PyTorch math, with the L1 term and statistics."""
+        ``self.kernel_mode``). In training on CUDA, the path :mod:`twell.train_path` chooses (sparse
+        kernels or twell's fused dense op); otherwise the dense PyTorch math, with the L1 term and
+        statistics."""
         w_down = self.down_proj.weight
         self._check_input(x, w_down)
         if self._inference_ok(x, w_down):

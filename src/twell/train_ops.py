@@ -67,7 +67,7 @@ GRADS_CONFIG: dict = dict(block_t=2, block_d=None, num_warps=8)
 
 
 class TrainFFNOutput(NamedTuple):
-    """What the sparse training FFN returns.
+    """What the training FFN ops (sparse and all-rows-dense) return.
 
     Attributes:
         y: ``[M, d]`` the FFN output (differentiable).
@@ -75,7 +75,7 @@ class TrainFFNOutput(NamedTuple):
         row_counts: ``[M]`` int32, active units of each token.
         unit_counts: ``[f]`` int64, tokens each unit fired for.
         n_heavy: int64 scalar tensor, rows that had more than W active units and took the dense
-            backup.
+            backup (0 from the all-rows-dense op).
     """
 
     y: torch.Tensor
@@ -401,8 +401,10 @@ class DenseTrainFFNFunction(torch.autograd.Function):
     def forward(ctx, x, w_first, w_down, w_up):
         _check_args(x, w_first if w_up is None else w_up, w_down, None if w_up is None else w_first, 1)
         M = x.shape[0]
-        a = torch.mm(x, w_first.t())
-        s, u, y, l1_rows, unit_counts, row_counts = _dense_rows(x, a, w_up, w_down)
+        # the inputs' dtype throughout (autocast would recast the products, not the backward's)
+        with torch.autocast(x.device.type, enabled=False):
+            a = torch.mm(x, w_first.t())
+            s, u, y, l1_rows, unit_counts, row_counts = _dense_rows(x, a, w_up, w_down)
         del a
         ctx.save_for_backward(x, w_first, w_down, w_up, s, u)
         n_heavy = torch.zeros((), dtype=torch.int64, device=x.device)
@@ -412,12 +414,26 @@ class DenseTrainFFNFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
+        # only the gradients asked for (a frozen weight costs no product), as dense autograd
         x, w_first, w_down, w_up, s, u = ctx.saved_tensors
+        need_x, need_first, need_down, need_up = ctx.needs_input_grad[:4]
+        dy = dy.contiguous()
         c = _l1_scale(dl1, x.shape[0], x.device)
-        dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), s, u, c, w_first, w_up, w_down, down_t=False)
-        if w_up is None:  # dw_a is w_first's (w_up's) gradient
-            return dx, dw_a, dw_down, None
-        return dx, dw_b, dw_down, dw_a  # gated: dw_a is w_up's, dw_b w_gate's
+        with torch.autocast(x.device.type, enabled=False):  # a backward run inside autocast too
+            d1, da, h = dense_rows_backward(torch.mm(dy, w_down), s, u, c)
+            if w_up is None:  # non-gated: d1 is dh, s is h, w_first is w_up
+                h, da_first = s, d1
+            else:  # gated: d1 is du
+                da_first = da
+            dx = None
+            if need_x:
+                dx = torch.mm(da_first, w_first)
+                if w_up is not None:
+                    dx = torch.addmm(dx, d1, w_up)
+            dw_first = torch.mm(da_first.t(), x) if need_first else None
+            dw_down = torch.mm(dy.t(), h) if need_down else None
+            dw_up = torch.mm(d1.t(), x) if (w_up is not None and need_up) else None
+        return dx, dw_first, dw_down, dw_up
 
 
 def sparse_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:
@@ -447,7 +463,9 @@ def sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width:
 def dense_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> TrainFFNOutput:
     """Gated FFN for training with every row dense (:class:`DenseTrainFFNFunction`), with its L1
     term and statistics; arguments and result as :func:`sparse_gated_ffn` (no width; ``n_heavy``
-    is 0: no row takes a backup, all are dense)."""
+    is 0: no row takes a backup, all are dense). It runs in the inputs' dtype whatever autocast
+    says (cast them first, as the modules do); its backward is not itself differentiable
+    (no double backward), as with the sparse op."""
     return TrainFFNOutput(*DenseTrainFFNFunction.apply(x, w_gate, w_down, w_up))
 
 

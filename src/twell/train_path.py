@@ -1,4 +1,4 @@
-"""Which kernels a sparse FFN trains with: dense PyTorch or twell's sparse training kernels.
+"""Which kernels a sparse FFN trains with: twell's dense path or its sparse training kernels.
 
 A module in training (gradients wanted) on CUDA calls :meth:`TrainPath.choose` once per
 forward. With ``train_kernels = "auto"`` (the default) the sparse kernels
@@ -48,7 +48,8 @@ AUTO_SPARSE = True
 
 # Whether a layer's dense training path runs twell.train_ops.dense_gated_ffn (True) or the
 # module's PyTorch ops (relu, product, |h| and the active mask as separate passes over [M, f]).
-# Measured in `twell bench training` (module_dense_ms against plain_dense_ms, same process).
+# Measured in `twell bench training` (dense_path_ms and twell_ms against plain_module_ms, at
+# M 16384: 4.70 against 6.43 ms, k 8 even; benchmarks/NOTES_training.md, run 6).
 FUSED_DENSE = True
 
 

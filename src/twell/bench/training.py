@@ -172,11 +172,12 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                     plain_run, _ = _module_fn(x, wg, wu, wd, dy, kernels="dense")
 
                     def plain(run=plain_run):
+                        was = train_path.FUSED_DENSE
                         train_path.FUSED_DENSE = False
                         try:
                             return run()
                         finally:
-                            train_path.FUSED_DENSE = True
+                            train_path.FUSED_DENSE = was
 
                     fns.append(plain)
                 # call by call in turn, so that every variant sees the same host and clocks
@@ -293,44 +294,47 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
     from .. import train_path
 
     out = []
-    for lr in lrs:
-        for kernels in ("dense", "dense_fused", "sparse", "auto"):
-            train_path.FUSED_DENSE = kernels != "dense"
-            reset_peak()  # each variant makes its own cuBLAS workspaces inside its window
-            held_before = torch.cuda.memory_allocated()  # the caller's tensors (the grid's, say): not this step's
-            model = sparse_model(config, state, kernels.replace("_fused", ""))
-            mods = sparse_modules(model)
-            opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1 if lr else 0.0, fused=True)
-            losses = []
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            t0 = None
-            first_mean = first_max = None
-            for i in range(steps + 5):
-                if i == 5:
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                losses.append(train_step(model, opt, ids[i]))
-                if i == 0:
-                    first_mean = [float(m.stats.active_mean) for m in mods]
-                    first_max = [int(m.stats.active_max) for m in mods]
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - t0
-            paths = sorted({m.last_train_path for m in mods if getattr(m, "last_train_path", None)})
-            rec = dict(preset=preset, kernels=kernels, lr=lr, k=k, batch=batch, seq=seq, steps=steps,
-                       tokens_per_s=steps * batch * seq / seconds, peak_bytes=int(torch.cuda.max_memory_allocated() - held_before),
-                       losses=[float(v) for v in torch.stack(losses)], paths=paths,
-                       active_mean_first_step=first_mean, active_max_first_step=first_max,
-                       active_mean_last_step=[float(m.stats.active_mean) for m in mods],
-                       active_max_last_step=[int(m.stats.active_max) for m in mods], **info)
-            out.append(rec)
-            log(f"train step {preset} lr {lr:g} kernels {kernels}: {rec['tokens_per_s']:.0f} tokens/s, peak "
-                f"{rec['peak_bytes'] / 2**30:.1f} GiB, loss {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}, paths {paths}, "
-                f"active per layer first/last step {[round(v, 1) for v in first_mean]} / "
-                f"{[round(v, 1) for v in rec['active_mean_last_step']]}, max {first_max} / {rec['active_max_last_step']}")
-            del model, opt, mods
-            torch.cuda.empty_cache()
-    train_path.FUSED_DENSE = True
+    was = train_path.FUSED_DENSE
+    try:
+        for lr in lrs:
+            for kernels in ("dense", "dense_fused", "sparse", "auto"):
+                train_path.FUSED_DENSE = kernels != "dense"
+                reset_peak()  # each variant makes its own cuBLAS workspaces inside its window
+                held_before = torch.cuda.memory_allocated()  # the caller's tensors (the grid's, say): not this step's
+                model = sparse_model(config, state, kernels.replace("_fused", ""))
+                mods = sparse_modules(model)
+                opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1 if lr else 0.0, fused=True)
+                losses = []
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                t0 = None
+                first_mean = first_max = None
+                for i in range(steps + 5):
+                    if i == 5:
+                        torch.cuda.synchronize()
+                        t0 = time.perf_counter()
+                    losses.append(train_step(model, opt, ids[i]))
+                    if i == 0:
+                        first_mean = [float(m.stats.active_mean) for m in mods]
+                        first_max = [int(m.stats.active_max) for m in mods]
+                torch.cuda.synchronize()
+                seconds = time.perf_counter() - t0
+                paths = sorted({m.last_train_path for m in mods if getattr(m, "last_train_path", None)})
+                rec = dict(preset=preset, kernels=kernels, lr=lr, k=k, batch=batch, seq=seq, steps=steps,
+                           tokens_per_s=steps * batch * seq / seconds, peak_bytes=int(torch.cuda.max_memory_allocated() - held_before),
+                           losses=[float(v) for v in torch.stack(losses)], paths=paths,
+                           active_mean_first_step=first_mean, active_max_first_step=first_max,
+                           active_mean_last_step=[float(m.stats.active_mean) for m in mods],
+                           active_max_last_step=[int(m.stats.active_max) for m in mods], **info)
+                out.append(rec)
+                log(f"train step {preset} lr {lr:g} kernels {kernels}: {rec['tokens_per_s']:.0f} tokens/s, peak "
+                    f"{rec['peak_bytes'] / 2**30:.1f} GiB, loss {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}, paths {paths}, "
+                    f"active per layer first/last step {[round(v, 1) for v in first_mean]} / "
+                    f"{[round(v, 1) for v in rec['active_mean_last_step']]}, max {first_max} / {rec['active_max_last_step']}")
+                del model, opt, mods
+                torch.cuda.empty_cache()
+    finally:
+        train_path.FUSED_DENSE = was
     return out
 
 

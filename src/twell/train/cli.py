@@ -104,7 +104,7 @@ def train_parser() -> argparse.ArgumentParser:
     r.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
     r.add_argument("--precision", choices=["bf16", "fp32"], help="bf16 autocast (default on GPUs) or fp32")
     r.add_argument("--kernels", choices=["auto", "dense", "sparse"], help="the MLPs' training kernels on GPUs: "
-                   "sparse (twell's exact sparse forward and backward), dense (PyTorch), or auto (default: sparse "
+                   "sparse (twell's exact sparse forward and backward), dense (cuBLAS and fused element-wise passes), or auto (default: sparse "
                    "for each layer while its measured sparsity makes them faster)")
     r.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in the backward pass")
     r.add_argument("--fsdp", action="store_true", help="under torchrun: shard parameters, optimizer state and "
