@@ -214,11 +214,13 @@ def test_mostly_heavy_runs_all_dense(gated, width, monkeypatch):
     assert (37, width) in _saved_shapes(fn, tensors)
 
 
-def test_all_dense_keeps_the_l1_gradient_in_bf16(monkeypatch):
+@pytest.mark.parametrize("op", ["sparse", "dense"])
+def test_all_dense_keeps_the_l1_gradient_in_bf16(op, monkeypatch):
     """At training's scale (lam 2e-5, dy of order 1/M) the L1 term's gradient c sign(h) is far
-    below half a bf16 step of dy . w_down: the all-dense backward must add it in fp32 before the
-    products with g and u (as the hybrid rows do), or it rounds away. The L1 part of dW_gate in
-    bf16 (with lam minus without) must point the way fp64's does."""
+    below half a bf16 step of dy . w_down: the all-dense backward (the sparse op's all-dense
+    branch, and the all-rows-dense op) must add it in fp32 before the products with g and u (as
+    the hybrid rows do), or it rounds away. The L1 part of dW_gate in bf16 (with lam minus
+    without) must point the way fp64's does."""
     monkeypatch.setattr(T, "ROWS_CONFIG", SMALL_FULL["ROWS_CONFIG"])
     x, wg, wu, wd = make_case(512, 40, 75, seed=12, density=0.3, adversarial=False)
     r = torch.randn(512, 40, generator=torch.Generator().manual_seed(1)).to(DEV) / 512
@@ -233,8 +235,10 @@ def test_all_dense_keeps_the_l1_gradient_in_bf16(monkeypatch):
         return out[0] - out[1]
 
     ref = l1_part(dense_ffn, [t.double() for t in (x, wg, wu, wd)])
-    got = l1_part(lambda *t: sparse_gated_ffn(*t, 4), [t.bfloat16() for t in (x, wg, wu, wd)])
-    assert float((((x @ wg.T) > 0).sum(1) > 4).float().mean()) > T.ALL_DENSE_SHARE  # the all-dense path
+    fn = (lambda *t: sparse_gated_ffn(*t, 4)) if op == "sparse" else T.dense_gated_ffn
+    got = l1_part(fn, [t.bfloat16() for t in (x, wg, wu, wd)])
+    if op == "sparse":
+        assert float((((x @ wg.T) > 0).sum(1) > 4).float().mean()) > T.ALL_DENSE_SHARE  # the all-dense path
     assert float((got * ref).sum() / (ref * ref).sum()) > 0.5
 
 
@@ -281,25 +285,6 @@ def test_dense_op_only_the_gradients_asked_for_and_ignores_autocast():
     assert out.y.dtype == torch.float32 and all(g.dtype == torch.float32 for g in grads)
     for g, g_ref in zip(grads, ref):
         assert rel_err(g, g_ref) < 1e-6
-
-
-def test_dense_op_keeps_the_l1_gradient_in_bf16():
-    """As test_all_dense_keeps_the_l1_gradient_in_bf16, for the all-rows-dense op."""
-    x, wg, wu, wd = make_case(512, 40, 75, seed=12, density=0.3, adversarial=False)
-    r = torch.randn(512, 40, generator=torch.Generator().manual_seed(1)).to(DEV) / 512
-
-    def l1_part(fn, tensors):
-        out = []
-        for lam in (2e-5, 0.0):
-            leaves = [t.clone().requires_grad_() for t in tensors]
-            y, l1 = fn(*leaves)[:2]
-            ((y * r.to(y.dtype)).sum() + lam * l1).backward()
-            out.append(leaves[1].grad.double())
-        return out[0] - out[1]
-
-    ref = l1_part(dense_ffn, [t.double() for t in (x, wg, wu, wd)])
-    got = l1_part(T.dense_gated_ffn, [t.bfloat16() for t in (x, wg, wu, wd)])
-    assert float((got * ref).sum() / (ref * ref).sum()) > 0.5
 
 
 def test_unit_index_groups_slots_by_unit():

@@ -248,24 +248,34 @@ def _dense_rows(x_r, a_r, w_up, w_down):
     return (h if u is None else a_r), u, y, l1_rows, unit_counts, row_counts
 
 
-def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down, down_t=True):
-    """The backward of rows held dense: ``(dx_r, (dw_up, dw_gate or None, dw_down))``, their
-    share of the weight gradients, ``dw_down`` as ``[f, d]`` (``down_t``: the layout the per-unit
-    kernel adds the light rows into) or ``[d, f]`` (w_down's own); ``s``, ``u`` as
-    :func:`_dense_rows` returned them. Gated: dh stays fp32 until it is multiplied by g and u, as
-    on the light rows, because the L1 term's c sign(h) is far below half a bf16 step of the
-    product's (on-grid) values and would round away if added in bf16. Non-gated: dh is itself
-    the weight-gradient operand, in the inputs' dtype, as in dense autograd. The element-wise
-    work is one pass (:func:`twell.kernels.dense_rows.dense_rows_backward`)."""
+def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down, down_t=True, needs=(True, True, True, True)):
+    """The backward of rows held dense: ``(dx_r, (dw_up, dw_gate, dw_down))`` gated, ``(dx_r,
+    (dw_first, None, dw_down))`` non-gated: their share of the weight gradients, ``dw_down`` as
+    ``[f, d]`` (``down_t``: the layout the per-unit kernel adds the light rows into) or ``[d, f]``
+    (w_down's own); ``s``, ``u`` as :func:`_dense_rows` returned them. ``needs``: whether dx,
+    w_first's, w_up's and w_down's gradients are wanted (the others come back None and cost no
+    product). Gated: dh stays fp32 until it is multiplied by g and u, as on the light rows,
+    because the L1 term's c sign(h) is far below half a bf16 step of the product's (on-grid)
+    values and would round away if added in bf16. Non-gated: dh is itself the weight-gradient
+    operand, in the inputs' dtype, as in dense autograd. The element-wise work is one pass
+    (:func:`twell.kernels.dense_rows.dense_rows_backward`)."""
+    need_x, need_first, need_up, need_down = needs
     d1, da, h = dense_rows_backward(torch.mm(dy_r, w_down), s, u, c)
     if u is None:  # d1 is dh, s is h
-        h = s
-        dx = torch.mm(d1, w_first)
-        grads = (torch.mm(d1.t(), x_r), None)
+        h, d_first, d_up = s, d1, None
     else:  # d1 is du
-        dx = torch.addmm(torch.mm(da, w_first), d1, w_up)
-        grads = (torch.mm(d1.t(), x_r), torch.mm(da.t(), x_r))
-    return dx, (*grads, torch.mm(h.t(), dy_r) if down_t else torch.mm(dy_r.t(), h))
+        d_first, d_up = da, d1
+    dx = None
+    if need_x:
+        dx = torch.mm(d_first, w_first)
+        if d_up is not None:
+            dx = torch.addmm(dx, d_up, w_up)
+    dw_first = torch.mm(d_first.t(), x_r) if need_first else None
+    dw_up = torch.mm(d_up.t(), x_r) if (d_up is not None and need_up) else None
+    dw_down = None
+    if need_down:
+        dw_down = torch.mm(h.t(), dy_r) if down_t else torch.mm(dy_r.t(), h)
+    return dx, ((dw_first, None) if u is None else (dw_up, dw_first)) + (dw_down,)
 
 
 def _dense_outputs(ctx, y, l1, counts, unit_counts, heavy_rows):
@@ -414,26 +424,16 @@ class DenseTrainFFNFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        # only the gradients asked for (a frozen weight costs no product), as dense autograd
         x, w_first, w_down, w_up, s, u = ctx.saved_tensors
         need_x, need_first, need_down, need_up = ctx.needs_input_grad[:4]
-        dy = dy.contiguous()
         c = _l1_scale(dl1, x.shape[0], x.device)
         with torch.autocast(x.device.type, enabled=False):  # a backward run inside autocast too
-            d1, da, h = dense_rows_backward(torch.mm(dy, w_down), s, u, c)
-            if w_up is None:  # non-gated: d1 is dh, s is h, w_first is w_up
-                h, da_first = s, d1
-            else:  # gated: d1 is du
-                da_first = da
-            dx = None
-            if need_x:
-                dx = torch.mm(da_first, w_first)
-                if w_up is not None:
-                    dx = torch.addmm(dx, d1, w_up)
-            dw_first = torch.mm(da_first.t(), x) if need_first else None
-            dw_down = torch.mm(dy.t(), h) if need_down else None
-            dw_up = torch.mm(d1.t(), x) if (w_up is not None and need_up) else None
-        return dx, dw_first, dw_down, dw_up
+            # only the gradients asked for: a frozen weight costs no product, as in dense autograd
+            dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), s, u, c, w_first, w_up, w_down, down_t=False,
+                                                             needs=(need_x, need_first, need_up, need_down))
+        if w_up is None:  # dw_a is w_first's (w_up's) gradient
+            return dx, dw_a, dw_down, None
+        return dx, dw_b, dw_down, dw_a  # gated: dw_a is w_up's, dw_b w_gate's
 
 
 def sparse_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:

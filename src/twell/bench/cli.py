@@ -82,20 +82,8 @@ def plot_speedup(records: list[dict], path_png: str) -> None:
     groups: dict = {}
     for r in records:
         groups.setdefault((r["d"], r["f"], r["M"], r["distribution"]), []).append(r)
-    styles = {"even": "-", "skewed": "--", "heavy": ":"}
     for ax, field, title in ((axes[0], "speedup", "twell module (auto: kernels or dense)"), (axes[1], "kernels_speedup", "TwELL kernels forced")):
-        for (d, f, M, dist), rs in sorted(groups.items()):
-            rs = sorted((r for r in rs if r.get(field) is not None), key=lambda r: r["k"])
-            if not rs:
-                continue
-            ax.plot([r["k"] for r in rs], [r[field] for r in rs], styles.get(dist, "-"), marker="o", ms=3,
-                    label=f"d={d} f={f} M={M} {dist}")
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("k: mean active units per token")
-        ax.set_title(title, fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
+        _speedup_panel(ax, groups, field, title, lambda key: "d={} f={} M={} {}".format(*key))
     axes[0].set_ylabel("speedup over dense bf16 PyTorch (dense = 1)")
     axes[0].legend(fontsize=6)
     gpu = records[0].get("gpu", "") if records else ""
@@ -103,6 +91,24 @@ def plot_speedup(records: list[dict], path_png: str) -> None:
     fig.tight_layout()
     fig.savefig(path_png, dpi=120)
     plt.close(fig)
+
+
+def _speedup_panel(ax, groups: dict, field: str, title: str, label) -> None:
+    """One log-log panel of ``field`` against k: a line per group of records (``groups``: key ->
+    records, the key's last element the distribution, which sets the line style), labelled
+    ``label(key)``; lines at 1 (dense) and a grid."""
+    styles = {"even": "-", "skewed": "--", "heavy": ":"}
+    for key, rs in sorted(groups.items()):
+        rs = sorted((r for r in rs if r.get(field) is not None), key=lambda r: r["k"])
+        if rs:
+            ax.plot([r["k"] for r in rs], [r[field] for r in rs], styles.get(key[-1], "-"), marker="o", ms=3,
+                    label=label(key))
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("k: mean active units per token")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
 
 
 def _table(records: list[dict]) -> str:
@@ -126,7 +132,7 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="a small grid (M 16384, k 29/56/280, even)")
     parser.add_argument("--variants", action="store_true", help="also time the design variants")
     parser.add_argument("--no-grid", action="store_true", help="skip the main grid")
-    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms")
+    parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms (the training grid instead times 40 calls of each variant in turn)")
     parser.add_argument("--M", type=int, nargs="+", help="inference: only these tokens per call (d 2048 rows of the "
                         "grid; a check, not a results file: written as inference_mlp_<gpu>_M.json)")
     parser.add_argument("--preset", help="model: the preset whose shape is built (default 2b; with --model, the "
@@ -281,9 +287,9 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
         return
     if args.quick:
         records = run_training_grid(Ms=(16384,), ks=(8, 29, 56, 280, 5632), distributions=("even", "heavy"),
-                                    rep=args.rep, log=log, partial_path=partial)
+                                    log=log, partial_path=partial)
     else:
-        records = run_training_grid(rep=args.rep, log=log, partial_path=partial)
+        records = run_training_grid(log=log, partial_path=partial)
     steps = train_step_records(args.preset or "0.5b", k=args.k, log=log)
     with open(path, "w") as fh:
         json.dump({"records": records, "train_step": steps, "tuning": tuning}, fh, indent=1)
@@ -314,24 +320,14 @@ def plot_training(records: list[dict], steps: list[dict], path_png: str) -> None
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(18, 5))
-    styles = {"even": "-", "skewed": "--", "heavy": ":"}
     groups: dict = {}
     for r in records:
         groups.setdefault((r["M"], r["distribution"]), []).append(r)
     panels = (("speedup", "SparseGatedMLP, default settings (train_kernels auto)"),
               ("sparse_speedup", "sparse training kernels forced"))
-    for ax, (key, title) in zip(axes[:2], panels):
-        for (M, dist), rs in sorted(groups.items()):
-            rs = sorted((r for r in rs if key in r), key=lambda r: r["k"])
-            ax.plot([r["k"] for r in rs], [r[key] for r in rs], styles.get(dist, "-"), marker="o", ms=3,
-                    label=f"M={M} {dist}")
-        ax.axhline(1.0, color="k", lw=0.8)
-        ax.set_xscale("log")
-        ax.set_yscale("log")
-        ax.set_xlabel("k: mean active units per token")
+    for ax, (field, title) in zip(axes[:2], panels):
+        _speedup_panel(ax, groups, field, f"{title} (d 2048, f 5632)", lambda key: "M={} {}".format(*key))
         ax.set_ylabel("forward + backward speedup over dense bf16 PyTorch")
-        ax.set_title(f"{title} (d 2048, f 5632)", fontsize=10)
-        ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     for s in steps:
         axes[2].plot(range(1, len(s["losses"]) + 1), s["losses"], ls="-" if s["kernels"] == "dense" else "--",

@@ -114,12 +114,13 @@ def _module_fn(x, wg, wu, wd, dy, kernels: str = "auto") -> tuple[Callable[[], t
 
 
 def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632),
-                      distributions=("even", "skewed", "heavy"), d: int = 2048, f: int = 5632, rep: int = 100,
+                      distributions=("even", "skewed", "heavy"), d: int = 2048, f: int = 5632, calls: int = 40,
                       log: Callable[[str], None] = print, partial_path: Optional[str] = None,
                       plain_module: tuple = (16384,)) -> list[dict]:
-    """One record per ``(M, k, distribution)`` (see the module's text); ``partial_path``: a JSONL
-    file each record is appended to as it is measured, so a cut run keeps what it did;
-    ``plain_module``: the M at which the module's plain PyTorch dense path is timed too."""
+    """One record per ``(M, k, distribution)`` (see the module's text), each variant timed over
+    ``calls`` calls in turn with the others; ``partial_path``: a JSONL file each record is
+    appended to as it is measured, so a cut run keeps what it did; ``plain_module``: the M at
+    which the module's plain PyTorch dense path is timed too."""
     import json
 
     from .. import train_path
@@ -181,7 +182,6 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
 
                     fns.append(plain)
                 # call by call in turn, so that every variant sees the same host and clocks
-                calls = max(10, min(40, int(rep * 12 / max(bench_ms(dense, rep=1, warmup=1, min_reps=1), 1e-3))))
                 times = interleaved_ms(fns, calls=calls, warmup=2)
                 rec["timed_calls"] = calls
                 rec["dense_ms"], rec["sparse_ms"], rec["dense_path_ms"], rec["twell_ms"] = times[:4]
