@@ -1,8 +1,8 @@
-"""Where a call with many heavy rows should stop taking the hybrid path (ELL rows + dense backup)
-and run all dense (``twell.train_ops.ALL_DENSE_SHARE``): forward + backward of the gated FFN at
-M 16384, d 2048, f 5632, k 29 for the light rows, with a share p of the rows made heavy (about
-600 active units), timed three ways: dense PyTorch, hybrid (ALL_DENSE_SHARE = 1), all dense
-(ALL_DENSE_SHARE = 0).
+"""Where a layer with many heavy rows should stop taking the sparse op (ELL rows + rows held
+dense) and train on the dense op (``twell.train_path.HEAVY_SHARE_MAX``): forward + backward of
+the gated FFN at M 16384, d 2048, f 5632, k 29 for the light rows, with a share p of the rows
+made heavy (about 600 active units), timed call by call in turn three ways: dense PyTorch
+(no L1 term), the sparse op, the all-rows-dense op (both with the L1 term).
 
     python benchmarks/heavy_share_probe.py [OUTDIR]
 
@@ -18,10 +18,9 @@ import sys
 
 import torch
 
-import twell.train_ops as T
-from twell.bench.inference import bench_ms
-from twell.bench.training import _dense_fn, _sparse_fn
-from twell.train_ops import choose_width
+from twell.bench.timing import interleaved_ms
+from twell.bench.training import LAM, _dense_fn, _sparse_fn
+from twell.train_ops import choose_width, dense_gated_ffn
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
 
@@ -50,14 +49,17 @@ def main() -> None:
             counts = (torch.mm(x, wg.t()) > 0).sum(1)
         width = choose_width(29.0)
         rec = dict(p=p, width=width, heavy=int((counts > width).sum()), k_mean=float(counts.float().mean()))
-        rec["dense_ms"] = bench_ms(_dense_fn(x, wg, wu, wd, dy), rep=50)
-        for name, share in (("hybrid_ms", 1.0), ("all_dense_ms", -1.0)):
-            T.ALL_DENSE_SHARE = share
-            rec[name] = bench_ms(_sparse_fn(x, wg, wu, wd, dy, width), rep=50)
-        T.ALL_DENSE_SHARE = 0.25
+        lam = torch.full((), LAM, device="cuda")
+
+        def dense_op(x=x, wg=wg, wu=wu, wd=wd, dy=dy):
+            out = dense_gated_ffn(x, wg, wu, wd)
+            return torch.autograd.grad((out.y, out.l1), (x, wg, wu, wd), (dy, lam))
+
+        fns = [_dense_fn(x, wg, wu, wd, dy), _sparse_fn(x, wg, wu, wd, dy, width), dense_op]
+        rec["dense_ms"], rec["sparse_ms"], rec["dense_op_ms"] = interleaved_ms(fns, calls=30, warmup=2)
         rows.append(rec)
         print(f"p {p:5.2f} heavy {rec['heavy']:6d} k {rec['k_mean']:7.1f} dense {rec['dense_ms']:.3f} "
-              f"hybrid {rec['hybrid_ms']:.3f} all-dense {rec['all_dense_ms']:.3f} ms", flush=True)
+              f"sparse op {rec['sparse_ms']:.3f} dense op {rec['dense_op_ms']:.3f} ms", flush=True)
         del x, wg, wu, wd, dy
     with open(os.path.join(OUT, "heavy_share_probe.json"), "w") as fh:
         json.dump(rows, fh, indent=1)

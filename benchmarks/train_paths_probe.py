@@ -9,7 +9,7 @@
    idle gaps (the sparse op synchronises with the host once in its forward, so host time after
    that point can leave the GPU waiting).
 
-    python benchmarks/train_paths_probe.py [OUTDIR]
+    python benchmarks/train_paths_probe.py [OUTDIR] [--module-only]
 
 Writes OUTDIR/train_paths_probe.json; prints tables.
 """
@@ -30,7 +30,7 @@ from twell.bench.training import LAM, _dense_fn, _module_fn, _sparse_fn
 from twell.kernels.dense_rows import dense_rows_backward, dense_rows_forward
 from twell.train_ops import choose_width, dense_gated_ffn
 
-OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
+OUT = next((a for a in sys.argv[1:] if not a.startswith("--")), os.environ.get("OUT", "/tmp"))
 F = torch.nn.functional
 
 
@@ -127,7 +127,7 @@ def module_overhead(M, k, dist):
 
 def main() -> None:
     res = {"dense": [], "module": []}
-    for M, k in ((16384, 8), (65536, 8), (65536, 5632)):
+    for M, k in (() if "--module-only" in sys.argv else ((16384, 8), (65536, 8), (65536, 5632))):
         r = dense_stages(M, k)
         res["dense"].append(r)
         print(f"dense path M {M} k {k}: plain {r['plain_ms']:.3f} ms, twell dense path {r['dense_path_ms']:.3f} ms; stages "

@@ -1,8 +1,7 @@
 """Why a training step on the sparse kernels is slower than on dense (0.86x, 0.5b preset) while
 each FFN alone is faster: one device call that answers it.
 
-For each variant (dense kernels; sparse kernels; sparse with the forward's row kernel launched
-after its host sync, ``twell.train_ops.ROWS_AFTER_SYNC``) on the same constructed-sparsity model
+For each variant (dense kernels; sparse kernels) on the same constructed-sparsity model
 and batches, it times ``--steps`` training steps (CUDA events over the steps, after warm-up) and
 profiles two more with ``torch.profiler``: the top CUDA kernels by self time, the top CPU ops,
 the sum of kernel time against the steps' wall time (the gap is the GPU waiting for the host),
@@ -26,13 +25,11 @@ from pathlib import Path
 import torch
 
 
-def run_variant(name: str, kernels: str, rows_after_sync: bool, config, state, batches, steps: int, out: Path, device: str,
+def run_variant(name: str, kernels: str, config, state, batches, steps: int, out: Path, device: str,
                 lr: float = 0.0):
-    from twell import train_ops
     from twell.bench.training import sparse_model, train_step
     from twell.nn import sparse_modules
 
-    train_ops.ROWS_AFTER_SYNC = rows_after_sync
     model = sparse_model(config, state, kernels, device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, fused=device == "cuda")
     cuda = device == "cuda"
@@ -72,7 +69,7 @@ def run_variant(name: str, kernels: str, rows_after_sync: bool, config, state, b
     del model, opt
     if cuda:
         torch.cuda.empty_cache()
-    return {"variant": name, "kernels": kernels, "rows_after_sync": rows_after_sync, "step_ms": step_ms,
+    return {"variant": name, "kernels": kernels, "step_ms": step_ms,
             "profiled_step_ms": wall_ms, "kernel_ms_per_step": kernel_ms, "gpu_idle_ms_per_step": wall_ms - kernel_ms,
             "syncs_per_step": syncs, "paths": paths, "active_mean": active, "active_max": active_max,
             "top_cuda_ms_per_step": top_cuda, "top_cpu_self_ms_per_step": top_cpu}
@@ -98,10 +95,10 @@ def main() -> None:
     g = torch.Generator(device=a.device).manual_seed(3)
     batches = [torch.randint(0, vocab, (a.batch, a.seq + 1), device=a.device, generator=g) for _ in range(4)]
     config, state = constructed_state(a.preset, a.k, torch.cat(batches)[:4, : a.seq], vocab)
-    variants = [("dense", "dense", False), ("sparse", "sparse", False), ("sparse_rows_after_sync", "sparse", True)]
+    variants = [("dense", "dense"), ("sparse", "sparse")]
     results = []
-    for name, kernels, after in variants:
-        results.append(run_variant(name, kernels, after, config, state, batches, a.steps, out, a.device, a.lr))
+    for name, kernels in variants:
+        results.append(run_variant(name, kernels, config, state, batches, a.steps, out, a.device, a.lr))
         (out / "train_step_probe.json").write_text(json.dumps(results, indent=1))
     print(f"\n{'variant':24} {'step ms':>8} {'kernels ms':>10} {'GPU idle':>9}  syncs per step")
     for r in results:

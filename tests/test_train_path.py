@@ -61,7 +61,6 @@ def test_module_on_the_training_kernels_with_heavy_rows_and_hot_units(monkeypatc
 
     monkeypatch.setattr(T, "HOT_MIN", 2)
     monkeypatch.setattr(T, "HOT_FACTOR", 1.5)
-    monkeypatch.setattr(T, "ALL_DENSE_SHARE", 1.0)  # hybrid however many rows are heavy
     dense, sparse = _pair(SparseGatedMLP, seed=3)
     calls = []
     add_hot = T._add_hot
@@ -135,6 +134,24 @@ def test_train_path_choice():
     assert tp.want_probe() and tp.k_mean is None
 
 
+@pytest.mark.parametrize("mean,share,path", [(29.0, 0.1, "sparse"), (29.0, 0.5, "dense"), (60.0, 0.0, "dense")])
+def test_train_path_reads_mean_and_heavy_share(mean, share, path):
+    """"auto" goes sparse on a measured mean at most MAX_DENSITY f and a share of rows above twice
+    the mean at most HEAVY_SHARE_MAX (read from the pinned copy once its event is done)."""
+    from twell.train_path import HEAVY_SHARE_MAX, MAX_DENSITY
+
+    assert MAX_DENSITY * 5632 > 29 > 0 and 60 > MAX_DENSITY * 5632 and 0.1 < HEAVY_SHARE_MAX < 0.5
+
+    class Done:
+        def query(self):
+            return True
+
+    tp = TrainPath()
+    tp._host, tp._event = torch.tensor([mean, 3 * mean, share]), Done()
+    assert tp.choose("auto", 5632) == (path, 64 if mean == 29.0 else 128)
+    assert tp.heavy_share == pytest.approx(share) and tp.k_max == int(3 * mean) and tp._event is None
+
+
 def test_train_path_changes_only_outside_backward(monkeypatch):
     """A measurement that arrives while autograd recomputes a checkpointed forward must not
     change the path: the recomputation must save what the forward saved."""
@@ -146,18 +163,18 @@ def test_train_path_changes_only_outside_backward(monkeypatch):
 
     monkeypatch.setattr(train_path, "AUTO_SPARSE", False)
     tp = TrainPath()
-    tp._host, tp._event = torch.tensor([29.0, 80.0]), Done()
+    tp._host, tp._event = torch.tensor([29.0, 80.0, 0.0]), Done()
     assert tp.choose("auto", 5632) == ("dense", 64)  # switched off, auto trains dense whatever it measures
     assert tp.k_mean == 29.0
     monkeypatch.setattr(train_path, "AUTO_SPARSE", True)  # the default
     tp = TrainPath()
-    tp._host, tp._event = torch.tensor([29.0, 80.0]), Done()
+    tp._host, tp._event = torch.tensor([29.0, 80.0, 0.0]), Done()
     monkeypatch.setattr(train_path, "_in_backward", lambda: True)
     assert tp.choose("auto", 5632) == ("dense", 16)
     monkeypatch.setattr(train_path, "_in_backward", lambda: False)
     assert tp.choose("auto", 5632) == ("sparse", 64)
     assert (tp.k_mean, tp.k_max) == (29.0, 80)
-    tp._host, tp._event = torch.tensor([300.0, 800.0]), Done()
+    tp._host, tp._event = torch.tensor([300.0, 800.0, 0.0]), Done()
     assert tp.choose("auto", 5632)[0] == "dense"
 
 

@@ -206,7 +206,7 @@ class _SparseFFN(nn.Module):
         if not torch.is_grad_enabled() or self.down_proj.bias is not None:
             return None
         if torch.compiler.is_compiling():
-            return None  # the sparse Function synchronises with the host: compiled training runs dense
+            return None  # the training ops are not custom ops yet: compiled training runs the dense math
         if not x.is_cuda and not (self.train_kernels != "auto" and triton_interpreting()):
             return None
         dev = x.device.type

@@ -4,23 +4,26 @@ One call of :func:`sparse_gated_ffn` (``y = (relu(x w_gate^T) * (x w_up^T)) w_do
 
     a = x w_gate^T                         cuBLAS, the only dense matmul of the light rows
     cols, g, counts = pack_rows(a, W)      ELL rows: the first W positives of each row
-    heavy = rows with counts > W           torch.nonzero: the call's one host sync
+    heavy = rows with counts > W           listed on the device (torch.nonzero_static)
     light rows: Triton (twell.kernels.train_ffn), every product restricted to the pattern
-    heavy rows: dense PyTorch on just those rows (the hybrid format's dense backup), however
-                many there are: nothing is dropped
+    heavy rows: Triton products over the listed rows (twell.kernels.heavy_rows), however many
+                there are: nothing is dropped
+
+Nothing in the forward or the backward waits for the GPU. The forward cannot know on the host how
+many rows are heavy, so the heavy rows' kernels walk a row list whose length stays on the device,
+and the backward recomputes their a and u from x with cuBLAS once the count has reached the host
+(a copy the forward started without blocking; :class:`_HostValues`). A host synchronisation per
+layer would drain the GPU's queue each time: in a whole training step of the 0.5b preset, removing
+it took the sparse kernels from 1.14x to 1.16x dense's tokens/s (benchmarks/NOTES_training.md).
 
 In the backward, the weight gradients of the light rows go unit by unit (a per-unit kernel over
 the slots sorted by unit), except for hot units (far more tokens than the mean: see ``HOT_MIN``),
-whose share is one cuBLAS product over a dense ``[M, n_hot]`` block. The forward finds both the
-heavy rows and the hot units, in its one host synchronisation; the backward has one more only
-when a layer has hot units (their slots are located with torch.nonzero).
-
-and the L1 term ``l1 = mean over tokens of sum over units |h|`` (:func:`twell.reference.l1_penalty`)
+whose share is one cuBLAS product over a dense ``[M, n_hot]`` block. The L1 term ``l1 = mean over tokens of sum over units |h|`` (:func:`twell.reference.l1_penalty`)
 is returned beside y, so that ``loss = task_loss(y) + lam * l1`` back-propagates through both.
 
 Saved for backward (no ``[M, f]`` tensor): x, the weights (held by the model anyway), the ELL
 rows ``cols [M, W]`` (int16 when f <= 32768), ``g [M, W]``, ``u [M, W]`` (gated), ``counts [M]``
-int32, the heavy rows' indices and their dense ``a`` and ``u`` (``[n_heavy, f]``; non-gated: h).
+int32, the heavy rows' list ``[M]`` int64 and the hot units' mask ``[f]``.
 :func:`saved_bytes` measures it.
 
 The results equal dense autograd up to rounding, for every input: any M, d, f, any pattern.
@@ -39,6 +42,7 @@ from torch.autograd.function import once_differentiable
 
 from .checks import KERNEL_DTYPES, check_launchable, check_mlp_args, check_tensor
 from .kernels.dense_rows import dense_rows_backward, dense_rows_forward
+from .kernels.heavy_rows import heavy_rows_forward
 from .kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, light_unit_counts, pack_rows, unit_index
 
 __all__ = [
@@ -64,6 +68,10 @@ __all__ = [
 PACK_CONFIG: dict = dict(block_m=4, block_f=256, num_warps=4)
 ROWS_CONFIG: dict = dict(block_e=2, block_d=None, num_warps=4)
 GRADS_CONFIG: dict = dict(block_t=2, block_d=None, num_warps=8)
+# The heavy rows' tiles (twell.kernels.heavy_rows): rows, columns, reduction step. Not tuned: on
+# the sparse path heavy rows are a small share of a call (a layer with many trains dense, see
+# twell.train_path).
+HEAVY_CONFIG: dict = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 
 
 class TrainFFNOutput(NamedTuple):
@@ -120,32 +128,43 @@ def _check_args(x, w_up, w_down, w_gate, width) -> int:
     return min(width, max(f, 1))  # a row never has more than f entries
 
 
-def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(heavy_rows, hot)``: rows with more than W active units, and the hot units (see HOT_MIN)
-    of the light rows (``per_unit``: their slots per unit). The forward's host sync: the first
-    nonzero waits for the GPU's queue (the row kernels launched before it keep it busy), the
-    second only for itself."""
+def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int):
+    """On the device, no host sync: ``(heavy, n_heavy, hot_mask, info)``. ``heavy [M]`` int64
+    lists the rows with more than W active units first (the rest is padding), ``n_heavy`` (int64
+    scalar) counts them; ``hot_mask [f]`` marks the hot units (see HOT_MIN) of the light rows
+    (``per_unit``: their slots per unit); ``info [3]`` int64 = (n_heavy, hot units, light slots
+    at hot units), what the backward needs on the host (:class:`_HostValues`)."""
+    heavy_mask = counts > W
+    heavy = torch.nonzero_static(heavy_mask, size=counts.shape[0], fill_value=0).flatten()
+    n_heavy = heavy_mask.sum(dtype=torch.int64)
     limit = torch.clamp(per_unit.sum() * (HOT_FACTOR / max(f, 1)), min=HOT_MIN)
     hot_mask = per_unit > limit
-    heavy_rows = torch.nonzero(counts > W).flatten()
-    return heavy_rows, torch.nonzero(hot_mask).flatten()
+    info = torch.stack([n_heavy, hot_mask.sum(dtype=torch.int64), torch.where(hot_mask, per_unit, 0).sum()])
+    return heavy, n_heavy, hot_mask, info
 
 
-def _stats(per_unit, heavy_counts, heavy_rows):
-    """unit_counts [f] int64 (light slots per unit + the heavy rows' active units, ``heavy_counts``
-    or None) and n_heavy."""
-    if heavy_counts is not None:
-        per_unit = per_unit + heavy_counts
-    n_heavy = torch.full((), heavy_rows.numel(), dtype=torch.int64, device=per_unit.device)
-    return per_unit, n_heavy
+class _HostValues:
+    """A few device integers the backward needs on the host (how many rows are heavy, how many
+    units are hot), copied to pinned memory by the forward without blocking it. The backward
+    reads them after the copy's event: in a training step the forward of the layer finished long
+    before its backward starts, so nothing waits; right after the forward (a lone call) the host
+    waits only for the forward's pack, with the rest of its kernels still queued behind it."""
 
+    def __init__(self, values: torch.Tensor):
+        self.event = None
+        if values.is_cuda:
+            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+            self.host.copy_(values, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(torch.cuda.current_stream(values.device))
+        else:
+            self.host = values
 
-# Where the forward launches its row kernel: right after the host sync (True) or before it
-# (False: the order of training_mlp_h200.json's run 3). After: in a 0.5b train step at 29.5
-# active units per layer (lr 0, so the constructed sparsity holds), 149.5 against 155.0 ms per
-# step, the GPU idle 4.8 against 8.4 ms (benchmarks/train_step_probe.py); and a call that goes
-# all dense (ALL_DENSE_SHARE) then never launches it.
-ROWS_AFTER_SYNC = True
+    def get(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
 
 # Hot units: a unit held by more than max(HOT_MIN, HOT_FACTOR x the mean) light-row slots gets
 # its weight gradients from cuBLAS over a dense [M, n_hot] block instead of the per-unit kernel,
@@ -154,29 +173,17 @@ ROWS_AFTER_SYNC = True
 HOT_MIN = 256
 HOT_FACTOR = 8.0
 
-# When more than this share of a call's rows is heavier than W, the whole call runs dense (cuBLAS
-# products over all rows and one element-wise pass each way, twell.kernels.dense_rows, saving the
-# [M, f] pre-activation and u as dense autograd saves its intermediates): a heavy row costs a
-# little more than a dense one (the gathers and scatters of its rows), so a mostly-heavy call (a
-# layer whose sparsity moved away from its width) would otherwise cost dense plus the sparse
-# bookkeeping. Still exact, and counted in n_heavy like any heavy row. From
-# benchmarks/heavy_share_probe.py on the H200 (M 16384, d 2048, f 5632, light rows k 29, heavy rows
-# ~600 units), forward + backward with the fused element-wise passes: hybrid 4.89 / 5.39 / 6.66 ms
-# at a heavy share of 0.3 / 0.5 / 1, all dense 5.72 / 5.90 / 6.18 (dense PyTorch without the L1
-# term 5.26 / 5.28 / 5.35); the lines cross near 0.75. (With the element-wise work as PyTorch
-# ops, before: hybrid 5.48 / 6.67 / 9.08, all dense 8.06 / 8.17 / 8.14.)
-ALL_DENSE_SHARE = 0.7
 
-
-def _hot_dense(cols, counts, hot, f, *slot_values):
+def _hot_dense(cols, counts, hot, n_slots, f, *slot_values):
     """Dense ``[M, n_hot]`` fp32 blocks of per-slot values (``[M, W]`` each, or None: None out) at
-    the hot units' slots of the light rows; zero elsewhere. One host sync (torch.nonzero)."""
+    the hot units' slots of the light rows (``n_slots`` of them, known on the host); zero
+    elsewhere. No host sync."""
     M, W = cols.shape
     pos = torch.full((f,), -1, dtype=torch.int64, device=cols.device)
     pos[hot] = torch.arange(hot.numel(), device=cols.device)
     used = torch.arange(W, device=cols.device) < torch.where(counts > W, 0, counts).unsqueeze(1)
     slot_pos = torch.where(used, pos[cols.long()], -1)
-    r, s = torch.nonzero(slot_pos >= 0, as_tuple=True)
+    r, s = torch.nonzero_static(slot_pos >= 0, size=n_slots).unbind(1)
     c = slot_pos[r, s]
     out = []
     for v in slot_values:
@@ -190,43 +197,39 @@ def _hot_dense(cols, counts, hot, f, *slot_values):
 
 
 def _light_forward(x, a, W, w_down, w_up=None):
-    """The light rows' part of the forward from the pre-activation ``a [M, f]``: the ELL pack,
-    the call's host sync that finds the heavy rows and the hot units, and the row kernel (gated
-    when ``w_up`` is given; not launched when the call goes all dense, see ALL_DENSE_SHARE).
-    Returns ``(cols, values, counts, y, u, l1_rows, per_unit, heavy_rows, hot, all_dense)``
-    (values: g gated, h non-gated; u None non-gated; y, u, l1_rows None when all dense)."""
+    """The forward from the pre-activation ``a [M, f]``, with no host sync: the ELL pack, the
+    light rows' kernel (gated when ``w_up`` is given), the heavy rows and hot units found on the
+    device, and the heavy rows' forward (:func:`twell.kernels.heavy_rows.heavy_rows_forward`,
+    which writes their h over ``a``). Returns ``(cols, values, counts, y, u, l1, unit_counts,
+    heavy, n_heavy, hot_mask, info)`` (values: g gated, h non-gated; u None non-gated; l1 the
+    fp32 scalar L1 term; the rest as :func:`_heavy_and_hot` returns them)."""
     M, f = a.shape
     cols, values, counts = pack_rows(a, W, **PACK_CONFIG)
-    rows = (None, None, None)
-    if not ROWS_AFTER_SYNC:
-        rows = ffn_rows_forward(x, cols, values, counts, _rows_of(w_down), w_up, **ROWS_CONFIG)
     per_unit = light_unit_counts(cols, counts, f)
-    heavy_rows, hot = _heavy_and_hot(counts, W, per_unit, f)  # the call's host sync
-    all_dense = heavy_rows.numel() > ALL_DENSE_SHARE * M
-    if ROWS_AFTER_SYNC and not all_dense:
-        rows = ffn_rows_forward(x, cols, values, counts, _rows_of(w_down), w_up, **ROWS_CONFIG)
-    return (cols, values, counts, *rows, per_unit, heavy_rows, hot, all_dense)
+    heavy, n_heavy, hot_mask, info = _heavy_and_hot(counts, W, per_unit, f)
+    y, u, l1_rows = ffn_rows_forward(x, cols, values, counts, _rows_of(w_down), w_up, **ROWS_CONFIG)
+    l1_heavy, heavy_counts = heavy_rows_forward(x, a, heavy, n_heavy, y, w_down, w_up, **HEAVY_CONFIG)
+    l1 = (l1_rows + l1_heavy).sum() / max(M, 1)
+    return cols, values, counts, y, u, l1, per_unit + heavy_counts, heavy, n_heavy, hot_mask, info
 
 
 def _rows_of(w_down):
     """``w_down^T`` contiguous ``[f, d]``: row j = w_down[:, j], one contiguous read per unit for
-    the row kernels (made only where they run: an all-dense call never needs it)."""
+    the row kernels."""
     return w_down.t().contiguous()
 
 
-def _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot, base, f, dtype):
+def _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot_mask, n_hot, n_hot_slots, base, f, dtype):
     """``(dw_up, dw_gate or None, dw_down_t)``: the light rows' share added to ``base`` (the heavy
-    rows'), by the per-unit kernel over the slots sorted by unit, except the hot units, whose
-    share is one cuBLAS product over their dense columns. Gated: values g, with u and da;
-    non-gated: values h, u and da None."""
-    exclude = None
-    if hot.numel():
-        exclude = torch.zeros(f, dtype=torch.bool, device=x.device).index_fill_(0, hot, True)
-    order, offsets = unit_index(cols, counts, f, exclude)
+    rows'), by the per-unit kernel over the slots sorted by unit, except the ``n_hot`` hot units
+    (``hot_mask``, holding ``n_hot_slots`` light slots), whose share is one cuBLAS product over
+    their dense columns. Gated: values g, with u and da; non-gated: values h, u and da None."""
+    order, offsets = unit_index(cols, counts, f, hot_mask if n_hot else None)
     grads = ffn_weight_grads(order, offsets, x, dy, values, u, du, da, base=base, dtype=dtype, **GRADS_CONFIG)
-    if hot.numel():
+    if n_hot:
+        hot = torch.nonzero_static(hot_mask, size=n_hot).flatten()
         h = values if u is None else values.float() * u.float()
-        _add_hot(grads, hot, _hot_dense(cols, counts, hot, f, du, da, h), (x, x, dy))
+        _add_hot(grads, hot, _hot_dense(cols, counts, hot, n_hot_slots, f, du, da, h), (x, x, dy))
     return grads
 
 
@@ -278,18 +281,22 @@ def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down, down_t=True,
     return dx, ((dw_first, None) if u is None else (dw_up, dw_first)) + (dw_down,)
 
 
-def _dense_outputs(ctx, y, l1, counts, unit_counts, heavy_rows):
-    """The Function's outputs for a call that ran all dense (see ALL_DENSE_SHARE); the heavy
-    rows are counted as on the hybrid path."""
-    n_heavy = torch.full((), heavy_rows.numel(), dtype=torch.int64, device=y.device)
-    ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
-    return y, l1, counts, unit_counts, n_heavy
-
-
 def _l1_scale(dl1: Optional[torch.Tensor], M: int, device) -> torch.Tensor:
     if dl1 is None:
         return torch.zeros(1, dtype=torch.float32, device=device)
     return (dl1.float() / max(M, 1)).reshape(1).contiguous()
+
+
+def _heavy_backward(x, dy, heavy, n_heavy, c, w_first, w_up, w_down):
+    """``(dx_h, base)`` of the heavy rows (:func:`_dense_rows_backward`), their a and u (h
+    non-gated) recomputed from x: the forward kept no ``[n_heavy, f]`` tensor, since it could not
+    size one without waiting for the GPU."""
+    rows = heavy[:n_heavy]
+    x_h = x[rows]
+    a_h = torch.mm(x_h, w_first.t())
+    if w_up is None:
+        return _dense_rows_backward(x_h, dy[rows], torch.relu(a_h), None, c, w_first, None, w_down)
+    return _dense_rows_backward(x_h, dy[rows], a_h, torch.mm(x_h, w_up.t()), c, w_first, w_up, w_down)
 
 
 class SparseGatedFFNFunction(torch.autograd.Function):
@@ -302,41 +309,29 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, width):
         W = _check_args(x, w_up, w_down, w_gate, width)
-        M = x.shape[0]
         a = torch.mm(x, w_gate.t())
-        cols, g, counts, y, u, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down, w_up)
-        if ctx.all_dense:
-            a_d, u_d, y, l1_rows, unit_counts, _ = _dense_rows(x, a, w_up, w_down)
-            ctx.save_for_backward(x, w_gate, w_up, w_down, a_d, u_d)
-            return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, unit_counts, heavy_rows)
-        a_h = u_h = heavy_counts = None
-        if heavy_rows.numel():
-            a_h, u_h, y[heavy_rows], l1_rows[heavy_rows], heavy_counts, _ = _dense_rows(x[heavy_rows], a[heavy_rows], w_up, w_down)
+        cols, g, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, info = _light_forward(x, a, W, w_down, w_up)
         del a
-        l1 = l1_rows.sum() / max(M, 1)
-        unit_counts, n_heavy = _stats(per_unit, heavy_counts, heavy_rows)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, a_h, u_h, hot)
+        ctx.host = _HostValues(info)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        if ctx.all_dense:  # every row held dense
-            x, w_gate, w_up, w_down, a, u = ctx.saved_tensors
-            dx, (dw_up, dw_gate, dw_down) = _dense_rows_backward(x, dy, a, u, _l1_scale(dl1, x.shape[0], x.device),
-                                                                 w_gate, w_up, w_down, down_t=False)
-            return dx, dw_gate, dw_up, dw_down, None
-        x, w_gate, w_up, w_down, cols, g, u, counts, heavy_rows, a_h, u_h, hot = ctx.saved_tensors
+        x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask = ctx.saved_tensors
+        n_heavy, n_hot, n_hot_slots = ctx.host.get()
         M, d = x.shape
         f = w_up.shape[0]
         dy = dy.contiguous()
         c = _l1_scale(dl1, M, x.device)
         dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, _rows_of(w_down), w_up, w_gate, c, **ROWS_CONFIG)
         base = None
-        if heavy_rows.numel():
-            dx[heavy_rows], base = _dense_rows_backward(x[heavy_rows], dy[heavy_rows], a_h, u_h, c, w_gate, w_up, w_down)
-        dw_up, dw_gate, dw_down_t = _unit_weight_grads(x, dy, cols, counts, g, u, du, da, hot, base, f, w_up.dtype)
+        if n_heavy:
+            dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_gate, w_up, w_down)
+        dw_up, dw_gate, dw_down_t = _unit_weight_grads(x, dy, cols, counts, g, u, du, da, hot_mask, n_hot, n_hot_slots,
+                                                       base, f, w_up.dtype)
         # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
         return dx, dw_gate, dw_up, dw_down_t.t(), None
 
@@ -351,42 +346,29 @@ class SparseFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_up, w_down, width):
         W = _check_args(x, w_up, w_down, None, width)
-        M = x.shape[0]
         a = torch.mm(x, w_up.t())
-        cols, h, counts, y, _, l1_rows, per_unit, heavy_rows, hot, ctx.all_dense = _light_forward(x, a, W, w_down)
-        if ctx.all_dense:
-            h_d, _, y, l1_rows, unit_counts, _ = _dense_rows(x, a, None, w_down)
-            del a
-            ctx.save_for_backward(x, w_up, w_down, h_d)
-            return _dense_outputs(ctx, y, l1_rows.sum() / max(M, 1), counts, unit_counts, heavy_rows)
-        h_h = heavy_counts = None
-        if heavy_rows.numel():
-            h_h, _, y[heavy_rows], l1_rows[heavy_rows], heavy_counts, _ = _dense_rows(x[heavy_rows], a[heavy_rows], None, w_down)
+        cols, h, counts, y, _, l1, unit_counts, heavy, n_heavy, hot_mask, info = _light_forward(x, a, W, w_down)
         del a
-        l1 = l1_rows.sum() / max(M, 1)
-        unit_counts, n_heavy = _stats(per_unit, heavy_counts, heavy_rows)
-        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy_rows, h_h, hot)
+        ctx.host = _HostValues(info)
+        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy, hot_mask)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        if ctx.all_dense:  # every row held dense
-            x, w_up, w_down, h = ctx.saved_tensors
-            dx, (dw_up, _, dw_down) = _dense_rows_backward(x, dy, h, None, _l1_scale(dl1, x.shape[0], x.device),
-                                                           w_up, None, w_down, down_t=False)
-            return dx, dw_up, dw_down, None
-        x, w_up, w_down, cols, h, counts, heavy_rows, h_h, hot = ctx.saved_tensors
+        x, w_up, w_down, cols, h, counts, heavy, hot_mask = ctx.saved_tensors
+        n_heavy, n_hot, n_hot_slots = ctx.host.get()
         M, d = x.shape
         f = w_up.shape[0]
         dy = dy.contiguous()
         c = _l1_scale(dl1, M, x.device)
         dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, _rows_of(w_down), w_up, None, c, **ROWS_CONFIG)
         base = None
-        if heavy_rows.numel():
-            dx[heavy_rows], base = _dense_rows_backward(x[heavy_rows], dy[heavy_rows], h_h, None, c, w_up, None, w_down)
-        dw_up, _, dw_down_t = _unit_weight_grads(x, dy, cols, counts, h, None, dh, None, hot, base, f, w_up.dtype)
+        if n_heavy:
+            dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_up, None, w_down)
+        dw_up, _, dw_down_t = _unit_weight_grads(x, dy, cols, counts, h, None, dh, None, hot_mask, n_hot, n_hot_slots,
+                                                 base, f, w_up.dtype)
         return dx, dw_up, dw_down_t.t(), None
 
 

@@ -3,14 +3,16 @@
 A module in training (gradients wanted) on CUDA calls :meth:`TrainPath.choose` once per
 forward. With ``train_kernels = "auto"`` (the default) the sparse kernels
 (:mod:`twell.train_ops`) run while the layer's measured mean of active units per token is at
-most ``MAX_DENSITY * f`` (:func:`use_sparse`) and ``AUTO_SPARSE`` is on (the default), with the
-ELL width from :func:`twell.train_ops.choose_width`; else the dense path. ``"dense"`` and
+most ``MAX_DENSITY * f`` (:func:`use_sparse`), at most ``HEAVY_SHARE_MAX`` of its tokens have more
+than twice the mean (rows that the ELL width, about twice the mean, cannot hold and the sparse
+op computes dense), and ``AUTO_SPARSE`` is on (the default), with the ELL width from
+:func:`twell.train_ops.choose_width`; else the dense path. ``"dense"`` and
 ``"sparse"`` force one. The dense path is :func:`twell.train_ops.dense_gated_ffn` (cuBLAS
 products, the relu, product, L1 term and statistics in one fused pass each way) while
 ``FUSED_DENSE`` is on, as by default; else the module's plain PyTorch math.
 
 The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the layer copies the
-mean and max of its row counts to pinned host memory without blocking, and a later call reads
+mean and max of its row counts and the share of heavy rows to pinned host memory without blocking, and a later call reads
 them once their CUDA event has completed (the first calls run dense until then).
 
 The choice changes only in a forward that runs outside a backward pass: the recomputation of
@@ -24,7 +26,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["TrainPath", "use_sparse", "TRAIN_MODES"]
+__all__ = ["TrainPath", "use_sparse", "TRAIN_MODES", "MAX_DENSITY", "HEAVY_SHARE_MAX"]
 
 TRAIN_MODES = ("auto", "dense", "sparse")
 
@@ -53,6 +55,14 @@ AUTO_SPARSE = True
 FUSED_DENSE = True
 
 
+# Most share of a layer's tokens with more than twice its mean of active units for which "auto"
+# still takes the sparse kernels. Those rows are the sparse op's heavy rows, computed dense: a
+# Triton product each in the forward, their pre-activation recomputed by cuBLAS in the backward,
+# plus the gathers, on top of the sparse bookkeeping that the dense path does not pay. The
+# synthetic "heavy" layers of `twell bench training` have 0.10 (k 29) and 0.13 (k 56).
+HEAVY_SHARE_MAX = 0.3
+
+
 def use_sparse(active_mean: float, f: int, max_density: Optional[float] = None) -> bool:
     """Whether ``"auto"`` trains a layer with ``active_mean`` active units per token (of f) sparse."""
     return active_mean <= (MAX_DENSITY if max_density is None else max_density) * f
@@ -69,6 +79,7 @@ class TrainPath:
 
     Attributes:
         k_mean, k_max: the last measured mean and max of active units per token (None before).
+        heavy_share: the last measured share of tokens with more than twice the mean.
         path, width: the current choice (``"dense"`` or ``"sparse"``) and ELL width.
         last_path: the path of the last training call.
     """
@@ -78,6 +89,7 @@ class TrainPath:
     def __init__(self) -> None:
         self.k_mean: Optional[float] = None
         self.k_max: Optional[int] = None
+        self.heavy_share: Optional[float] = None
         self.path = "dense"
         self.width = 16
         self.last_path: Optional[str] = None
@@ -94,11 +106,12 @@ class TrainPath:
         if not _in_backward():
             self._calls += 1
             if self._event is not None and self._event.query():
-                mean, top = (float(v) for v in self._host.tolist())
-                self.k_mean, self.k_max = mean, int(top)
+                mean, top, share = (float(v) for v in self._host.tolist())
+                self.k_mean, self.k_max, self.heavy_share = mean, int(top), share
                 self._event = None
                 self.width = choose_width(mean, None, f)
-                self.path = "sparse" if AUTO_SPARSE and use_sparse(mean, f, max_density) else "dense"
+                sparse = AUTO_SPARSE and use_sparse(mean, f, max_density) and share <= HEAVY_SHARE_MAX
+                self.path = "sparse" if sparse else "dense"
         if mode == "dense":
             return "dense", self.width
         if mode == "sparse":
@@ -110,20 +123,24 @@ class TrainPath:
         return self._event is None and (self.k_mean is None or self._calls % self.PROBE_EVERY == 1)
 
     def publish(self, row_counts: torch.Tensor) -> None:
-        """Copy the mean and max of ``row_counts [M]`` to pinned host memory without blocking."""
+        """Copy the mean and max of ``row_counts [M]``, and the share of rows above twice the
+        mean, to pinned host memory without blocking."""
         if not row_counts.is_cuda or row_counts.numel() == 0:
             return
         with torch.no_grad():
             rc = row_counts.float()
-            self.publish_values(rc.mean(), rc.max())
+            mean = rc.mean()
+            self.publish_values(mean, rc.max(), (rc > 2 * mean).float().mean())
 
-    def publish_values(self, mean: torch.Tensor, top: torch.Tensor) -> None:
-        """As :meth:`publish`, from the mean and max already computed (scalar tensors)."""
+    def publish_values(self, mean: torch.Tensor, top: torch.Tensor, heavy_share: Optional[torch.Tensor] = None) -> None:
+        """As :meth:`publish`, from the values already computed (scalar tensors; no heavy share:
+        counted as 0)."""
         if not mean.is_cuda:
             return
-        values = torch.stack([mean.float(), top.float()])
+        share = torch.zeros((), device=mean.device) if heavy_share is None else heavy_share.float()
+        values = torch.stack([mean.float(), top.float(), share])
         if self._host is None:
-            self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)
         self._host.copy_(values, non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()

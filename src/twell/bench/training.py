@@ -142,6 +142,7 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 with torch.no_grad():
                     counts = (torch.mm(x, wg.t()) > 0).sum(1)
                 k_mean, k_max = float(counts.float().mean()), int(counts.max())
+                heavy_share = float((counts > 2 * k_mean).float().mean())
                 width = choose_width(k_mean, k_max, f)
                 dense, sparse = _dense_fn(x, wg, wu, wd, dy), _sparse_fn(x, wg, wu, wd, dy, width)
                 ref = _fp32_grads(x, wg, wu, wd, dy)
@@ -193,7 +194,9 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 rec["twell_path"] = m.last_train_path
                 del module, m, dense_path
                 rec["breakeven_path"] = "sparse" if use_sparse(k_mean, f) else "dense"
-                rec["auto_path"] = "sparse" if (train_path.AUTO_SPARSE and use_sparse(k_mean, f)) else "dense"
+                rec["heavy_share"] = heavy_share
+                rec["auto_path"] = "sparse" if (train_path.AUTO_SPARSE and use_sparse(k_mean, f)
+                                                and heavy_share <= train_path.HEAVY_SHARE_MAX) else "dense"
                 F = torch.nn.functional
                 rec["dense_saved_bytes"] = saved_bytes(lambda a, b, c, e: F.linear(torch.relu(F.linear(a, b)) * F.linear(a, c), e),
                                                        x, wg, wu, wd)

@@ -15,6 +15,8 @@
   dense: heavy rows, and every row of an all-dense call.
 - :mod:`.train_ffn`: training forward and backward of the FFN on ELL rows (pack, rows forward,
   rows backward, per-unit weight gradients); :mod:`twell.train_ops` wraps them in autograd.
+- :mod:`.heavy_rows`: the training forward of the rows heavier than the ELL width, over a row list
+  whose length stays on the GPU (no host synchronisation).
 
 The launchers validate their arguments, accept any ``M``, ``d`` and ``f``, and launch on the
 caller's current CUDA stream (Triton's default). They keep no state between calls.

@@ -1,7 +1,8 @@
 """Training kernels of the sparse FFN on ELL rows (the light rows of the hybrid format).
 
 Data flow of one gated FFN in training (``a = x w_gate^T`` comes from cuBLAS; rows with more
-than W active units, "heavy", take a dense PyTorch path in :mod:`twell.train_ops`)::
+than W active units, "heavy", are held dense: :mod:`.heavy_rows` in the forward, cuBLAS in the
+backward, see :mod:`twell.train_ops`)::
 
     forward   a [M, f] --pack_rows--> cols, g [M, W], counts [M]
               x, cols, g --ffn_rows_forward--> y [M, d], u [M, W], |h| summed per row [M]
