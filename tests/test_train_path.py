@@ -220,3 +220,46 @@ def test_compiled_training_runs_the_dense_math():
     assert sparse.last_train_path is None  # never took the training kernels
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b)
+
+
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_trains_dense_or_says_why():
+    """A training step captured in a CUDA graph (PyTorch's whole-network recipe: warm-up on a side
+    stream, gradients set to None before the capture): on "auto" a layer that trains sparse
+    eagerly takes the dense op inside the capture, and a replay gives eager's gradients; "sparse"
+    forced raises one clear error before anything is recorded."""
+    torch.manual_seed(0)
+    m = SparseGatedMLP(64, 96).cuda()
+    m.train()
+    m.train_max_density = 1.0  # "auto" takes the sparse kernels at this layer's measured density
+    x = torch.randn(40, 64, device="cuda")
+    r = torch.randn(40, 64, device="cuda")
+
+    def step():
+        y = m(x)
+        ((y * r).sum() + 0.3 * m.l1).backward()
+        m.l1 = None  # keep no reference to this step's autograd graph
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):  # the first call runs dense and measures; the next read it
+            m.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            step()
+    assert m.last_train_path == "sparse"
+    torch.cuda.current_stream().wait_stream(s)
+    eager = [p.grad.clone() for p in m.parameters()]
+    m.zero_grad(set_to_none=True)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+    assert m.last_train_path == "dense"
+    g.replay()
+    torch.cuda.synchronize()
+    for a, b in zip((p.grad for p in m.parameters()), eager):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    m.train_kernels = "sparse"
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            m(x)

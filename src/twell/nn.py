@@ -213,7 +213,12 @@ class _SparseFFN(nn.Module):
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         if dtype not in KERNEL_DTYPES:
             return None  # float64 and the like: the dense math
-        return self._twell_train.choose(self.train_kernels, self.intermediate_size, self.train_max_density)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        path, width = self._twell_train.choose(self.train_kernels, self.intermediate_size, self.train_max_density,
+                                               capturing)
+        if capturing and self.train_kernels == "auto":
+            path = "dense"  # the sparse ops cannot be captured (see twell.train_ops); the dense op can
+        return path, width
 
     def _train_kernels(self, x: torch.Tensor, path: str, width: int, weights: tuple) -> torch.Tensor:
         """The FFN of ``x [..., d]`` by twell's training ops, with the L1 term and the statistics
@@ -239,7 +244,7 @@ class _SparseFFN(nn.Module):
         if self._tracking():
             self._record_counts(out.row_counts, out.unit_counts)
         state = self._twell_train
-        if state.want_probe():
+        if state.want_probe() and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             state.publish(out.row_counts)
         state.last_path = path
         return out.y.reshape(shape)
@@ -249,7 +254,7 @@ class _SparseFFN(nn.Module):
         counts on probe calls (from the statistics when they were kept)."""
         state = self._twell_train
         state.last_path = "dense"
-        if state.want_probe():
+        if state.want_probe() and not (first.is_cuda and torch.cuda.is_current_stream_capturing()):
             with torch.no_grad():
                 per_token = (first > 0).sum(dim=1) if not self._tracking() else None
                 if per_token is None:

@@ -128,6 +128,17 @@ def _check_args(x, w_up, w_down, w_gate, width) -> int:
     return min(width, max(f, 1))  # a row never has more than f entries
 
 
+def _refuse_capture(x: torch.Tensor) -> None:
+    """The sparse ops' backward sizes the heavy rows' cuBLAS products from counts its forward
+    copied to the host: replayed from a CUDA graph, those would be the capture's, not the
+    replay's. Say so instead of recording a graph that replays wrong sizes."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the sparse training ops cannot be captured in a CUDA graph (the backward sizes the heavy rows' "
+            "products from counts the forward copies to the host); use dense_gated_ffn / dense_ffn, which "
+            "can be (SparseGatedMLP / SparseMLP with train_kernels 'auto' take them inside a capture)")
+
+
 def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int):
     """On the device, no host sync: ``(heavy, n_heavy, hot_mask, info)``. ``heavy [M]`` int64
     lists the rows with more than W active units first (the rest is padding), ``n_heavy`` (int64
@@ -309,6 +320,7 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gate, w_up, w_down, width):
         W = _check_args(x, w_up, w_down, w_gate, width)
+        _refuse_capture(x)
         a = torch.mm(x, w_gate.t())
         cols, g, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, info = _light_forward(x, a, W, w_down, w_up)
         del a
@@ -346,6 +358,7 @@ class SparseFFNFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_up, w_down, width):
         W = _check_args(x, w_up, w_down, None, width)
+        _refuse_capture(x)
         a = torch.mm(x, w_up.t())
         cols, h, counts, y, _, l1, unit_counts, heavy, n_heavy, hot_mask, info = _light_forward(x, a, W, w_down)
         del a

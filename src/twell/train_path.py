@@ -15,6 +15,10 @@ The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the l
 mean and max of its row counts and the share of heavy rows to pinned host memory without blocking, and a later call reads
 them once their CUDA event has completed (the first calls run dense until then).
 
+Inside a CUDA graph capture nothing is measured or read, and ``"auto"`` trains on the dense
+path (the sparse ops refuse a capture: their backward sizes products from counts the forward
+copies to the host); ``"sparse"`` forced raises there.
+
 The choice changes only in a forward that runs outside a backward pass: the recomputation of
 an activation-checkpointed forward (which runs inside the backward) takes the same path, with
 the same width, as the forward it recomputes, so its saved tensors match.
@@ -97,13 +101,14 @@ class TrainPath:
         self._host: Optional[torch.Tensor] = None
         self._event = None
 
-    def choose(self, mode: str, f: int, max_density: Optional[float] = None) -> tuple[str, int]:
-        """``(path, width)`` for this call; ``mode`` one of :data:`TRAIN_MODES`."""
+    def choose(self, mode: str, f: int, max_density: Optional[float] = None, capturing: bool = False) -> tuple[str, int]:
+        """``(path, width)`` for this call; ``mode`` one of :data:`TRAIN_MODES`; ``capturing``:
+        inside a CUDA graph capture (no measurement is read there)."""
         from .train_ops import choose_width
 
         if mode not in TRAIN_MODES:
             raise ValueError(f"train_kernels must be one of {TRAIN_MODES}, got {mode!r}")
-        if not _in_backward():
+        if not _in_backward() and not capturing:
             self._calls += 1
             if self._event is not None and self._event.query():
                 mean, top, share = (float(v) for v in self._host.tolist())
