@@ -464,11 +464,13 @@ def test_gpu_bf16_real_shape(gated, op):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("gated", [True, False])
-def test_gpu_forward_and_backward_never_wait_for_the_gpu(gated, monkeypatch):
-    """The sparse op synchronises with the host nowhere (CUDA's sync debug mode raises on any
-    synchronising call), with heavy rows (a tenth of the tokens, more than one block per
-    program of the heavy-row kernels) and a hot unit present; the results still match dense
-    autograd's in bf16 and fp32."""
+def test_gpu_no_stream_synchronisation(gated, monkeypatch):
+    """No stream or device synchronisation and no blocking copy in the sparse op's forward or
+    backward (CUDA's sync debug mode raises on those: torch.nonzero's, .item(), .tolist() of a
+    GPU tensor), with heavy rows (a tenth of the tokens, more than one block per program of the
+    heavy-row kernels) and a hot unit present; the results still match dense autograd's in bf16
+    and fp32. (The backward's read of the counts its forward copied to pinned memory polls host
+    memory, which that mode does not see: test_gpu_backward_reads_the_forward_counts.)"""
     x, wg, wu, wd = _gpu_tensors(M=8192)
     x[::10, 0] = 0.0  # a = z: about half the units active, heavy
     wg[3, 0] = 5.0  # unit 3 fires for nearly every token: hot
@@ -491,6 +493,67 @@ def test_gpu_forward_and_backward_never_wait_for_the_gpu(gated, monkeypatch):
     assert rel_err(out.y, fp32[0]) <= 1e-2 and abs(float(out.l1) - float(fp32[1])) <= 1e-2 * float(fp32[1])
     for gr, gr_ref, gr32 in zip(grads, ref_grads, fp32_grads):
         assert rel_err(gr, gr32) <= max(1e-2, 1.5 * rel_err(gr_ref, gr32))
+
+
+@pytest.mark.gpu
+def test_gpu_backward_reads_the_forward_counts(monkeypatch):
+    """The counts reach the host through pinned memory that starts at -1: the forward returns
+    before they land, the backward polls until they have; heavy rows then sized right."""
+    x, wg, wu, wd = _gpu_tensors(M=2048)
+    x[::8, 0] = 0.0  # 256 heavy rows, and the helper's fully dense row 7
+    heavy = int((((x @ wg.T) > 0).sum(1) > 64).sum())
+    assert heavy == 257
+    seen = []
+    poll = T._host_counts
+    monkeypatch.setattr(T, "_host_counts", lambda host: seen.append(host.is_pinned()) or poll(host))
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    out = sparse_gated_ffn(*leaves, 64)
+    out.y.float().sum().backward()
+    assert seen == [True] and int(out.n_heavy) == heavy
+    assert T._host_counts(T._to_host(torch.tensor([3, 0, 7], device="cuda"))) == [3, 0, 7]
+
+
+def test_host_counts_wait_for_the_copy():
+    """The backward's read of the forward's counts waits until every value has replaced the -1
+    the pinned buffer starts with (here a thread plays the copy)."""
+    import threading
+
+    host = torch.full((3,), -1, dtype=torch.int64)
+    threading.Timer(0.05, lambda: host.copy_(torch.tensor([5, 1, 2]))).start()
+    assert T._host_counts(host) == [5, 1, 2]
+
+
+def test_checkpoint_recomputation_uses_its_own_counts(small_blocks):
+    """Under activation checkpointing the backward runs on the recomputed forward's ELL rows and
+    row list, and must take that forward's counts too: here the recomputation sees a denser gate
+    (more heavy rows) than the first forward, and the gradients are dense autograd's at the
+    recomputed point."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=7, adversarial=False))
+    shift = {"v": 0.0}
+
+    def shifted(wg):
+        return torch.cat([wg[:, :1] + shift["v"], wg[:, 1:]], dim=1)  # a lower threshold: more units fire
+
+    def fn(x, wg, wu, wd):
+        return sparse_gated_ffn(x, shifted(wg), wu, wd, 12).y
+
+    heavy = []
+    for v in (0.0, 0.6):
+        shift["v"] = v
+        heavy.append(int((((x @ shifted(wg).T) > 0).sum(1) > 12).sum()))
+    assert heavy[1] > heavy[0] > 0
+    r = torch.randn(37, 40, generator=torch.Generator().manual_seed(2)).to(DEV)
+    leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
+    shift["v"] = 0.0
+    y = checkpoint(fn, *leaves, use_reentrant=False)
+    shift["v"] = 0.6  # what the recomputation in the backward sees
+    (y * r).sum().backward()
+    ref = [t.double().requires_grad_() for t in (x, wg, wu, wd)]
+    ((dense_ffn(ref[0], shifted(ref[1]), ref[2], ref[3])[0] * r.double()).sum()).backward()
+    for got, want in zip((t.grad for t in leaves), (t.grad for t in ref)):
+        assert rel_err(got, want) < TOL[torch.float32]
 
 
 @pytest.mark.parametrize("gated", [True, False])

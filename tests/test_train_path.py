@@ -130,8 +130,19 @@ def test_train_path_choice():
         tp.choose("fast", 5632)
     assert use_sparse(29, 5632) and not use_sparse(280, 5632) and use_sparse(280, 5632, max_density=0.06)
     assert tp.want_probe()
-    tp.publish(torch.tensor([3, 4]))  # CPU tensors: nothing to copy asynchronously, no state change
+    tp.publish(torch.tensor([3, 4]), 5632)  # CPU tensors: nothing to copy asynchronously, no state change
     assert tp.want_probe() and tp.k_mean is None
+
+
+def test_device_width_is_choose_width():
+    """The width the heavy share is measured against, computed on the device, is the width the
+    layer will train with."""
+    from twell.train_ops import choose_width
+    from twell.train_path import device_width
+
+    for f in (10, 96, 5632):
+        for mean in [0.0, 0.3, 0.5, 1.0, 7.49, 7.5, 7.51, 8.0, 8.01, 23.9, 24.0, 29.3, 100.0, 255.9, 256.1, 600.0]:
+            assert int(device_width(torch.tensor(mean), f)) == choose_width(mean, None, f), (mean, f)
 
 
 @pytest.mark.parametrize("mean,share,path", [(29.0, 0.1, "sparse"), (29.0, 0.5, "dense"), (60.0, 0.0, "dense")])

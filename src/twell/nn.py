@@ -245,23 +245,18 @@ class _SparseFFN(nn.Module):
             self._record_counts(out.row_counts, out.unit_counts)
         state = self._twell_train
         if state.want_probe() and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            state.publish(out.row_counts)
+            state.publish(out.row_counts, self.intermediate_size)
         state.last_path = path
         return out.y.reshape(shape)
 
     def _train_dense_done(self, first: torch.Tensor) -> None:
         """After a dense training call that made a path choice: note it, and publish the row
-        counts on probe calls (from the statistics when they were kept)."""
+        counts on probe calls (one pass over ``first`` every ``TrainPath.PROBE_EVERY`` calls)."""
         state = self._twell_train
         state.last_path = "dense"
         if state.want_probe() and not (first.is_cuda and torch.cuda.is_current_stream_capturing()):
             with torch.no_grad():
-                per_token = (first > 0).sum(dim=1) if not self._tracking() else None
-                if per_token is None:
-                    st = self.stats
-                    state.publish_values(st.active_mean, st.active_max)
-                else:
-                    state.publish(per_token)
+                state.publish((first > 0).sum(dim=1), self.intermediate_size)
 
     def _infer(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor]) -> torch.Tensor:
         # kept lean: at one token per call this Python is most of the call's cost

@@ -9,12 +9,16 @@ One call of :func:`sparse_gated_ffn` (``y = (relu(x w_gate^T) * (x w_up^T)) w_do
     heavy rows: Triton products over the listed rows (twell.kernels.heavy_rows), however many
                 there are: nothing is dropped
 
-Nothing in the forward or the backward waits for the GPU. The forward cannot know on the host how
-many rows are heavy, so the heavy rows' kernels walk a row list whose length stays on the device,
-and the backward recomputes their a and u from x with cuBLAS once the count has reached the host
-(a copy the forward started without blocking; :class:`_HostValues`). A host synchronisation per
-layer would drain the GPU's queue each time: in a whole training step of the 0.5b preset, removing
-it took the sparse kernels from 1.14x to 1.16x dense's tokens/s (benchmarks/NOTES_training.md).
+The forward never waits for the GPU. It cannot know on the host how many rows are heavy, so the
+heavy rows' kernels walk a row list whose length stays on the device, and the backward recomputes
+their a and u from x with cuBLAS once the count has reached the host: the forward copies it to
+pinned memory without blocking, right after the pack, and the backward reads it
+(:func:`_host_counts`), waiting only if the GPU has not yet reached that point of the forward (in
+a training step it did long before; right after a lone forward, the forward's row kernels are
+still queued behind it, so the GPU keeps working while the host waits). A stream synchronisation
+per layer, as before, drained the GPU's queue each time: in a whole training step of the 0.5b
+preset, removing it took the sparse kernels from 1.14x to 1.16x dense's tokens/s
+(benchmarks/NOTES_training.md).
 
 In the backward, the weight gradients of the light rows go unit by unit (a per-unit kernel over
 the slots sorted by unit), except for hot units (far more tokens than the mean: see ``HOT_MIN``),
@@ -23,7 +27,8 @@ is returned beside y, so that ``loss = task_loss(y) + lam * l1`` back-propagates
 
 Saved for backward (no ``[M, f]`` tensor): x, the weights (held by the model anyway), the ELL
 rows ``cols [M, W]`` (int16 when f <= 32768), ``g [M, W]``, ``u [M, W]`` (gated), ``counts [M]``
-int32, the heavy rows' list ``[M]`` int64 and the hot units' mask ``[f]``.
+int32, the heavy rows' list ``[M]`` int64, the hot units' mask ``[f]`` and three counts (on the
+host).
 :func:`saved_bytes` measures it.
 
 The results equal dense autograd up to rounding, for every input: any M, d, f, any pattern.
@@ -35,6 +40,7 @@ with where the sparse kernels would not pay.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -131,7 +137,8 @@ def _check_args(x, w_up, w_down, w_gate, width) -> int:
 def _refuse_capture(x: torch.Tensor) -> None:
     """The sparse ops' backward sizes the heavy rows' cuBLAS products from counts its forward
     copied to the host: replayed from a CUDA graph, those would be the capture's, not the
-    replay's. Say so instead of recording a graph that replays wrong sizes."""
+    replay's. Say so (forward and backward alike) instead of recording a graph that replays
+    wrong sizes."""
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(
             "the sparse training ops cannot be captured in a CUDA graph (the backward sizes the heavy rows' "
@@ -144,7 +151,7 @@ def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int)
     lists the rows with more than W active units first (the rest is padding), ``n_heavy`` (int64
     scalar) counts them; ``hot_mask [f]`` marks the hot units (see HOT_MIN) of the light rows
     (``per_unit``: their slots per unit); ``info [3]`` int64 = (n_heavy, hot units, light slots
-    at hot units), what the backward needs on the host (:class:`_HostValues`)."""
+    at hot units), what the backward needs on the host (:func:`_to_host`)."""
     heavy_mask = counts > W
     heavy = torch.nonzero_static(heavy_mask, size=counts.shape[0], fill_value=0).flatten()
     n_heavy = heavy_mask.sum(dtype=torch.int64)
@@ -154,27 +161,32 @@ def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int)
     return heavy, n_heavy, hot_mask, info
 
 
-class _HostValues:
-    """A few device integers the backward needs on the host (how many rows are heavy, how many
-    units are hot), copied to pinned memory by the forward without blocking it. The backward
-    reads them after the copy's event: in a training step the forward of the layer finished long
-    before its backward starts, so nothing waits; right after the forward (a lone call) the host
-    waits only for the forward's pack, with the rest of its kernels still queued behind it."""
+def _to_host(values: torch.Tensor) -> torch.Tensor:
+    """``values`` (a few int64 on the device) copied to pinned host memory without blocking; the
+    copy starts as -1 everywhere (every value copied is >= 0), so :func:`_host_counts` can tell
+    when it has landed. CPU tensors (the Triton interpreter) are returned as they are.
 
-    def __init__(self, values: torch.Tensor):
-        self.event = None
-        if values.is_cuda:
-            self.host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
-            self.host.copy_(values, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record(torch.cuda.current_stream(values.device))
-        else:
-            self.host = values
+    The copy is saved for the backward as a tensor (not a ctx attribute), so that under
+    activation checkpointing the backward reads the counts of the recomputed forward, whose row
+    list and ELL rows it also gets."""
+    if not values.is_cuda:
+        return values
+    host = torch.full(values.shape, -1, dtype=values.dtype, pin_memory=True)
+    with torch.cuda.device(values.device):
+        host.copy_(values, non_blocking=True)
+    return host
 
-    def get(self) -> list[int]:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host.tolist()
+
+def _host_counts(host: torch.Tensor) -> list[int]:
+    """The values of :func:`_to_host`, once its copy has landed (polling the pinned memory: a
+    stream synchronisation would wait for everything queued after the copy too)."""
+    values = host.tolist()
+    spins = 0
+    while min(values, default=0) < 0:
+        spins += 1
+        time.sleep(0 if spins < 1000 else 1e-5)
+        values = host.tolist()
+    return values
 
 
 # Hot units: a unit held by more than max(HOT_MIN, HOT_FACTOR x the mean) light-row slots gets
@@ -212,16 +224,18 @@ def _light_forward(x, a, W, w_down, w_up=None):
     light rows' kernel (gated when ``w_up`` is given), the heavy rows and hot units found on the
     device, and the heavy rows' forward (:func:`twell.kernels.heavy_rows.heavy_rows_forward`,
     which writes their h over ``a``). Returns ``(cols, values, counts, y, u, l1, unit_counts,
-    heavy, n_heavy, hot_mask, info)`` (values: g gated, h non-gated; u None non-gated; l1 the
-    fp32 scalar L1 term; the rest as :func:`_heavy_and_hot` returns them)."""
+    heavy, n_heavy, hot_mask, host)`` (values: g gated, h non-gated; u None non-gated; l1 the
+    fp32 scalar L1 term; the rest as :func:`_heavy_and_hot` returns them, ``host`` its ``info``
+    on its way to the host, :func:`_to_host`)."""
     M, f = a.shape
     cols, values, counts = pack_rows(a, W, **PACK_CONFIG)
     per_unit = light_unit_counts(cols, counts, f)
     heavy, n_heavy, hot_mask, info = _heavy_and_hot(counts, W, per_unit, f)
+    host = _to_host(info)  # before the row kernels: the backward waits at most for this point
     y, u, l1_rows = ffn_rows_forward(x, cols, values, counts, _rows_of(w_down), w_up, **ROWS_CONFIG)
     l1_heavy, heavy_counts = heavy_rows_forward(x, a, heavy, n_heavy, y, w_down, w_up, **HEAVY_CONFIG)
     l1 = (l1_rows + l1_heavy).sum() / max(M, 1)
-    return cols, values, counts, y, u, l1, per_unit + heavy_counts, heavy, n_heavy, hot_mask, info
+    return cols, values, counts, y, u, l1, per_unit + heavy_counts, heavy, n_heavy, hot_mask, host
 
 
 def _rows_of(w_down):
@@ -252,8 +266,8 @@ def _add_hot(grads, hot, blocks, sources):
 
 
 def _dense_rows(x_r, a_r, w_up, w_down):
-    """The forward of rows held dense (the heavy rows, or every row of a dense call) from their
-    pre-activation ``a_r``: ``(s, u, y, l1_rows, unit_counts, row_counts)``, ``s`` being what
+    """The forward of rows held dense (every row of the dense op) from their pre-activation
+    ``a_r``: ``(s, u, y, l1_rows, unit_counts, row_counts)``, ``s`` being what
     the backward needs besides u: a_r gated (it recomputes g and h), h non-gated (u None). The
     element-wise work is one pass (:func:`twell.kernels.dense_rows.dense_rows_forward`)."""
     u = None if w_up is None else torch.mm(x_r, w_up.t())
@@ -322,18 +336,18 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         W = _check_args(x, w_up, w_down, w_gate, width)
         _refuse_capture(x)
         a = torch.mm(x, w_gate.t())
-        cols, g, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, info = _light_forward(x, a, W, w_down, w_up)
+        cols, g, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, host = _light_forward(x, a, W, w_down, w_up)
         del a
-        ctx.host = _HostValues(info)
-        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, host)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask = ctx.saved_tensors
-        n_heavy, n_hot, n_hot_slots = ctx.host.get()
+        x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, host = ctx.saved_tensors
+        _refuse_capture(x)
+        n_heavy, n_hot, n_hot_slots = _host_counts(host)
         M, d = x.shape
         f = w_up.shape[0]
         dy = dy.contiguous()
@@ -360,18 +374,18 @@ class SparseFFNFunction(torch.autograd.Function):
         W = _check_args(x, w_up, w_down, None, width)
         _refuse_capture(x)
         a = torch.mm(x, w_up.t())
-        cols, h, counts, y, _, l1, unit_counts, heavy, n_heavy, hot_mask, info = _light_forward(x, a, W, w_down)
+        cols, h, counts, y, _, l1, unit_counts, heavy, n_heavy, hot_mask, host = _light_forward(x, a, W, w_down)
         del a
-        ctx.host = _HostValues(info)
-        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy, hot_mask)
+        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy, hot_mask, host)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        x, w_up, w_down, cols, h, counts, heavy, hot_mask = ctx.saved_tensors
-        n_heavy, n_hot, n_hot_slots = ctx.host.get()
+        x, w_up, w_down, cols, h, counts, heavy, hot_mask, host = ctx.saved_tensors
+        _refuse_capture(x)
+        n_heavy, n_hot, n_hot_slots = _host_counts(host)
         M, d = x.shape
         f = w_up.shape[0]
         dy = dy.contiguous()
@@ -476,7 +490,8 @@ def saved_bytes(fn: Callable[..., object], *inputs: torch.Tensor) -> int:
     Runs ``fn`` once (inputs that are floating tensors are detached and made to require grad)
     and sums, over the distinct tensors saved for backward, those that share no storage with an
     input: for :func:`sparse_gated_ffn` with inputs (x, w_gate, w_up, w_down) that is the ELL
-    rows, counts and the heavy rows' data; for the dense FFN, its ``[M, f]`` intermediates. x
+    rows, counts, the heavy rows' list and the hot units' mask; for the dense FFN, its
+    ``[M, f]`` intermediates. x
     and the weights, which both keep, are not counted.
 
     Example::

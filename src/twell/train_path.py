@@ -4,15 +4,16 @@ A module in training (gradients wanted) on CUDA calls :meth:`TrainPath.choose` o
 forward. With ``train_kernels = "auto"`` (the default) the sparse kernels
 (:mod:`twell.train_ops`) run while the layer's measured mean of active units per token is at
 most ``MAX_DENSITY * f`` (:func:`use_sparse`), at most ``HEAVY_SHARE_MAX`` of its tokens have more
-than twice the mean (rows that the ELL width, about twice the mean, cannot hold and the sparse
-op computes dense), and ``AUTO_SPARSE`` is on (the default), with the ELL width from
-:func:`twell.train_ops.choose_width`; else the dense path. ``"dense"`` and
+active units than the ELL width that mean gives (:func:`twell.train_ops.choose_width`, about
+twice the mean: the rows the sparse op computes dense), and ``AUTO_SPARSE`` is on (the
+default), with that width; else the dense path. ``"dense"`` and
 ``"sparse"`` force one. The dense path is :func:`twell.train_ops.dense_gated_ffn` (cuBLAS
 products, the relu, product, L1 term and statistics in one fused pass each way) while
 ``FUSED_DENSE`` is on, as by default; else the module's plain PyTorch math.
 
 The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the layer copies the
-mean and max of its row counts and the share of heavy rows to pinned host memory without blocking, and a later call reads
+mean and max of its row counts and the share of rows above the width to pinned host memory
+without blocking, and a later call reads
 them once their CUDA event has completed (the first calls run dense until then).
 
 Inside a CUDA graph capture nothing is measured or read, and ``"auto"`` trains on the dense
@@ -30,7 +31,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["TrainPath", "use_sparse", "TRAIN_MODES", "MAX_DENSITY", "HEAVY_SHARE_MAX"]
+__all__ = ["TrainPath", "use_sparse", "device_width", "TRAIN_MODES", "MAX_DENSITY", "HEAVY_SHARE_MAX"]
 
 TRAIN_MODES = ("auto", "dense", "sparse")
 
@@ -59,12 +60,21 @@ AUTO_SPARSE = True
 FUSED_DENSE = True
 
 
-# Most share of a layer's tokens with more than twice its mean of active units for which "auto"
-# still takes the sparse kernels. Those rows are the sparse op's heavy rows, computed dense: a
+# Most share of a layer's tokens with more active units than the ELL width its mean gives (about
+# twice the mean) for which "auto" still takes the sparse kernels. Those rows are the sparse op's heavy rows, computed dense: a
 # Triton product each in the forward, their pre-activation recomputed by cuBLAS in the backward,
 # plus the gathers, on top of the sparse bookkeeping that the dense path does not pay. The
-# synthetic "heavy" layers of `twell bench training` have 0.10 (k 29) and 0.13 (k 56).
+# synthetic "heavy" layers of `twell bench training` have about 0.10 (k 29) and 0.12 (k 56).
 HEAVY_SHARE_MAX = 0.3
+
+
+def device_width(mean: torch.Tensor, f: int) -> torch.Tensor:
+    """:func:`twell.train_ops.choose_width` of ``mean`` (a float32 scalar on the device; no
+    ``active_max``), computed on the device: the multiple of 16 at or above twice the mean,
+    clamped to [16, 512], at most f."""
+    t = torch.floor(2 * mean.double() + 0.999999)  # in float64, as Python computes it (fp32 rounds 48.999999 up)
+    w = 16 * torch.ceil(t / 16)
+    return torch.clamp(w, 16, 512).clamp(max=float(max(f, 1)))
 
 
 def use_sparse(active_mean: float, f: int, max_density: Optional[float] = None) -> bool:
@@ -83,7 +93,7 @@ class TrainPath:
 
     Attributes:
         k_mean, k_max: the last measured mean and max of active units per token (None before).
-        heavy_share: the last measured share of tokens with more than twice the mean.
+        heavy_share: the last measured share of tokens above the width of the mean.
         path, width: the current choice (``"dense"`` or ``"sparse"``) and ELL width.
         last_path: the path of the last training call.
     """
@@ -127,25 +137,19 @@ class TrainPath:
         """Whether this call should publish its row counts (every ``PROBE_EVERY`` calls, one in flight)."""
         return self._event is None and (self.k_mean is None or self._calls % self.PROBE_EVERY == 1)
 
-    def publish(self, row_counts: torch.Tensor) -> None:
-        """Copy the mean and max of ``row_counts [M]``, and the share of rows above twice the
-        mean, to pinned host memory without blocking."""
+    def publish(self, row_counts: torch.Tensor, f: int) -> None:
+        """Copy the mean and max of ``row_counts [M]`` (active units per token, of ``f``), and the
+        share of rows above the ELL width of that mean (:func:`device_width`), to pinned host
+        memory without blocking."""
         if not row_counts.is_cuda or row_counts.numel() == 0:
             return
         with torch.no_grad():
             rc = row_counts.float()
             mean = rc.mean()
-            self.publish_values(mean, rc.max(), (rc > 2 * mean).float().mean())
-
-    def publish_values(self, mean: torch.Tensor, top: torch.Tensor, heavy_share: Optional[torch.Tensor] = None) -> None:
-        """As :meth:`publish`, from the values already computed (scalar tensors; no heavy share:
-        counted as 0)."""
-        if not mean.is_cuda:
-            return
-        share = torch.zeros((), device=mean.device) if heavy_share is None else heavy_share.float()
-        values = torch.stack([mean.float(), top.float(), share])
-        if self._host is None:
-            self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)
-        self._host.copy_(values, non_blocking=True)
-        self._event = torch.cuda.Event()
-        self._event.record()
+            values = torch.stack([mean, rc.max(), (rc > device_width(mean, f)).float().mean()])
+            if self._host is None:
+                self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)
+            with torch.cuda.device(rc.device):
+                self._host.copy_(values, non_blocking=True)
+                self._event = torch.cuda.Event()
+                self._event.record(torch.cuda.current_stream(rc.device))

@@ -142,7 +142,7 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 with torch.no_grad():
                     counts = (torch.mm(x, wg.t()) > 0).sum(1)
                 k_mean, k_max = float(counts.float().mean()), int(counts.max())
-                heavy_share = float((counts > 2 * k_mean).float().mean())
+                heavy_share = float((counts > choose_width(k_mean, None, f)).float().mean())  # as train_path measures it
                 width = choose_width(k_mean, k_max, f)
                 dense, sparse = _dense_fn(x, wg, wu, wd, dy), _sparse_fn(x, wg, wu, wd, dy, width)
                 ref = _fp32_grads(x, wg, wu, wd, dy)

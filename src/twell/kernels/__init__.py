@@ -12,7 +12,7 @@
   tokens, tensor-core tiles above) and its write-out; any number of tokens in three launches.
 - :mod:`.elementwise`: ``relu(g) * u`` in one pass, for the modules' dense inference branch.
 - :mod:`.dense_rows`: the element-wise passes (forward and backward) of the training rows held
-  dense: heavy rows, and every row of an all-dense call.
+  dense: every row of the dense training op, and the heavy rows' backward.
 - :mod:`.train_ffn`: training forward and backward of the FFN on ELL rows (pack, rows forward,
   rows backward, per-unit weight gradients); :mod:`twell.train_ops` wraps them in autograd.
 - :mod:`.heavy_rows`: the training forward of the rows heavier than the ELL width, over a row list

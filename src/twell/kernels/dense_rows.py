@@ -1,5 +1,6 @@
-"""Element-wise passes of the training FFN's rows held dense: the heavy rows of the hybrid
-format and every row of a call that goes all dense (:mod:`twell.train_ops`).
+"""Element-wise passes of the training FFN's rows held dense: every row of the dense training op,
+and the backward of the hybrid format's heavy rows (:mod:`twell.train_ops`; their forward is
+:mod:`.heavy_rows`).
 
 Between the cuBLAS products, dense autograd walks ``[M, f]`` tensors many times: relu, the
 gated product, ``|h|`` for the L1 term, the active mask for the statistics; in the backward the

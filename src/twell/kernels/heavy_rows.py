@@ -5,7 +5,8 @@ and how many, is known only on the GPU (``counts > W`` after the pack); reading 
 to size cuBLAS products would stall the host until the GPU drained its queue, once per layer per
 step. Here the row list and its length stay on the device: the kernels are launched for every
 row the call could have and each program walks the listed rows in blocks, ``n`` read from
-device memory, so a call with no heavy row costs two launches of programs that exit at once::
+device memory, so a call with no heavy row costs two launches of programs that exit at once
+(and the zero-fill and sum of a ``[f / block_n, M]`` fp32 buffer of |h| partial sums)::
 
     heavy_up    rows r of the list: h[r] = relu(a[r]) * (x[r] w_up^T)   (gated; non-gated relu(a[r]))
                 written over a[r] in place, with |h| summed per (column block, row) and the
@@ -67,7 +68,7 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
         tl.store(at, h, mask=ok)
         # |h| of this column block, one slot per (block, row): summed over blocks by the caller
         # in a fixed order (no float atomics: the L1 term comes out the same on every run)
-        tl.store(l1_ptr + pid_n * M + r, tl.sum(tl.abs(h.to(tl.float32)), axis=1), mask=valid)
+        tl.store(l1_ptr + pid_n.to(tl.int64) * M + r, tl.sum(tl.abs(h.to(tl.float32)), axis=1), mask=valid)
         active = ((a > 0) & ok).to(tl.int32)
         per_col = tl.sum(active, axis=0)
         tl.atomic_add(cnt_ptr + cols, per_col, mask=cmask & (per_col > 0), sem="relaxed")
