@@ -505,22 +505,80 @@ def test_gpu_backward_reads_the_forward_counts(monkeypatch):
     assert heavy == 257
     seen = []
     poll = T._host_counts
-    monkeypatch.setattr(T, "_host_counts", lambda host: seen.append(host.is_pinned()) or poll(host))
+    monkeypatch.setattr(T, "_host_counts", lambda saved, own, *a: seen.append(own.is_pinned()) or poll(saved, own, *a))
     leaves = [t.clone().requires_grad_() for t in (x, wg, wu, wd)]
     out = sparse_gated_ffn(*leaves, 64)
     out.y.float().sum().backward()
     assert seen == [True] and int(out.n_heavy) == heavy
-    assert T._host_counts(T._to_host(torch.tensor([3, 0, 7], device="cuda"))) == [3, 0, 7]
+    host = T._to_host(torch.tensor([3, 0, 7], device="cuda"))
+    assert T._host_counts(host, host, torch.device("cuda"), (9, 9, 9)) == [3, 0, 7]
 
 
 def test_host_counts_wait_for_the_copy():
     """The backward's read of the forward's counts waits until every value has replaced the -1
-    the pinned buffer starts with (here a thread plays the copy)."""
+    the buffer starts with and lies within its bound (here a thread plays the copy: first a
+    value past the bound, as a half-landed one would read, then the real ones)."""
     import threading
 
-    host = torch.full((3,), -1, dtype=torch.int64)
-    threading.Timer(0.05, lambda: host.copy_(torch.tensor([5, 1, 2]))).start()
-    assert T._host_counts(host) == [5, 1, 2]
+    host = T._to_host(torch.tensor([5, 1, 2]))
+    host[:-1] = -1
+    threading.Timer(0.02, lambda: host[:-1].copy_(torch.tensor([5, 2 ** 40, 2]))).start()
+    threading.Timer(0.08, lambda: host[:-1].copy_(torch.tensor([5, 1, 2]))).start()
+    assert T._host_counts(host, host, torch.device("cpu"), (9, 9, 9)) == [5, 1, 2]
+
+
+def _late_counts(monkeypatch, delay=0.1):
+    """Make the forward's counts land only ``delay`` seconds after the backward first asks for
+    them (as a copy behind a busy GPU queue would): every hook has packed its saved tensors by
+    then."""
+    import threading
+
+    real, poll, pending = T._to_host, T._host_counts, []
+
+    def late(values):
+        host = real(values)
+        pending.append((host, host[:-1].clone()))
+        host[:-1] = -1
+        return host
+
+    def first_poll_lands(*args):
+        while pending:
+            host, landed = pending.pop()
+            threading.Timer(delay, lambda h=host, v=landed: h[:-1].copy_(v)).start()
+        return poll(*args)
+
+    monkeypatch.setattr(T, "_to_host", late)
+    monkeypatch.setattr(T, "_host_counts", first_poll_lands)
+
+
+@pytest.mark.parametrize("wrap", ["plain", "save_on_cpu", "checkpoint", "checkpoint_in_save_on_cpu"])
+def test_counts_that_land_late_under_saved_tensor_hooks(wrap, monkeypatch):
+    """Counts that land after the forward returned: the backward waits for them, also under
+    save_on_cpu(pin_memory=True), whose pack hook copies the saved buffer while it still holds
+    -1 (the backward must then read the forward's own buffer, not the copy), and under a
+    non-reentrant checkpoint; the gradients are dense autograd's. Run in a thread: a backward
+    that never finishes fails the test instead of hanging it."""
+    import contextlib
+    import threading
+
+    from torch.utils.checkpoint import checkpoint
+
+    _late_counts(monkeypatch)
+    tensors = [t.float() for t in make_case(37, 40, 75, seed=7, adversarial=False)]
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    fn = lambda *t: sparse_gated_ffn(*t, 12).y  # noqa: E731
+    hooks = torch.autograd.graph.save_on_cpu(pin_memory=True) if "save_on_cpu" in wrap else contextlib.nullcontext()
+    with hooks:
+        y = checkpoint(fn, *leaves, use_reentrant=False) if "checkpoint" in wrap else fn(*leaves)
+    done = []
+    worker = threading.Thread(target=lambda: (y.sum().backward(), done.append(True)), daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done, "the backward is still waiting for its counts"
+    ref = [t.double().requires_grad_() for t in tensors]
+    dense_ffn(*ref)[0].sum().backward()
+    for got, want in zip((t.grad for t in leaves), (t.grad for t in ref)):
+        assert rel_err(got, want) < TOL[torch.float32]
 
 
 def test_checkpoint_recomputation_uses_its_own_counts(small_blocks):

@@ -147,8 +147,9 @@ def test_device_width_is_choose_width():
 
 @pytest.mark.parametrize("mean,share,path", [(29.0, 0.1, "sparse"), (29.0, 0.5, "dense"), (60.0, 0.0, "dense")])
 def test_train_path_reads_mean_and_heavy_share(mean, share, path):
-    """"auto" goes sparse on a measured mean at most MAX_DENSITY f and a share of rows above twice
-    the mean at most HEAVY_SHARE_MAX (read from the pinned copy once its event is done)."""
+    """"auto" goes sparse on a measured mean at most MAX_DENSITY f and a share of rows above the
+    ELL width of that mean at most HEAVY_SHARE_MAX (read from the pinned copy once its event is
+    done)."""
     from twell.train_path import HEAVY_SHARE_MAX, MAX_DENSITY
 
     assert MAX_DENSITY * 5632 > 29 > 0 and 60 > MAX_DENSITY * 5632 and 0.1 < HEAVY_SHARE_MAX < 0.5

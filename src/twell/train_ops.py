@@ -13,7 +13,7 @@ The forward never waits for the GPU. It cannot know on the host how many rows ar
 heavy rows' kernels walk a row list whose length stays on the device, and the backward recomputes
 their a and u from x with cuBLAS once the count has reached the host: the forward copies it to
 pinned memory without blocking, right after the pack, and the backward reads it
-(:func:`_host_counts`), waiting only if the GPU has not yet reached that point of the forward (in
+(:func:`_to_host`, :func:`_host_counts`), waiting only if the GPU has not yet reached that point of the forward (in
 a training step it did long before; right after a lone forward, the forward's row kernels are
 still queued behind it, so the GPU keeps working while the host waits). A stream synchronisation
 per layer, as before, drained the GPU's queue each time: in a whole training step of the 0.5b
@@ -162,30 +162,46 @@ def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int)
 
 
 def _to_host(values: torch.Tensor) -> torch.Tensor:
-    """``values`` (a few int64 on the device) copied to pinned host memory without blocking; the
-    copy starts as -1 everywhere (every value copied is >= 0), so :func:`_host_counts` can tell
-    when it has landed. CPU tensors (the Triton interpreter) are returned as they are.
+    """``[values..., tag]``: ``values`` (a few int64 counts on the device) copied to pinned host
+    memory without blocking, over a -1 sentinel (every count is >= 0, so :func:`_host_counts`
+    can tell when they have landed), and a tag (the buffer's address) that the host writes now,
+    which any copy a saved-tensor hook makes keeps even if the counts have not landed. On the
+    CPU (the Triton interpreter) the copy is immediate.
 
-    The copy is saved for the backward as a tensor (not a ctx attribute), so that under
-    activation checkpointing the backward reads the counts of the recomputed forward, whose row
-    list and ELL rows it also gets."""
-    if not values.is_cuda:
-        return values
-    host = torch.full(values.shape, -1, dtype=values.dtype, pin_memory=True)
-    with torch.cuda.device(values.device):
-        host.copy_(values, non_blocking=True)
+    The buffer is saved for the backward as a tensor and kept as a ctx attribute: under
+    activation checkpointing the backward must read the counts of the recomputed forward (the
+    saved tensor), consistent with the recomputed row list and ELL rows it also gets."""
+    pinned = values.is_cuda
+    host = torch.full((values.numel() + 1,), -1, dtype=torch.int64, pin_memory=pinned)
+    host[-1] = host.data_ptr()
+    host[:-1].copy_(values, non_blocking=pinned)
     return host
 
 
-def _host_counts(host: torch.Tensor) -> list[int]:
-    """The values of :func:`_to_host`, once its copy has landed (polling the pinned memory: a
-    stream synchronisation would wait for everything queued after the copy too)."""
-    values = host.tolist()
-    spins = 0
-    while min(values, default=0) < 0:
+def _host_counts(saved: torch.Tensor, own: torch.Tensor, device: torch.device, limits: tuple) -> list[int]:
+    """The counts of :func:`_to_host`, once its copy has landed (polling the pinned memory: a
+    stream synchronisation would wait for everything queued after the copy too).
+
+    ``saved``: the buffer as the saved-tensor hooks gave it back; ``own``: this node's forward's
+    buffer (a ctx attribute). Same tag: the same forward, so ``own`` is read (a hook such as
+    ``save_on_cpu(pin_memory=True)`` copies saved tensors when the forward returns, perhaps
+    before the counts landed: its copy could keep the -1s); another tag: an activation
+    checkpoint's recomputation, whose buffer (and row list) the checkpoint holds, so ``saved``
+    is read. A value outside ``[0, limit]`` (not landed, or in the middle of landing) is read
+    again; every 4096 polls the stream is asked (not synchronised) so that a CUDA error raises
+    instead of leaving the loop waiting."""
+    host = own if int(saved[-1]) == int(own[-1]) else saved
+
+    def landed(values):
+        return all(0 <= v <= lim for v, lim in zip(values, limits))
+
+    values, spins = host[:-1].tolist(), 0
+    while not landed(values):
         spins += 1
+        if spins % 4096 == 0 and device.type == "cuda":
+            torch.cuda.current_stream(device).query()  # raises a sticky CUDA error instead of spinning forever
         time.sleep(0 if spins < 1000 else 1e-5)
-        values = host.tolist()
+        values = host[:-1].tolist()
     return values
 
 
@@ -338,6 +354,7 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         a = torch.mm(x, w_gate.t())
         cols, g, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, host = _light_forward(x, a, W, w_down, w_up)
         del a
+        ctx.host = host
         ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, host)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
@@ -347,9 +364,9 @@ class SparseGatedFFNFunction(torch.autograd.Function):
     def backward(ctx, dy, dl1, *_):
         x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, host = ctx.saved_tensors
         _refuse_capture(x)
-        n_heavy, n_hot, n_hot_slots = _host_counts(host)
         M, d = x.shape
         f = w_up.shape[0]
+        n_heavy, n_hot, n_hot_slots = _host_counts(host, ctx.host, x.device, (M, f, cols.numel()))
         dy = dy.contiguous()
         c = _l1_scale(dl1, M, x.device)
         dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, _rows_of(w_down), w_up, w_gate, c, **ROWS_CONFIG)
@@ -376,6 +393,7 @@ class SparseFFNFunction(torch.autograd.Function):
         a = torch.mm(x, w_up.t())
         cols, h, counts, y, _, l1, unit_counts, heavy, n_heavy, hot_mask, host = _light_forward(x, a, W, w_down)
         del a
+        ctx.host = host
         ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy, hot_mask, host)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
@@ -385,9 +403,9 @@ class SparseFFNFunction(torch.autograd.Function):
     def backward(ctx, dy, dl1, *_):
         x, w_up, w_down, cols, h, counts, heavy, hot_mask, host = ctx.saved_tensors
         _refuse_capture(x)
-        n_heavy, n_hot, n_hot_slots = _host_counts(host)
         M, d = x.shape
         f = w_up.shape[0]
+        n_heavy, n_hot, n_hot_slots = _host_counts(host, ctx.host, x.device, (M, f, cols.numel()))
         dy = dy.contiguous()
         c = _l1_scale(dl1, M, x.device)
         dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, _rows_of(w_down), w_up, None, c, **ROWS_CONFIG)

@@ -61,9 +61,10 @@ FUSED_DENSE = True
 
 
 # Most share of a layer's tokens with more active units than the ELL width its mean gives (about
-# twice the mean) for which "auto" still takes the sparse kernels. Those rows are the sparse op's heavy rows, computed dense: a
-# Triton product each in the forward, their pre-activation recomputed by cuBLAS in the backward,
-# plus the gathers, on top of the sparse bookkeeping that the dense path does not pay. The
+# twice the mean) for which "auto" still takes the sparse kernels. Those rows are the sparse
+# op's heavy rows, computed dense: a Triton product each in the forward, their pre-activation
+# recomputed by cuBLAS in the backward, plus the gathers, on top of the sparse bookkeeping that
+# the dense path does not pay. The
 # synthetic "heavy" layers of `twell bench training` have about 0.10 (k 29) and 0.12 (k 56).
 HEAVY_SHARE_MAX = 0.3
 
