@@ -1,4 +1,4 @@
-"""Compile the decode and matmul gate-pack kernels for sm_90 on the CPU (no GPU needed) and print
+"""Compile the decode, matmul gate-pack and heavy-row training kernels for sm_90 on the CPU (no GPU needed) and print
 a hash of each variant's PTX instructions (line info and debug sections stripped), so that a
 refactoring of kernel source can be shown to leave the compiled kernels unchanged: run it on
 both commits and compare. Needs the Triton the GPU machine has (3.6.0), e.g. in a side venv:
@@ -21,6 +21,11 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from twell.kernels import decode, decode_fused, gate_pack  # noqa: E402
+
+try:  # from 2026-12-01 s8
+    from twell.kernels import heavy_rows  # noqa: E402
+except ImportError:
+    heavy_rows = None
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF = "*bf16"
@@ -73,6 +78,15 @@ def main() -> None:
                              dict(x_desc="tensordesc<bf16[128,64]>", w_desc=f"tensordesc<bf16[{tile},64]>", val_ptr=BF,
                                   col_ptr="*i16", cnt_ptr="*i32", out_ptr=BF),
                              dict(BM=128, TILE=tile, BK=64, GROUP_M=8, PACK=pack, PREC="tf32"), 8, 3))
+    if heavy_rows is not None:
+        for dtype, ieee in ((BF, False), ("*fp32", True)):
+            for gated in (True, False):
+                variants.append((f"heavy_up {dtype[1:]} g{gated:d}", heavy_rows._heavy_up_kernel,
+                                 dict(x_ptr=dtype, a_ptr=dtype, wu_ptr=dtype, idx_ptr="*i64", n_ptr="*i64", l1_ptr="*fp32", cnt_ptr="*i32"),
+                                 dict(GATED=gated, IEEE=ieee, BM=64, BN=128, BK=64), 4, 3))
+            variants.append((f"heavy_down {dtype[1:]}", heavy_rows._heavy_down_kernel,
+                             dict(h_ptr=dtype, wd_ptr=dtype, y_ptr=dtype, idx_ptr="*i64", n_ptr="*i64"),
+                             dict(IEEE=ieee, BM=64, BD=128, BK=64), 4, 3))
     for name, fn, types, consts, nw, ns in variants:
         digest, shared = compiled(fn, types, consts, nw, ns)
         print(f"{name:40s} {digest}  shared {shared} B")

@@ -35,6 +35,22 @@ __all__ = ["heavy_rows_forward"]
 
 
 @triton.jit
+def _listed(idx_ptr, blk, n, BM: tl.constexpr):
+    """Block ``blk`` of the row list: ``(valid [BM], rows [BM] int64)``, entries past ``n`` masked."""
+    local = blk * BM + tl.arange(0, BM)
+    valid = local < n
+    return valid, tl.load(idx_ptr + local, mask=valid, other=0).to(tl.int64)
+
+
+@triton.jit
+def _dot_acc(acc, a, b_t, IEEE: tl.constexpr):
+    """``acc + a b_t^T``; IEEE: the products in fp32 without TF32 (see _dot_in_fp32)."""
+    if IEEE:
+        return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b_t), acc)
+
+
+@triton.jit
 def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_ptr, n_ptr,
                      l1_ptr, cnt_ptr, M, d, f, P,
                      GATED: tl.constexpr, IEEE: tl.constexpr,
@@ -44,9 +60,7 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
     cmask = cols < f
     n = tl.load(n_ptr)
     for blk in range(tl.program_id(1), tl.cdiv(n, BM), P):
-        local = blk * BM + tl.arange(0, BM)
-        valid = local < n
-        r = tl.load(idx_ptr + local, mask=valid, other=0).to(tl.int64)
+        valid, r = _listed(idx_ptr, blk, n, BM)
         ok = valid[:, None] & cmask[None, :]
         at = a_ptr + r[:, None] * stride_a + cols[None, :]
         a = tl.load(at, mask=ok, other=0.0).to(tl.float32)
@@ -58,10 +72,7 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
                 km = kk < d
                 xt = tl.load(x_ptr + r[:, None] * stride_x + kk[None, :], mask=valid[:, None] & km[None, :], other=0.0)
                 wt = tl.load(wu_ptr + cols[:, None] * stride_wu + kk[None, :], mask=cmask[:, None] & km[None, :], other=0.0)
-                if IEEE:  # fp32 products: no TF32, as torch.mm in fp32 by default (see _dot_in_fp32)
-                    acc = tl.dot(xt.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(xt, tl.trans(wt), acc)
+                acc = _dot_acc(acc, xt, wt, IEEE)
             u = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # what torch.mm would have stored
             h = h * u
         h = h.to(a_ptr.dtype.element_ty)
@@ -82,19 +93,14 @@ def _heavy_down_kernel(h_ptr, stride_h, wd_ptr, stride_wd, stride_wf, y_ptr, str
     dmask = dd < d
     n = tl.load(n_ptr)
     for blk in range(tl.program_id(1), tl.cdiv(n, BM), P):
-        local = blk * BM + tl.arange(0, BM)
-        valid = local < n
-        r = tl.load(idx_ptr + local, mask=valid, other=0).to(tl.int64)
+        valid, r = _listed(idx_ptr, blk, n, BM)
         acc = tl.zeros([BM, BD], dtype=tl.float32)
         for k0 in range(0, f, BK):
             kk = k0 + tl.arange(0, BK)
             km = kk < f
             ht = tl.load(h_ptr + r[:, None] * stride_h + kk[None, :], mask=valid[:, None] & km[None, :], other=0.0)
             wt = tl.load(wd_ptr + dd[:, None] * stride_wd + kk[None, :] * stride_wf, mask=dmask[:, None] & km[None, :], other=0.0)
-            if IEEE:
-                acc = tl.dot(ht.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(ht, tl.trans(wt), acc)
+            acc = _dot_acc(acc, ht, wt, IEEE)
         tl.store(y_ptr + r[:, None] * stride_y + dd[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=valid[:, None] & dmask[None, :])
 
