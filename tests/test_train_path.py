@@ -129,6 +129,7 @@ def test_train_path_choice():
     with pytest.raises(ValueError, match="train_kernels"):
         tp.choose("fast", 5632)
     assert use_sparse(29, 5632) and not use_sparse(280, 5632) and use_sparse(280, 5632, max_density=0.06)
+    assert use_sparse(29, 5632, heavy_share=0.1) and not use_sparse(29, 5632, heavy_share=0.5)
     assert tp.want_probe()
     tp.publish(torch.tensor([3, 4]), 5632)  # CPU tensors: nothing to copy asynchronously, no state change
     assert tp.want_probe() and tp.k_mean is None

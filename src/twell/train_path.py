@@ -78,9 +78,10 @@ def device_width(mean: torch.Tensor, f: int) -> torch.Tensor:
     return torch.clamp(w, 16, 512).clamp(max=float(max(f, 1)))
 
 
-def use_sparse(active_mean: float, f: int, max_density: Optional[float] = None) -> bool:
-    """Whether ``"auto"`` trains a layer with ``active_mean`` active units per token (of f) sparse."""
-    return active_mean <= (MAX_DENSITY if max_density is None else max_density) * f
+def use_sparse(active_mean: float, f: int, max_density: Optional[float] = None, heavy_share: float = 0.0) -> bool:
+    """Whether ``"auto"`` trains a layer with ``active_mean`` active units per token (of f), a
+    share ``heavy_share`` of its tokens above the width of that mean, sparse."""
+    return active_mean <= (MAX_DENSITY if max_density is None else max_density) * f and heavy_share <= HEAVY_SHARE_MAX
 
 
 def _in_backward() -> bool:
@@ -126,8 +127,7 @@ class TrainPath:
                 self.k_mean, self.k_max, self.heavy_share = mean, int(top), share
                 self._event = None
                 self.width = choose_width(mean, None, f)
-                sparse = AUTO_SPARSE and use_sparse(mean, f, max_density) and share <= HEAVY_SHARE_MAX
-                self.path = "sparse" if sparse else "dense"
+                self.path = "sparse" if AUTO_SPARSE and use_sparse(mean, f, max_density, share) else "dense"
         if mode == "dense":
             return "dense", self.width
         if mode == "sparse":

@@ -20,7 +20,8 @@ warm-up):
 - ``plain_module_ms`` (only where ``plain_module`` asks, M 16384 by default): the module on
   its dense path with ``twell.train_path.FUSED_DENSE`` off, i.e. PyTorch ops for the relu, the
   product, the L1 term and the statistics: what the dense path cost before the fused op;
-- ``breakeven_path``: the op-level rule :func:`twell.train_path.use_sparse` for this sparsity;
+- ``breakeven_path``: the rule :func:`twell.train_path.use_sparse` for this sparsity (mean and
+  share of rows above its width);
   ``auto_path``: what the modules' ``train_kernels = "auto"`` trains with (the same rule while
   ``twell.train_path.AUTO_SPARSE`` is on, as it is by default).
 
@@ -193,10 +194,9 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
                 rec["twell_path"] = m.last_train_path
                 del module, m, dense_path
-                rec["breakeven_path"] = "sparse" if use_sparse(k_mean, f) else "dense"
                 rec["heavy_share"] = heavy_share
-                rec["auto_path"] = "sparse" if (train_path.AUTO_SPARSE and use_sparse(k_mean, f)
-                                                and heavy_share <= train_path.HEAVY_SHARE_MAX) else "dense"
+                rec["breakeven_path"] = "sparse" if use_sparse(k_mean, f, heavy_share=heavy_share) else "dense"
+                rec["auto_path"] = "sparse" if (train_path.AUTO_SPARSE and rec["breakeven_path"] == "sparse") else "dense"
                 F = torch.nn.functional
                 rec["dense_saved_bytes"] = saved_bytes(lambda a, b, c, e: F.linear(torch.relu(F.linear(a, b)) * F.linear(a, c), e),
                                                        x, wg, wu, wd)
