@@ -4,7 +4,7 @@
 # Usage (on the GPU machine, repository root):
 #   bash benchmarks/run_session_h200.sh OUTDIR STEP...
 # Steps: tests (every GPU test; TESTS=paths to narrow), memprobe (benchmarks/decode_memory_probe.py),
-# gemvprobe (benchmarks/decode_gemv_probe.py), hostprobe (benchmarks/host_probe.py at HOST_M tokens, default 1 16 4096), smallm
+# gemvprobe (benchmarks/decode_gemv_probe.py), gateprobe (benchmarks/decode_gate_probe.py), hostprobe (benchmarks/host_probe.py at HOST_M tokens, default 1 16 4096), smallm
 # (benchmarks/prefill_small_m_probe.py), decode, batch (BATCH_ARGS, e.g. --quick),
 # gridM (twell bench inference --M $GRID_M, default 4096 16384),
 # grid (twell bench inference, no variants), model (twell bench model: 2b, calibrated k 29).
@@ -28,6 +28,7 @@ for step in "$@"; do
     hostprobe) cmd=(timeout "${HOSTPROBE_S:-90}" $PY benchmarks/host_probe.py "$dir" ${HOST_M:-1 16 4096}) ;;
     memprobe) cmd=(timeout "${MEMPROBE_S:-120}" $PY benchmarks/decode_memory_probe.py "$dir") ;;
     gemvprobe) cmd=(timeout "${GEMVPROBE_S:-240}" $PY benchmarks/decode_gemv_probe.py "$dir" ${GEMVPROBE_ARGS:-}) ;;
+    gateprobe) cmd=(timeout "${GATEPROBE_S:-240}" $PY benchmarks/decode_gate_probe.py "$dir" ${GATEPROBE_ARGS:-}) ;;
     smallm)   cmd=(timeout "${SMALLM_S:-120}" $PY benchmarks/prefill_small_m_probe.py "$dir") ;;
     gridM)    cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60 --M ${GRID_M:-4096 16384}) ;;
     decode)   cmd=(timeout "${DECODE_S:-150}" $PY -m twell.bench.cli decode --out "$dir") ;;
