@@ -28,6 +28,7 @@ probe times, in CUDA graphs with L2 flushed before each replay (d 2048, f 5632, 
     python benchmarks/decode_gate_probe.py [OUTDIR] --chain     # 1 to 8 layers back to back in one graph
     python benchmarks/decode_gate_probe.py [OUTDIR] --merged    # up and down rows loaded in one round
     python benchmarks/decode_gate_probe.py [OUTDIR] --configs   # the shipped kernel at other shapes
+    python benchmarks/decode_gate_probe.py [OUTDIR] --split     # gate, per-unit up/down, write-out: 3 PDL launches
     TRITON_INTERPRET=1 python benchmarks/decode_gate_probe.py /tmp --smoke   # CPU, tiny, untimed
 
 Writes OUTDIR/decode_gate_probe.json; prints a table (us, TB/s of the gate's weight bytes).
@@ -255,6 +256,93 @@ def _fused_merged_kernel(x_ptr, sxm, wf_ptr, swf, wu_ptr, swu, wd_ptr, swd, acc_
                 tl.atomic_add(acc_ptr + m * d + c0, y0, mask=m0, sem="relaxed")
                 y1 = tl.sum(hm[:, None] * wd1.to(tl.float32), axis=0)
                 tl.atomic_add(acc_ptr + m * d + c1, y1, mask=m1, sem="relaxed")
+
+
+@triton.jit
+def _split_gate_kernel(x_ptr, sxm, wf_ptr, swf, at_ptr, uid_ptr, cnt_ptr, M, d, f,
+                       BM: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr):
+    # first of three launches: the gate with units as the dot's rows, then the block's active units
+    # appended to a list (one atomic ticket per block) with their rounded, relu'd gate values
+    # a^T[slot, tokens] (bf16)
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    rmask = rows < M
+    units = b * BU + tl.arange(0, BU)
+    umask = units < f
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BU, BM], dtype=tl.float32)
+    for k0 in range(0, d, BK):
+        kk = k0 + ks
+        w = tl.load(wf_ptr + units.to(tl.int64)[:, None] * swf + kk[None, :], mask=umask[:, None] & (kk < d)[None, :], other=0.0)
+        xt = tl.load(x_ptr + rows[None, :] * sxm + kk[:, None], mask=rmask[None, :] & (kk < d)[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc)
+    a = acc.to(wf_ptr.dtype.element_ty).to(tl.float32)
+    fires = (a > 0) & umask[:, None] & rmask[None, :]
+    active = tl.max(fires.to(tl.int32), axis=1) > 0
+    n = tl.sum(active.to(tl.int32), axis=0)
+    if n > 0:
+        base = tl.atomic_add(cnt_ptr, n)
+        slot = base + tl.cumsum(active.to(tl.int32), axis=0) - 1
+        tl.store(uid_ptr + slot, units, mask=active)
+        tl.store(at_ptr + slot.to(tl.int64)[:, None] * BM + rows[None, :], tl.where(fires, a, 0.0).to(at_ptr.dtype.element_ty),
+                 mask=active[:, None])
+
+
+@triton.jit
+def _split_updown_kernel(x_ptr, sxm, wu_ptr, swu, wd_ptr, swd, at_ptr, uid_ptr, cnt_ptr, acc_ptr, M, d, P,
+                         BM: tl.constexpr, BD: tl.constexpr, GDC: tl.constexpr):
+    # second launch: P programs walk the list of active units; for each, the up row times the
+    # x rows of the tokens it fires for (CUDA cores: other rows are never read), then its down
+    # row scaled by h added into those tokens' rows of acc (fp32 atomics)
+    if GDC:
+        tl.extra.cuda.gdc_wait()  # the gate launch has completed and its list is visible
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    n = tl.load(cnt_ptr)
+    rows = tl.arange(0, BM)
+    rmask = rows < M
+    cs = tl.arange(0, BD)
+    for i in range(pid, n, P):
+        j = tl.load(uid_ptr + i).to(tl.int64)
+        av = tl.load(at_ptr + i * BM + rows, mask=rmask, other=0.0).to(tl.float32)
+        fire = av > 0
+        u = tl.zeros([BM], dtype=tl.float32)
+        for c0 in range(0, d, BD):
+            cols = c0 + cs
+            cm = cols < d
+            w = tl.load(wu_ptr + j * swu + cols, mask=cm, other=0.0).to(tl.float32)
+            xt = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :], mask=fire[:, None] & cm[None, :], other=0.0).to(tl.float32)
+            u += tl.sum(xt * w[None, :], axis=1)
+        h = tl.where(fire, av, 0.0) * u.to(wu_ptr.dtype.element_ty).to(tl.float32)
+        h = h.to(wd_ptr.dtype.element_ty).to(tl.float32)
+        for c0 in range(0, d, BD):
+            cols = c0 + cs
+            cm = cols < d
+            wdv = tl.load(wd_ptr + j * swd + cols, mask=cm, other=0.0).to(tl.float32)
+            tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], h[:, None] * wdv[None, :], mask=fire[:, None] & cm[None, :],
+                          sem="relaxed")
+
+
+@triton.jit
+def _split_write_out_kernel(acc_ptr, y_ptr, stride_ym, cnt_ptr, M, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    # third launch: y = acc rounded, acc zeroed and the list emptied for the next call
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+    m = tl.program_id(1)
+    c = tl.program_id(0)
+    cols = c * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    v = tl.load(acc_ptr + m * d + cols, mask=mask, other=0.0)
+    tl.store(y_ptr + m.to(tl.int64) * stride_ym + cols, v.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(acc_ptr + m * d + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+    if (m == 0) & (c == 0):
+        tl.store(cnt_ptr, 0)
+
+
+# (programs of the second launch, its warps, BD as a multiple of 8192 / BM)
+SPLIT = [(528, 4, 1), (1056, 4, 1), (264, 4, 1), (528, 2, 1), (528, 4, 2), (1056, 2, 1)]
 
 
 # (BU, BK, warps, stages, NA)
@@ -587,9 +675,83 @@ def configs() -> None:
         json.dump({"records": records}, fh, indent=1)
 
 
+
+def split() -> None:
+    """Three launches, each a programmatic dependent launch of the one before: the gate
+    (units as the dot's rows) appending active units to a list; P programs doing each listed
+    unit's up and down on CUDA cores for the tokens it fires for; the write-out. Against dense
+    and the shipped kernels (kept accumulator), 1 to 64 tokens, k 8 / 29 / 56 even and 29 skewed."""
+    from twell.bench.inference import dense_gated, errors, reference_fp32
+    from twell.bench.synthetic import make_ffn
+    from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
+
+    records = []
+    cfgs = SPLIT if not SMOKE else [(7, 4, 1), (3, 2, 2)]
+    cases = [(8, "even"), (29, "even"), (56, "even"), (29, "skewed")] if not SMOKE else [(29, "even"), (29, "skewed")]
+    for M in ((3, 16) if SMOKE else (1, 4, 8, 16, 32, 64)):
+        BM = max(16, triton.next_power_of_2(M))
+        at = torch.empty(F, BM, dtype=DTYPE, device=DEVICE)
+        uid = torch.empty(F, dtype=torch.int32, device=DEVICE)
+        cnt = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        acc = torch.zeros(M, D, dtype=torch.float32, device=DEVICE)
+        for k, dist in cases:
+            fk = make_ffn(M, D, F, k, dist, DTYPE, DEVICE)
+            x, wg, wu, wd = fk.x, fk.w_gate, fk.w_up, fk.w_down
+            wdt = wd.t().contiguous()
+            sc = DecodeScratch(D, x.device)
+            refy = reference_fp32(x, wg, wu, wd)
+            union = int(((x.float() @ wg.float().t()) > 0).any(0).sum())
+
+            def rec(name, us, err=None):
+                records.append({"M": M, "k": k, "distribution": dist, "union": union, "variant": name, "us": us,
+                                "max_row_err": err})
+                print(f"M {M:3d} k {k:2d} {dist:6s} union {union:5d} {name:24s} {us:8.2f} us"
+                      + (f"  row err {err:.1e}" if err is not None else ""), flush=True)
+
+            rec("dense_mlp", graph_us(lambda: dense_gated(x, wg, wu, wd)), errors(dense_gated(x, wg, wu, wd), refy)[1])
+            rec("shipped", graph_us(lambda: ffn_decode_fused(x, wg, wdt, w_up=wu, scratch=sc if M <= 16 else None)),
+                errors(ffn_decode_fused(x, wg, wdt, w_up=wu, scratch=sc if M <= 16 else None), refy)[1])
+            for P, nw2, bdx in cfgs:
+                BD = min(max(16, triton.next_power_of_2(D)), max(16, bdx * 8192 // BM)) if not SMOKE else 16 * bdx
+
+                def fn():
+                    gdc = pdl_ok(x)
+                    _split_gate_kernel[(triton.cdiv(F, 64 if not SMOKE else 16),)](
+                        x, x.stride(0), wg, wg.stride(0), at, uid, cnt, M, D, F, BM=BM, BU=64 if not SMOKE else 16,
+                        BK=128 if not SMOKE else 32, GDC=gdc, num_warps=4, num_stages=6 if not SMOKE else 1)
+                    _split_updown_kernel[(P,)](x, x.stride(0), wu, wu.stride(0), wdt, wdt.stride(0), at, uid, cnt, acc, M, D, P,
+                                               BM=BM, BD=BD, GDC=gdc, num_warps=nw2, launch_pdl=gdc)
+                    y = torch.empty(M, D, dtype=DTYPE, device=DEVICE)
+                    WB = min(1024, triton.next_power_of_2(D))
+                    _split_write_out_kernel[(triton.cdiv(D, WB), M)](acc, y, y.stride(0), cnt, M, D, BLOCK=WB, GDC=gdc,
+                                                                     num_warps=4, launch_pdl=gdc)
+                    return y
+                name = f"split_P{P}_w{nw2}_bd{BD}"
+                try:
+                    errs = [errors(fn(), refy)[1] for _ in range(3)]  # three calls: the list and acc reset each time
+                    rec(name, graph_us(fn), max(errs))
+                except Exception as e:  # noqa: BLE001
+                    records.append({"M": M, "k": k, "variant": name, "error": repr(e)[:300]})
+                    print(f"M {M:3d} {name:28s} failed: {repr(e)[:160]}", flush=True)
+    with open(os.path.join(OUT, "decode_gate_split.json"), "w") as fh:
+        json.dump({"records": records}, fh, indent=1)
+    print("\nbest split against dense and shipped (us):")
+    for M in sorted({r["M"] for r in records}):
+        for k, dist in cases:
+            rs = [r for r in records if r["M"] == M and r["k"] == k and r.get("distribution") == dist and r.get("us") is not None]
+            sp = [r for r in rs if r["variant"].startswith("split")]
+            if not sp:
+                continue
+            b = min(sp, key=lambda r: r["us"])
+            dn = next(r for r in rs if r["variant"] == "dense_mlp")
+            sh = next(r for r in rs if r["variant"] == "shipped")
+            print(f"M {M:3d} k {k:2d} {dist:6s} dense {dn['us']:6.2f} shipped {sh['us']:6.2f} ({dn['us'] / max(sh['us'], 1e-9):.2f}x) "
+                  f"split {b['us']:6.2f} ({dn['us'] / max(b['us'], 1e-9):.2f}x) {b['variant']} row err {b['max_row_err']:.1e}")
+
+
 if __name__ == "__main__":
     try:
-        configs() if "--configs" in sys.argv else merged() if "--merged" in sys.argv else chain() if "--chain" in sys.argv else decompose() if "--decompose" in sys.argv else main()
+        split() if "--split" in sys.argv else configs() if "--configs" in sys.argv else merged() if "--merged" in sys.argv else chain() if "--chain" in sys.argv else decompose() if "--decompose" in sys.argv else main()
     except Exception:
         traceback.print_exc()
         sys.exit(1)
