@@ -29,6 +29,8 @@ probe times, in CUDA graphs with L2 flushed before each replay (d 2048, f 5632, 
     python benchmarks/decode_gate_probe.py [OUTDIR] --merged    # up and down rows loaded in one round
     python benchmarks/decode_gate_probe.py [OUTDIR] --configs   # the shipped kernel at other shapes
     python benchmarks/decode_gate_probe.py [OUTDIR] --split     # gate, per-unit up/down, write-out: 3 PDL launches
+    python benchmarks/decode_gate_probe.py [OUTDIR] --split --fire  # the same with the list and the up/down per
+        # firing token (written after call 9), 1 to 256 tokens
     TRITON_INTERPRET=1 python benchmarks/decode_gate_probe.py /tmp --smoke   # CPU, tiny, untimed
 
 Writes OUTDIR/decode_gate_probe.json; prints a table (us, TB/s of the gate's weight bytes).
@@ -341,6 +343,75 @@ def _split_write_out_kernel(acc_ptr, y_ptr, stride_ym, cnt_ptr, M, d, BLOCK: tl.
         tl.store(cnt_ptr, 0)
 
 
+@triton.jit
+def _fire_gate_kernel(x_ptr, sxm, wf_ptr, swf, fu_ptr, fm_ptr, fa_ptr, cnt_ptr, M, d, f,
+                      BM: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, GDC: tl.constexpr):
+    # as _split_gate_kernel, but the list holds one entry per fire: (unit, token, gate value), so
+    # the next launch works per firing token, not per unit times a tile of BM tokens
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    rmask = rows < M
+    units = b * BU + tl.arange(0, BU)
+    umask = units < f
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BU, BM], dtype=tl.float32)
+    for k0 in range(0, d, BK):
+        kk = k0 + ks
+        w = tl.load(wf_ptr + units.to(tl.int64)[:, None] * swf + kk[None, :], mask=umask[:, None] & (kk < d)[None, :], other=0.0)
+        xt = tl.load(x_ptr + rows[None, :] * sxm + kk[:, None], mask=rmask[None, :] & (kk < d)[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc)
+    a = acc.to(wf_ptr.dtype.element_ty).to(tl.float32)
+    fires = (a > 0) & umask[:, None] & rmask[None, :]
+    n = tl.sum(tl.sum(fires.to(tl.int32), axis=1), axis=0)
+    if n > 0:
+        base = tl.atomic_add(cnt_ptr, n)
+        flat = tl.reshape(fires.to(tl.int32), [BU * BM])
+        slot = base + tl.cumsum(flat, axis=0) - 1
+        ok = flat > 0
+        uu = tl.reshape(units[:, None] + rows[None, :] * 0, [BU * BM])
+        mm = tl.reshape(units[:, None] * 0 + rows[None, :], [BU * BM])
+        tl.store(fu_ptr + slot, uu, mask=ok)
+        tl.store(fm_ptr + slot, mm, mask=ok)
+        tl.store(fa_ptr + slot, tl.reshape(a, [BU * BM]), mask=ok)
+
+
+@triton.jit
+def _fire_updown_kernel(x_ptr, sxm, wu_ptr, swu, wd_ptr, swd, fu_ptr, fm_ptr, fa_ptr, cnt_ptr, acc_ptr, d, P,
+                        BD: tl.constexpr, GDC: tl.constexpr):
+    # P programs walk the fires: h = a * (x[m] . w_up[u]), then acc[m] += h w_down[u] (fp32 atomics)
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+    pid = tl.program_id(0)
+    n = tl.load(cnt_ptr)
+    cs = tl.arange(0, BD)
+    for i in range(pid, n, P):
+        j = tl.load(fu_ptr + i).to(tl.int64)
+        m = tl.load(fm_ptr + i).to(tl.int64)
+        av = tl.load(fa_ptr + i)
+        u = tl.zeros([BD], dtype=tl.float32)
+        for c0 in range(0, d, BD):
+            cols = c0 + cs
+            cm = cols < d
+            w = tl.load(wu_ptr + j * swu + cols, mask=cm, other=0.0).to(tl.float32)
+            xv = tl.load(x_ptr + m * sxm + cols, mask=cm, other=0.0).to(tl.float32)
+            u += w * xv
+        us = tl.sum(u, axis=0).to(wu_ptr.dtype.element_ty).to(tl.float32)
+        h = (av * us).to(wd_ptr.dtype.element_ty).to(tl.float32)
+        for c0 in range(0, d, BD):
+            cols = c0 + cs
+            cm = cols < d
+            wdv = tl.load(wd_ptr + j * swd + cols, mask=cm, other=0.0).to(tl.float32)
+            tl.atomic_add(acc_ptr + m * d + cols, h * wdv, mask=cm, sem="relaxed")
+
+
+# (programs of the second launch, its warps, BD)
+FIRE = [(1056, 4, 2048), (2112, 4, 2048), (528, 4, 2048)]
+
+
+MS_SPLIT = (1, 8, 16, 32, 64, 256) if "--fire" in sys.argv else (1, 4, 8, 16, 32, 64)
 # (programs of the second launch, its warps, BD as a multiple of 8192 / BM)
 SPLIT = [(528, 4, 1), (1056, 4, 1), (264, 4, 1), (528, 2, 1), (528, 4, 2), (1056, 2, 1)]
 
@@ -687,13 +758,18 @@ def split() -> None:
 
     records = []
     cfgs = SPLIT if not SMOKE else [(7, 4, 1), (3, 2, 2)]
+    if "--fire" in sys.argv:  # the per-fire variant only (beside dense and the shipped kernels)
+        cfgs = []
     cases = [(8, "even"), (29, "even"), (56, "even"), (29, "skewed")] if not SMOKE else [(29, "even"), (29, "skewed")]
-    for M in ((3, 16) if SMOKE else (1, 4, 8, 16, 32, 64)):
+    for M in ((3, 16) if SMOKE else MS_SPLIT):
         BM = max(16, triton.next_power_of_2(M))
         at = torch.empty(F, BM, dtype=DTYPE, device=DEVICE)
         uid = torch.empty(F, dtype=torch.int32, device=DEVICE)
         cnt = torch.zeros(1, dtype=torch.int32, device=DEVICE)
         acc = torch.zeros(M, D, dtype=torch.float32, device=DEVICE)
+        fu = torch.empty(M * F, dtype=torch.int32, device=DEVICE)  # one entry per fire: at most M f
+        fm = torch.empty(M * F, dtype=torch.int32, device=DEVICE)
+        fa = torch.empty(M * F, dtype=torch.float32, device=DEVICE)
         for k, dist in cases:
             fk = make_ffn(M, D, F, k, dist, DTYPE, DEVICE)
             x, wg, wu, wd = fk.x, fk.w_gate, fk.w_up, fk.w_down
@@ -709,8 +785,11 @@ def split() -> None:
                       + (f"  row err {err:.1e}" if err is not None else ""), flush=True)
 
             rec("dense_mlp", graph_us(lambda: dense_gated(x, wg, wu, wd)), errors(dense_gated(x, wg, wu, wd), refy)[1])
-            rec("shipped", graph_us(lambda: ffn_decode_fused(x, wg, wdt, w_up=wu, scratch=sc if M <= 16 else None)),
-                errors(ffn_decode_fused(x, wg, wdt, w_up=wu, scratch=sc if M <= 16 else None), refy)[1])
+            if M <= 64:  # the fused kernels' range; above it the dispatcher runs dense, timed above
+                rec("shipped", graph_us(lambda: ffn_decode_fused(x, wg, wdt, w_up=wu, scratch=sc if M <= 16 else None)),
+                    errors(ffn_decode_fused(x, wg, wdt, w_up=wu, scratch=sc if M <= 16 else None), refy)[1])
+            else:
+                rec("shipped", records[-1]["us"], records[-1]["max_row_err"])
             for P, nw2, bdx in cfgs:
                 BD = min(max(16, triton.next_power_of_2(D)), max(16, bdx * 8192 // BM)) if not SMOKE else 16 * bdx
 
@@ -733,13 +812,35 @@ def split() -> None:
                 except Exception as e:  # noqa: BLE001
                     records.append({"M": M, "k": k, "variant": name, "error": repr(e)[:300]})
                     print(f"M {M:3d} {name:28s} failed: {repr(e)[:160]}", flush=True)
+            for P, nw2, BD in (FIRE if not SMOKE else [(7, 4, 32), (3, 2, 16)]):
+                BD = min(BD, max(16, triton.next_power_of_2(D)))
+
+                def fn():
+                    gdc = pdl_ok(x)
+                    _fire_gate_kernel[(triton.cdiv(F, 64 if not SMOKE else 16),)](
+                        x, x.stride(0), wg, wg.stride(0), fu, fm, fa, cnt, M, D, F, BM=BM, BU=64 if not SMOKE else 16,
+                        BK=128 if not SMOKE else 32, GDC=gdc, num_warps=4, num_stages=6 if not SMOKE else 1)
+                    _fire_updown_kernel[(P,)](x, x.stride(0), wu, wu.stride(0), wdt, wdt.stride(0), fu, fm, fa, cnt, acc, D, P,
+                                              BD=BD, GDC=gdc, num_warps=nw2, launch_pdl=gdc)
+                    y = torch.empty(M, D, dtype=DTYPE, device=DEVICE)
+                    WB = min(1024, triton.next_power_of_2(D))
+                    _split_write_out_kernel[(triton.cdiv(D, WB), M)](acc, y, y.stride(0), cnt, M, D, BLOCK=WB, GDC=gdc,
+                                                                     num_warps=4, launch_pdl=gdc)
+                    return y
+                name = f"fire_P{P}_w{nw2}_bd{BD}"
+                try:
+                    errs = [errors(fn(), refy)[1] for _ in range(3)]
+                    rec(name, graph_us(fn), max(errs))
+                except Exception as e:  # noqa: BLE001
+                    records.append({"M": M, "k": k, "variant": name, "error": repr(e)[:300]})
+                    print(f"M {M:3d} {name:28s} failed: {repr(e)[:160]}", flush=True)
     with open(os.path.join(OUT, "decode_gate_split.json"), "w") as fh:
         json.dump({"records": records}, fh, indent=1)
-    print("\nbest split against dense and shipped (us):")
+    print("\nbest split or fire variant against dense and shipped (us):")
     for M in sorted({r["M"] for r in records}):
         for k, dist in cases:
             rs = [r for r in records if r["M"] == M and r["k"] == k and r.get("distribution") == dist and r.get("us") is not None]
-            sp = [r for r in rs if r["variant"].startswith("split")]
+            sp = [r for r in rs if r["variant"].startswith(("split", "fire"))]
             if not sp:
                 continue
             b = min(sp, key=lambda r: r["us"])
