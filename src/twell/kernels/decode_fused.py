@@ -23,7 +23,9 @@ interpreter cannot show), so the write-out is its own launch here.
 
 Up to ``GEMV_MAX_M`` tokens the same fused FFN runs as a CUDA-core GEMV instead
 (``_decode_gemv_kernel``): the tensor-core kernel walks d in dependent steps per program and
-read the gate at about 1 TB/s at one token (benchmarks/NOTES_decode.md, round 4), while a
+read the gate at about 1 TB/s at one token (benchmarks/NOTES_decode.md, round 4; from 6 tokens
+its gate costs what any gate product does, about 13.5 us, and its up and down phases 5 to 6 us
+each: ninth session), while a
 program of a few units that loads its whole ``[BU, d]`` gate rows at once issues every load of
 the call in one wave (hundreds of programs resident at a time), so the gate is bound by HBM
 bandwidth rather than by a chain of loads. Its FMA count grows with M: a few tokens only.
