@@ -26,6 +26,10 @@ try:  # from 2026-12-01 s8
     from twell.kernels import heavy_rows  # noqa: E402
 except ImportError:
     heavy_rows = None
+try:  # from 2026-12-01 s9
+    from twell.kernels import decode_split  # noqa: E402
+except ImportError:
+    decode_split = None
 
 TARGET = GPUTarget("cuda", 90, 32)
 BF = "*bf16"
@@ -87,6 +91,22 @@ def main() -> None:
             variants.append((f"heavy_down {dtype[1:]}", heavy_rows._heavy_down_kernel,
                              dict(h_ptr=dtype, wd_ptr=dtype, y_ptr=dtype, idx_ptr="*i64", n_ptr="*i64"),
                              dict(IEEE=ieee, BM=64, BD=128, BK=64), 4, 3))
+    if decode_split is not None:  # the shipped shape, each dtype's gate precision, with PDL
+        c = decode_split.SPLIT_CONFIG
+        R = decode_split.SPLIT_MAX_M
+        for dtype, prec in ((BF, "tf32"), ("*fp16", "tf32"), ("*fp32", "ieee")):
+            for track in (True, False):
+                variants.append((f"split_gate {dtype[1:]} t{track:d}", decode_split._split_gate_kernel,
+                                 dict(x_ptr=dtype, wf_ptr=dtype, at_ptr=dtype, list_ptr="*i32", count_ptr="*i32", counts_ptr="*i32",
+                                      uc_ptr="*i32", nnz_ptr="*i32"),
+                                 dict(ROWS=R, BU=c.BU, BK=c.BK, TRACK=track, PREC=prec, GDC=True), c.num_warps, c.num_stages))
+            for gated in (True, False):
+                variants.append((f"split_updown {dtype[1:]} g{gated:d}", decode_split._split_updown_kernel,
+                                 dict(x_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, at_ptr=dtype, list_ptr="*i32", count_ptr="*i32",
+                                      acc_ptr="*fp32"),
+                                 dict(ROWS=R, BD=c.BD, GATED=gated, GDC=True), c.updown_warps, 3))
+        variants.append(("split_write_out bf16", decode_split._split_write_out_kernel,
+                         dict(acc_ptr="*fp32", y_ptr=BF, count_ptr="*i32"), dict(BLOCK=1024, GDC=True), 4, 3))
     for name, fn, types, consts, nw, ns in variants:
         digest, shared = compiled(fn, types, consts, nw, ns)
         print(f"{name:40s} {digest}  shared {shared} B")

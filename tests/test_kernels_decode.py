@@ -314,3 +314,136 @@ def test_decode_fused_scratch_is_left_zeroed_and_reused(gated, config):
         assert torch.all(scratch.acc == 0), call
     with pytest.raises(ValueError, match="scratch must be"):
         ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, scratch=DecodeScratch(32, "cpu"))
+
+
+# --- the split decode kernels (twell.kernels.decode_split) ---------------------------------------
+
+# M, d, f, SplitConfig (BU, BK, warps, stages, P, BD, up/down warps): blocks smaller than d and f
+# (every loop runs more than once, partial last blocks); fewer programs than listed units (each
+# walks several); one program; more programs than units
+SPLIT_CASES = [(1, 40, 100, (16, 16, 4, 1, 3, 16, 4)), (7, 72, 70, (32, 32, 4, 1, 5, 32, 2)), (16, 24, 37, (16, 16, 4, 1, 1, 16, 4)),
+               (5, 33, 45, (16, 64, 4, 1, 200, 64, 4)), (16, 40, 100, None)]
+
+
+@pytest.mark.parametrize("M,d,f,config", SPLIT_CASES, ids=case_id)
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_split_matches_reference(M, d, f, config, gated):
+    """Against the reference, fp32, three different batches in a row on one scratch (the list
+    and the accumulator must be emptied by each call), outputs pre-filled with NaN where the
+    kernels could have left stale values; the statistics and block counts against the pattern."""
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+
+    cfg = SplitConfig(*config) if config else None
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + d + f + 2)
+    scratch = SplitScratch(d, f, torch.float32, "cpu")
+    scratch.a_t.fill_(float("nan"))  # rows a call does not list must never be read
+    for call in range(3):
+        xi = (x, x.flip(0), x * 0.5)[call].contiguous()
+        uc = torch.full((f,), -7, dtype=torch.int32)  # overwritten
+        nnz = torch.zeros(M, dtype=torch.int32)
+        y, counts, chunk = decode_split_launch(xi, wg, wd.T.contiguous(), wu if gated else None, uc, nnz, scratch=scratch,
+                                               config=cfg)
+        if gated:
+            ref = R.gated_mlp(xi.double(), wg.double(), wu.double(), wd.double())
+        else:
+            ref = R.mlp(xi.double(), wg.double(), wd.double())
+        assert y.shape == (M, d) and y.dtype == torch.float32 and rel_err(y, ref) < 1e-5, call
+        pattern = (xi @ wg.T) > 0
+        assert torch.equal(uc.long(), pattern.sum(0)) and torch.equal(nnz.long(), pattern.sum(1))
+        BU = (cfg or __import__("twell.kernels.decode_split", fromlist=["SPLIT_CONFIG"]).SPLIT_CONFIG).BU
+        nb = -(-f // BU)
+        expect = torch.nn.functional.pad(pattern.any(0), (0, nb * BU - f)).view(nb, BU).sum(1)
+        assert chunk == M and torch.equal(counts.long(), expect)
+        assert torch.all(scratch.acc == 0) and int(scratch.count) == 0, call
+
+
+def test_decode_split_fp16_no_active_unit_and_a_failed_call():
+    """fp16 against the reference; a batch with no active unit gives exact zeros; a call that
+    fails after the gate launch leaves the scratch zeroed and empty for the next one."""
+    from twell.kernels import decode_split
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, ffn_decode_split
+
+    cfg = SplitConfig(16, 16, 4, 1, 4, 16, 4)
+    x, wg, wu, wd = gate_case(7, 40, 100, torch.float16, seed=3)
+    scratch = SplitScratch(40, 100, torch.float16, "cpu")
+    y = ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg)
+    assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < TOL[torch.float16]
+    x0, wg0, wu0, wd0 = gate_case(7, 40, 100, torch.float16, seed=3, adversarial=False)
+    wg0[:, 0] = -100.0  # x[:, 0] = 1: every pre-activation is about -100
+    assert torch.equal(ffn_decode_split(x0, wg0, wd0.T.contiguous(), w_up=wu0, scratch=scratch, config=cfg),
+                       torch.zeros(7, 40, dtype=torch.float16))
+
+    class Broken:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                raise RuntimeError("launch failed")
+            return launch
+
+    real = decode_split._split_updown_kernel
+    decode_split._split_updown_kernel = Broken()
+    try:
+        with pytest.raises(RuntimeError, match="launch failed"):
+            ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg)
+    finally:
+        decode_split._split_updown_kernel = real
+    assert torch.all(scratch.acc == 0) and int(scratch.count) == 0  # the gate had listed units
+    assert torch.equal(ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg), y)
+
+
+def test_decode_split_validation():
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
+
+    x, wg, wu, wd = gate_case(4, 24, 37, torch.float32, seed=5)
+    sc = SplitScratch(24, 37, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="at most 16"):
+        ffn_decode_split(torch.zeros(17, 24), wg, wd.T.contiguous(), w_up=wu, scratch=sc)
+    with pytest.raises(ValueError, match="w_down_t must be"):
+        ffn_decode_split(x, wg, wd, w_up=wu, scratch=sc)
+    with pytest.raises(ValueError, match="both"):
+        ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=sc, unit_counts=torch.zeros(37, dtype=torch.int32))
+    for bad in (SplitScratch(24, 36, torch.float32, "cpu"), SplitScratch(24, 37, torch.float16, "cpu"), None):
+        with pytest.raises(ValueError, match="scratch must be"):
+            ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=bad)
+    with pytest.raises(TypeError):
+        ffn_decode_split(x.double(), wg, wd.T.contiguous(), w_up=wu, scratch=sc)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [1, 6, 8, 16])
+@pytest.mark.parametrize("k", [8, 29, 56])
+def test_decode_split_gpu_bf16(M, k):
+    """bf16 at the real shape, five calls in a row on one scratch and a CUDA graph replay,
+    against fp32 and dense's row error (a wrong ordering of the list or the adds would show as
+    a varying or wrong sum); the scratch left zeroed and empty."""
+    from twell.bench.inference import errors, reference_fp32
+    from twell.bench.synthetic import make_ffn
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
+
+    s = make_ffn(16, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=M + k)
+    x = s.x[:M].contiguous()
+    wdt = s.w_down.T.contiguous()
+    ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
+    dense = (torch.relu(x @ s.w_gate.T) * (x @ s.w_up.T)) @ s.w_down.T
+    _, dense_row = errors(dense, ref)
+    scratch = SplitScratch(2048, 5632, torch.bfloat16, "cuda")
+    for _ in range(5):
+        y = ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)
+        rel, row = errors(y, ref)
+        assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
+    torch.cuda.synchronize()
+    assert torch.all(scratch.acc == 0) and int(scratch.count) == 0
+    out = {}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out["y"] = ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        rel, row = errors(out["y"], ref)
+        assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
