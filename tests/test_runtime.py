@@ -321,6 +321,41 @@ def test_custom_op_passes_opcheck():
     assert rel_err(y2, _dense(m, x)) < 1e-5
 
 
+def test_split_decode_kernels_behind_their_switch(monkeypatch):
+    """DECODE_SPLIT off (the default): decode calls run the fused kernels and make no split
+    buffers. On: calls of SPLIT_MIN_M to 16 tokens whose expected union share is at most
+    SPLIT_MAX_UNION take the split kernels (buffers made at the first such eager call), others
+    the fused ones; every call gives the dense answer, and the statistics come from the kernels."""
+    from twell import dispatch
+
+    torch.manual_seed(5)
+    m = SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "decode"
+    state = m._twell_layer
+    x = torch.randn(8, 40)
+    with torch.no_grad():
+        assert rel_err(m(x), _dense(m, x)) < 1e-5
+    assert state.last_decode_kernels == "fused" and state.split_scratch is None
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", True)
+    with torch.no_grad():
+        m(x)  # no union estimate yet: the fused kernel (buffers made for the next calls)
+        assert state.last_decode_kernels == "fused" and state.split_scratch is not None
+        state.union_rate = 0.001  # 8 tokens share about 1% of the units, 16 about 2%
+        for M, expect in ((8, "split"), (16, "split"), (dispatch.SPLIT_MIN_M - 1, "fused"), (17, "fused")):
+            xi = torch.randn(M, 40)
+            assert rel_err(m(xi), _dense(m, xi)) < 1e-5, M
+            assert state.last_decode_kernels == expect, M
+        state.union_rate = 0.05  # 16 tokens: about 56% of the units
+        xi = torch.randn(16, 40)
+        assert rel_err(m(xi), _dense(m, xi)) < 1e-5 and state.last_decode_kernels == "fused"
+        state.union_rate = 0.001
+        m.track_stats = True
+        y = m(x)
+    assert state.last_decode_kernels == "split" and rel_err(y, _dense(m, x)) < 1e-5
+    pattern = (x @ m.gate_proj.weight.T) > 0
+    assert torch.equal(m.stats.unit_counts, pattern.sum(0)) and int(m.stats.active_max) == int(pattern.sum(1).max())
+
+
 def test_per_layer_compile_shares_one_graph():
     """Regional compilation (each decoder layer compiled on its own) must not compile once per
     layer: past dynamo's recompile limit (8) the other layers would silently run eager."""
@@ -402,6 +437,41 @@ def test_cuda_graph_replay_equals_eager(M):
     # dense at 64 (28%), else as eager
     assert stack[0].last_path == ("decode" if M <= 32 else paths[0])
     assert rel_err(out, eager) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [6, 8, 12])  # k 29 of 5632: 3% to 6% of the units active in the batch
+def test_cuda_graph_replay_with_split_decode(M, monkeypatch):
+    """With DECODE_SPLIT on, a layer whose small eager calls measured a low union share takes
+    the split kernels inside a capture; replays equal eager (dense path) within bf16 rounding,
+    and a replay after new inputs were copied in uses them."""
+    from twell import dispatch
+
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", True)
+    stack, xs = _gpu_stack(layers=1)
+    m = stack[0]
+    x = xs[:M].clone()
+    with torch.no_grad():
+        for _ in range(3):  # eager calls: the union estimate arrives, the buffers are made
+            m(x)
+            torch.cuda.synchronize()
+        eager = m(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m(x)
+        torch.cuda.current_stream().wait_stream(side)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = m(x)
+        g.replay()
+        torch.cuda.synchronize()
+        assert m.last_path == "decode" and m._twell_layer.last_decode_kernels == "split"
+        assert rel_err(out, eager) < 1e-2
+        x.copy_(xs[M:2 * M])
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, m(xs[M:2 * M].clone())) < 1e-2
 
 
 @pytest.mark.gpu

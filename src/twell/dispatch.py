@@ -5,8 +5,10 @@ Three paths compute the same function (up to rounding) for every input:
 ``"decode"`` (small batches, ``M <= DECODE_MAX_M`` tokens per call)
     The gate read whole, then the up and down rows of the batch's active units only, in one
     fused kernel (:func:`twell.kernels.decode_fused.ffn_decode_fused`; a forced call of more
-    than ``FUSED_MAX_M`` tokens takes three launches, :func:`twell.kernels.ffn_decode`). It
-    never reads more weight bytes than dense.
+    than ``FUSED_MAX_M`` tokens takes three launches, :func:`twell.kernels.ffn_decode`; with
+    ``DECODE_SPLIT`` on, calls of ``SPLIT_MIN_M`` to 16 tokens at a low union share take the
+    split kernels, :mod:`twell.kernels.decode_split`). It never reads more weight bytes than
+    dense. ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
 ``"prefill"`` (large batches)
     cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the fused up/down kernel
     (:func:`twell.kernels.ffn_from_twell`); overflowed rows take the exact path.
@@ -61,7 +63,7 @@ import torch.nn.functional as F
 
 __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION", "FUSED_WIDE_M",
            "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M",
-           "EAGER_PREFILL_MIN_M", "MODES"]
+           "EAGER_PREFILL_MIN_M", "DECODE_SPLIT", "SPLIT_MIN_M", "SPLIT_MAX_UNION", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
@@ -85,6 +87,16 @@ FUSED_WIDE_MAX_UNION = 0.10
 # a graph on the H200, of a 25 us call at M = 1). One per layer: calls on one stream are ordered,
 # and a layer runs on one stream at a time.
 DECODE_SCRATCH = True
+# The split decode kernels (twell.kernels.decode_split) instead of the fused kernel, from
+# SPLIT_MIN_M to their SPLIT_MAX_M (16) tokens while the expected share of units active for the
+# batch is at most SPLIT_MAX_UNION. In the probe (benchmarks/NOTES_decode.md, ninth session; CUDA
+# graphs, H200, bf16, d 2048, f 5632) they took 23.1 to 26.4 us at 8 and 16 tokens for shares up
+# to 0.078 (1.55x to 1.78x of dense) where the fused kernel took 28.8 to 29.2 us, and lost at a
+# share of 0.15 (34.3 against 29.7 us) and at 1 to 4 tokens. Off (DECODE_SPLIT False) until
+# their GPU tests have run on this code: `twell bench decode --split` times the grid with it on.
+DECODE_SPLIT = False
+SPLIT_MIN_M = 6
+SPLIT_MAX_UNION = 0.08
 # Below this many tokens per call, "auto" never takes the prefill kernels: their fixed costs
 # (four launches, the pack's scratch) exceed what sparsity saves.
 PREFILL_MIN_M = 4096
@@ -108,6 +120,19 @@ def _fused_max_m() -> int:
     from .kernels.decode_fused import FUSED_MAX_M
 
     return FUSED_MAX_M
+
+
+@functools.cache
+def _split_max_m() -> int:
+    from .kernels.decode_split import SPLIT_MAX_M
+
+    return SPLIT_MAX_M
+
+
+def _interpreting() -> bool:
+    from .checks import triton_interpreting
+
+    return triton_interpreting()
 
 
 _LAYERS: "weakref.WeakValueDictionary[int, LayerState]" = weakref.WeakValueDictionary()
@@ -209,6 +234,12 @@ class LayerState:
         # the fused decode kernel's accumulator (twell.kernels.decode_fused.DecodeScratch): one
         # launch fewer per call (no memset); made at the first small CUDA call outside a capture
         self.scratch = None
+        # the split decode kernels' buffers (twell.kernels.decode_split.SplitScratch), made as the
+        # accumulator is when DECODE_SPLIT is on; never replaced (a graph keeps their addresses)
+        self.split_scratch = None
+        # which decode kernels the last decode call ran: "split", "fused" (the fused kernel or
+        # its CUDA-core variant) or "three-launch" (forced calls of more than 64 tokens)
+        self.last_decode_kernels: Optional[str] = None
 
     @property
     def module(self):
@@ -347,6 +378,11 @@ class LayerState:
             # compiled op (make_scratch False): cudagraph trees run their warm-up in the graphs'
             # memory pool, and a buffer from there must not outlive it
             self._make_scratch(x)
+        if DECODE_SPLIT and self.split_scratch is None and make_scratch and (x.is_cuda or _interpreting()) \
+                and not capturing and not m.training and M <= _split_max_m():
+            from .kernels.decode_split import SplitScratch
+
+            self.split_scratch = SplitScratch(x.shape[1], f, x.dtype, x.device)
         w_down_t = w_down.t() if path != "dense" else w_down
         if path != "dense" and not w_down_t.is_contiguous():
             # kernels need down columns as contiguous rows: the module keeps w_down so in eval
@@ -376,13 +412,21 @@ class LayerState:
         M, f = x.shape[0], w_first.shape[0]
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.zeros(M, dtype=torch.int32, device=x.device) if track else None
-        if M <= FUSED_MAX_M:
+        split = self._split_for(x, M, f)
+        if split is not None:
+            from .kernels.decode_split import decode_split_launch
+
+            y, counts, chunk = decode_split_launch(x, w_first, w_down_t, w_up, uc, nnz, scratch=split)
+            self.last_decode_kernels = "split"
+        elif M <= FUSED_MAX_M:
             sc = self.scratch
             if sc is not None and (sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1]):
                 sc = None
             y, counts, chunk = decode_fused_launch(x, w_first, w_down_t, w_up, uc, nnz, config=fused_config(M), scratch=sc)
+            self.last_decode_kernels = "fused"
         else:
             y, counts, chunk = decode_launch(x, w_first, w_down_t, w_up, uc, nnz, with_counts=True)
+            self.last_decode_kernels = "three-launch"
         if track:
             m._record_counts(nnz, uc)
         if probe and counts.numel():
@@ -391,6 +435,18 @@ class LayerState:
             share = counts.sum(dtype=torch.float32) / (n_chunks * f)
             self._publish("union", torch.stack([share, share.new_full((), min(M, chunk)), share, share]))
         return y
+
+    def _split_for(self, x: torch.Tensor, M: int, f: int):
+        """The layer's SplitScratch when this decode call of ``M`` tokens takes the split kernels
+        (DECODE_SPLIT on, SPLIT_MIN_M to SPLIT_MAX_M tokens, an expected union share of at most
+        SPLIT_MAX_UNION, buffers made for x's d, dtype and device), else None."""
+        sc = self.split_scratch
+        if sc is None or not DECODE_SPLIT or not SPLIT_MIN_M <= M <= _split_max_m():
+            return None
+        if sc.a_t.dtype != x.dtype or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1] or sc.a_t.shape[0] != f:
+            return None
+        u = self.union_share(M, f)
+        return sc if u is not None and u <= SPLIT_MAX_UNION else None
 
     def _make_scratch(self, x: torch.Tensor) -> None:
         # made once and never replaced: a graph captured with it keeps its address (a layer whose

@@ -206,8 +206,10 @@ def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed")
                     rec["dense_graph_us"] = 1e3 * graph_ms(lambda: dense(x))
                     rec["twell_graph_us"] = 1e3 * graph_ms(lambda: twell(x))
                     rec["path"] = twell.last_path
+                    rec["decode_kernels"] = twell._twell_layer.last_decode_kernels if twell.last_path == "decode" else None
                     twell.kernel_mode = "decode"
                     rec["decode_graph_us"] = 1e3 * graph_ms(lambda: twell(x))
+                    rec["forced_decode_kernels"] = twell._twell_layer.last_decode_kernels
                     ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
                     rec["decode_rel_err"], rec["decode_max_row_err"] = errors(twell(x), ref)
                     twell.kernel_mode = "auto"

@@ -11,7 +11,8 @@
   of the batch's active units only): up to 64 tokens one fused kernel (a CUDA-core GEMV up to 5
   tokens, tensor-core tiles above) and its write-out; any number of tokens in three launches.
   :mod:`.decode_split`: up to 16 tokens in three launches that spread up and down over many
-  programs (measured faster from 6 to 16 tokens at low union shares; not yet dispatched).
+  programs (measured faster from 6 to 16 tokens at low union shares; dispatched only with
+  ``twell.dispatch.DECODE_SPLIT`` on).
 - :mod:`.elementwise`: ``relu(g) * u`` in one pass, for the modules' dense inference branch.
 - :mod:`.dense_rows`: the element-wise passes (forward and backward) of the training rows held
   dense: every row of the dense training op, and the heavy rows' backward.

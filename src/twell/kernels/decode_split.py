@@ -35,8 +35,8 @@ offsets):
 - slower than the fused kernels at 1 to 4 tokens, at 16 tokens with a union share of 0.15
   (k 56), and from 32 tokens at k 29.
 
-Not yet taken by the dispatcher (:mod:`twell.dispatch`): its GPU tests have not run on this
-code.
+The dispatcher (:mod:`twell.dispatch`) takes them only with ``DECODE_SPLIT`` on, off until
+their GPU tests have run on this code.
 """
 
 from __future__ import annotations
