@@ -359,13 +359,16 @@ def test_decode_split_matches_reference(M, d, f, config, gated):
 
 def test_decode_split_fp16_no_active_unit_and_a_failed_call():
     """fp16 against the reference; a batch with no active unit gives exact zeros; a call that
-    fails after the gate launch leaves the scratch zeroed and empty for the next one."""
+    fails after the gate launch, or after the up/down launch has added into the accumulator,
+    leaves the scratch zeroed and empty for the next one, also when the scratch was made under
+    torch.inference_mode (a serving loop's first call) and the failing call runs outside it."""
     from twell.kernels import decode_split
     from twell.kernels.decode_split import SplitConfig, SplitScratch, ffn_decode_split
 
     cfg = SplitConfig(16, 16, 4, 1, 4, 16, 4)
     x, wg, wu, wd = gate_case(7, 40, 100, torch.float16, seed=3)
-    scratch = SplitScratch(40, 100, torch.float16, "cpu")
+    with torch.inference_mode():
+        scratch = SplitScratch(40, 100, torch.float16, "cpu")
     y = ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg)
     assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < TOL[torch.float16]
     x0, wg0, wu0, wd0 = gate_case(7, 40, 100, torch.float16, seed=3, adversarial=False)
@@ -379,15 +382,16 @@ def test_decode_split_fp16_no_active_unit_and_a_failed_call():
                 raise RuntimeError("launch failed")
             return launch
 
-    real = decode_split._split_updown_kernel
-    decode_split._split_updown_kernel = Broken()
-    try:
-        with pytest.raises(RuntimeError, match="launch failed"):
-            ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg)
-    finally:
-        decode_split._split_updown_kernel = real
-    assert torch.all(scratch.acc == 0) and int(scratch.count) == 0  # the gate had listed units
-    assert torch.equal(ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg), y)
+    for name in ("_split_updown_kernel", "_split_write_out_kernel"):  # the list, then also the sums, left behind
+        real = getattr(decode_split, name)
+        setattr(decode_split, name, Broken())
+        try:
+            with torch.no_grad(), pytest.raises(RuntimeError, match="launch failed"):
+                ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg)
+        finally:
+            setattr(decode_split, name, real)
+        assert torch.all(scratch.acc == 0) and int(scratch.count) == 0, name
+        assert torch.equal(ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg), y), name
 
 
 def test_decode_split_validation():
@@ -447,3 +451,45 @@ def test_decode_split_gpu_bf16(M, k):
         torch.cuda.synchronize()
         rel, row = errors(out["y"], ref)
         assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("M", [6, 16])
+def test_decode_split_gpu_dtypes_gated_and_statistics(dtype, M):
+    """Each dtype (fp32 on its smaller pipeline), gated and non-gated, with the statistics
+    against the pattern, programmatic dependent launch on and off: every result the same, the
+    scratch left zeroed and empty."""
+    from twell.kernels import _launch
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
+
+    torch.manual_seed(M)
+    d, f = 512, 1408
+    x = torch.randn(M, d, device="cuda", dtype=dtype)
+    wg = torch.randn(f, d, device="cuda", dtype=dtype) / d**0.5
+    x[:, 0], wg[:, 0] = 1.0, -2.3  # a bias input: about 1% of the units fire per token
+    wu = torch.randn(f, d, device="cuda", dtype=dtype) / d**0.5
+    wd = torch.randn(d, f, device="cuda", dtype=dtype) / f**0.5
+    scratch = SplitScratch(d, f, dtype, "cuda")
+    tol = 1e-4 if dtype == torch.float32 else 1e-2
+    pattern = (x.double() @ wg.double().T) > 0
+    for gated in (True, False):
+        kw = dict(w_up=wu) if gated else {}
+        ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double()) if gated else R.mlp(x.double(), wg.double(), wd.double())
+        outs = []
+        for pdl in (True, False):
+            _launch.USE_PDL = pdl
+            try:
+                uc = torch.full((f,), -7, dtype=torch.int32, device="cuda")
+                nnz = torch.zeros(M, dtype=torch.int32, device="cuda")
+                y = ffn_decode_split(x, wg, wd.T.contiguous(), unit_counts=uc, row_nnz=nnz, scratch=scratch, **kw)
+                torch.cuda.synchronize()
+            finally:
+                _launch.USE_PDL = True
+            assert y.dtype == dtype and rel_err(y, ref) < tol, (gated, pdl, rel_err(y, ref))
+            # a pre-activation within rounding of zero may take either sign
+            assert (uc.long() - pattern.sum(0)).abs().sum() <= 2 and (nnz.long() - pattern.sum(1)).abs().sum() <= 2
+            assert torch.all(scratch.acc == 0) and int(scratch.count) == 0
+            outs.append(y)
+        assert rel_err(outs[0], outs[1].double()) < tol

@@ -354,6 +354,11 @@ def test_split_decode_kernels_behind_their_switch(monkeypatch):
     assert state.last_decode_kernels == "split" and rel_err(y, _dense(m, x)) < 1e-5
     pattern = (x @ m.gate_proj.weight.T) > 0
     assert torch.equal(m.stats.unit_counts, pattern.sum(0)) and int(m.stats.active_max) == int(pattern.sum(1).max())
+    # the kept buffers are for fp32: a model cast afterwards decodes on the fused kernel, exactly
+    m.half()
+    with torch.no_grad():
+        y = m(x.half())
+    assert state.last_decode_kernels == "fused" and rel_err(y, _dense(m, x.half())) < 3e-3
 
 
 def test_per_layer_compile_shares_one_graph():

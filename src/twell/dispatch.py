@@ -235,7 +235,8 @@ class LayerState:
         # launch fewer per call (no memset); made at the first small CUDA call outside a capture
         self.scratch = None
         # the split decode kernels' buffers (twell.kernels.decode_split.SplitScratch), made as the
-        # accumulator is when DECODE_SPLIT is on; never replaced (a graph keeps their addresses)
+        # accumulator is when DECODE_SPLIT is on; never replaced (a graph keeps their addresses),
+        # so a layer cast to another dtype after they were made decodes on the fused kernel
         self.split_scratch = None
         # which decode kernels the last decode call ran: "split", "fused" (the fused kernel or
         # its CUDA-core variant) or "three-launch" (forced calls of more than 64 tokens)

@@ -198,7 +198,10 @@ class DecodeScratch:
     capture's memory pool is the graph's."""
 
     def __init__(self, d: int, device) -> None:
-        self.acc = torch.zeros(SCRATCH_ROWS, d, dtype=torch.float32, device=device)
+        # a normal tensor even when made under torch.inference_mode (a serving loop's first call):
+        # an inference tensor could not be zeroed in place outside that mode after a failed call
+        with torch.inference_mode(False):
+            self.acc = torch.zeros(SCRATCH_ROWS, d, dtype=torch.float32, device=device)
 
 
 # BU units per program, BK columns of d per gate/up step, BD columns per down step, warps,

@@ -154,15 +154,18 @@ class SplitScratch:
     capture: a buffer from a capture's memory pool is the graph's."""
 
     def __init__(self, d: int, f: int, dtype: torch.dtype, device) -> None:
-        self.acc = torch.zeros(SPLIT_MAX_M, d, dtype=torch.float32, device=device)
-        self.a_t = torch.zeros(f, SPLIT_MAX_M, dtype=dtype, device=device)
-        self.units = torch.zeros(f, dtype=torch.int32, device=device)
-        self.count = torch.zeros(1, dtype=torch.int32, device=device)
+        # normal tensors even when made under torch.inference_mode (a serving loop's first call):
+        # inference tensors could not be reset in place outside that mode after a failed call
+        with torch.inference_mode(False):
+            self.acc = torch.zeros(SPLIT_MAX_M, d, dtype=torch.float32, device=device)
+            self.a_t = torch.zeros(f, SPLIT_MAX_M, dtype=dtype, device=device)
+            self.units = torch.zeros(f, dtype=torch.int32, device=device)
+            self.count = torch.zeros(1, dtype=torch.int32, device=device)
 
     def reset(self) -> None:
-        """Zero the accumulator and empty the list (after a call that failed half-way)."""
-        self.acc.zero_()
+        """Empty the list and zero the accumulator (after a call that failed half-way)."""
         self.count.zero_()
+        self.acc.zero_()
 
 
 class SplitConfig(NamedTuple):
@@ -209,7 +212,9 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
                 unit_counts if track else counts, row_nnz if track else counts, M, d, f,
                 ROWS=SPLIT_MAX_M, BU=cfg.BU, BK=min(cfg.BK, dpow), TRACK=track,
                 PREC="ieee" if x.dtype == torch.float32 else "tf32", GDC=gdc,
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                # fp32 operands at 6 stages need 200 KB of shared memory (more than pre-Hopper
+                # GPUs have); 2 stages need 40 KB. bf16 and fp16 take 20 KB at any depth here.
+                num_warps=cfg.num_warps, num_stages=cfg.num_stages if x.element_size() < 4 else min(cfg.num_stages, 2),
             )
             w_up_ = w_up if w_up is not None else w_first
             _split_updown_kernel[(cfg.P,)](
