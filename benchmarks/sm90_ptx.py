@@ -106,7 +106,7 @@ def main() -> None:
                                  dict(x_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, at_ptr=dtype, list_ptr="*i32", count_ptr="*i32",
                                       acc_ptr="*fp32"),
                                  dict(ROWS=R, BD=c.BD, GATED=gated, GDC=True), c.updown_warps, 3))
-        variants.append(("split_write_out bf16", decode_split._split_write_out_kernel,
+        variants.append(("write_out_reset bf16", decode_fused._write_out_reset_kernel,
                          dict(acc_ptr="*fp32", y_ptr=BF, count_ptr="*i32"), dict(BLOCK=1024, GDC=True), 4, 3))
     for name, fn, types, consts, nw, ns in variants:
         digest, shared = compiled(fn, types, consts, nw, ns)

@@ -376,13 +376,14 @@ def test_decode_split_fp16_no_active_unit_and_a_failed_call():
     assert torch.equal(ffn_decode_split(x0, wg0, wd0.T.contiguous(), w_up=wu0, scratch=scratch, config=cfg),
                        torch.zeros(7, 40, dtype=torch.float16))
 
-    class Broken:
+    class Broken:  # a kernel (kernel[grid](...)) or a launcher (launch(...)) that fails
         def __getitem__(self, grid):
-            def launch(*args, **kwargs):
-                raise RuntimeError("launch failed")
-            return launch
+            return self
 
-    for name in ("_split_updown_kernel", "_split_write_out_kernel"):  # the list, then also the sums, left behind
+        def __call__(self, *args, **kwargs):
+            raise RuntimeError("launch failed")
+
+    for name in ("_split_updown_kernel", "launch_write_out"):  # the list, then also the sums, left behind
         real = getattr(decode_split, name)
         setattr(decode_split, name, Broken())
         try:

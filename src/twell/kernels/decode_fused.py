@@ -114,10 +114,11 @@ def _decode_fused_kernel(
 
 
 @triton.jit
-def _write_out_kernel(acc_ptr, y_ptr, stride_ym, M, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    # y = acc in y's dtype, and acc zeroed for the next call (a DecodeScratch's buffer). With GDC
-    # (launched as a programmatic dependent launch) it may start before the kernel that fills acc
-    # ends: the wait returns once that kernel has completed and its writes are visible.
+def _write_out_block(acc_ptr, y_ptr, stride_ym, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    # y = acc in y's dtype, and acc zeroed for the next call (a kept buffer), BLOCK columns of row
+    # program_id(1) per program. With GDC (launched as a programmatic dependent launch) it may
+    # start before the kernel that fills acc ends: the wait returns once that kernel has
+    # completed and its writes are visible.
     if GDC:
         tl.extra.cuda.gdc_wait()
     m = tl.program_id(1)
@@ -126,6 +127,34 @@ def _write_out_kernel(acc_ptr, y_ptr, stride_ym, M, d, BLOCK: tl.constexpr, GDC:
     v = tl.load(acc_ptr + m * d + cols, mask=mask, other=0.0)
     tl.store(y_ptr + m.to(tl.int64) * stride_ym + cols, v.to(y_ptr.dtype.element_ty), mask=mask)
     tl.store(acc_ptr + m * d + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
+
+
+@triton.jit
+def _write_out_kernel(acc_ptr, y_ptr, stride_ym, M, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    _write_out_block(acc_ptr, y_ptr, stride_ym, d, BLOCK, GDC)
+
+
+@triton.jit
+def _write_out_reset_kernel(acc_ptr, y_ptr, stride_ym, count_ptr, M, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    # the same, and the list length at count_ptr set to 0 (twell.kernels.decode_split's list)
+    _write_out_block(acc_ptr, y_ptr, stride_ym, d, BLOCK, GDC)
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(count_ptr, 0)
+
+
+def launch_write_out(acc: torch.Tensor, M: int, dtype: torch.dtype, gdc: bool, count: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y [M, d]`` in ``dtype`` from the first M rows of the fp32 accumulator ``acc [*, d]``,
+    which is left zeroed (and ``count``, when given, set to 0), in one launch: a programmatic
+    dependent launch of the kernel before it when ``gdc``."""
+    d = acc.shape[1]
+    y = torch.empty(M, d, dtype=dtype, device=acc.device)
+    WB = min(1024, triton.next_power_of_2(d))
+    grid = (triton.cdiv(d, WB), M)
+    if count is None:
+        _write_out_kernel[grid](acc, y, y.stride(0), M, d, BLOCK=WB, GDC=gdc, num_warps=4, launch_pdl=gdc)
+    else:
+        _write_out_reset_kernel[grid](acc, y, y.stride(0), count, M, d, BLOCK=WB, GDC=gdc, num_warps=4, launch_pdl=gdc)
+    return y
 
 
 @triton.jit
@@ -297,11 +326,8 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
                 num_warps=nw, num_stages=ns,
             )
         if scratch is not None:
-            y = torch.empty(M, d, dtype=x.dtype, device=x.device)
-            WB = min(1024, triton.next_power_of_2(d))
             try:
-                _write_out_kernel[(triton.cdiv(d, WB), M)](acc, y, y.stride(0), M, d, BLOCK=WB, GDC=gdc, num_warps=4,
-                                                           launch_pdl=gdc)
+                y = launch_write_out(acc, M, x.dtype, gdc)
             except BaseException:
                 acc.zero_()  # the kept accumulator holds this call's sums: never hand them to the next call
                 raise

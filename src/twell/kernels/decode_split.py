@@ -16,7 +16,8 @@ session). Here the work after the gate is spread over hundreds of programs inste
                                                                  (other x rows are never read)
            non-gated: h[m] = relu(a[m, u])
            acc[m]    += h[m] * w_down_t[u]                       fp32 atomic adds, those tokens only
-    3. _split_write_out_kernel: y = acc in x's dtype; acc zeroed, the list emptied.
+    3. the fused kernel's write-out (decode_fused._write_out_reset_kernel): y = acc in x's dtype;
+       acc zeroed, the list emptied.
 
 Up and down run on CUDA cores, one listed unit per loop step. On Hopper each launch after the
 first is a programmatic dependent launch of the one before: it starts while that one runs and
@@ -49,7 +50,7 @@ import triton.language as tl
 
 from ._launch import on_device_of, pdl_ok
 from .decode import check_decode_args, check_stat_buffers
-from .decode_fused import _block_activity
+from .decode_fused import _block_activity, launch_write_out
 
 __all__ = ["ffn_decode_split", "decode_split_launch", "SplitScratch", "SplitConfig", "SPLIT_CONFIG", "SPLIT_MAX_M"]
 
@@ -126,22 +127,6 @@ def _split_updown_kernel(
             # relaxed: nothing reads acc until the write-out, ordered after this launch's end
             tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], h[:, None] * w[None, :],
                           mask=fire[:, None] & cmask[None, :], sem="relaxed")
-
-
-@triton.jit
-def _split_write_out_kernel(acc_ptr, y_ptr, stride_ym, count_ptr, M, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    # y = acc in y's dtype; acc zeroed and the list emptied for the next call
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-    c = tl.program_id(0)
-    m = tl.program_id(1)
-    cols = c * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < d
-    v = tl.load(acc_ptr + m * d + cols, mask=mask, other=0.0)
-    tl.store(y_ptr + m.to(tl.int64) * stride_ym + cols, v.to(y_ptr.dtype.element_ty), mask=mask)
-    tl.store(acc_ptr + m * d + cols, tl.zeros([BLOCK], dtype=tl.float32), mask=mask)
-    if (c == 0) & (m == 0):
-        tl.store(count_ptr, 0)
 
 
 class SplitScratch:
@@ -223,10 +208,7 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
                 ROWS=SPLIT_MAX_M, BD=min(cfg.BD, dpow), GATED=w_up is not None, GDC=gdc,
                 num_warps=cfg.updown_warps, launch_pdl=gdc,
             )
-            y = torch.empty(M, d, dtype=x.dtype, device=x.device)
-            WB = min(1024, dpow)
-            _split_write_out_kernel[(triton.cdiv(d, WB), M)](scratch.acc, y, y.stride(0), scratch.count, M, d, BLOCK=WB,
-                                                             GDC=gdc, num_warps=4, launch_pdl=gdc)
+            y = launch_write_out(scratch.acc, M, x.dtype, gdc, count=scratch.count)
     except BaseException:
         scratch.reset()  # never hand a half-done call's sums or list to the next call
         raise
