@@ -61,6 +61,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .checks import triton_interpreting
+
 __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION", "FUSED_WIDE_M",
            "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M",
            "EAGER_PREFILL_MIN_M", "DECODE_SPLIT", "SPLIT_MIN_M", "SPLIT_MAX_UNION", "MODES"]
@@ -127,12 +129,6 @@ def _split_max_m() -> int:
     from .kernels.decode_split import SPLIT_MAX_M
 
     return SPLIT_MAX_M
-
-
-def _interpreting() -> bool:
-    from .checks import triton_interpreting
-
-    return triton_interpreting()
 
 
 _LAYERS: "weakref.WeakValueDictionary[int, LayerState]" = weakref.WeakValueDictionary()
@@ -234,9 +230,8 @@ class LayerState:
         # the fused decode kernel's accumulator (twell.kernels.decode_fused.DecodeScratch): one
         # launch fewer per call (no memset); made at the first small CUDA call outside a capture
         self.scratch = None
-        # the split decode kernels' buffers (twell.kernels.decode_split.SplitScratch), made as the
-        # accumulator is when DECODE_SPLIT is on; never replaced (a graph keeps their addresses),
-        # so a layer cast to another dtype after they were made decodes on the fused kernel
+        # the split decode kernels' buffers (twell.kernels.decode_split.SplitScratch), made with
+        # the accumulator when DECODE_SPLIT is on (see _make_scratch)
         self.split_scratch = None
         # which decode kernels the last decode call ran: "split", "fused" (the fused kernel or
         # its CUDA-core variant) or "three-launch" (forced calls of more than 64 tokens)
@@ -373,17 +368,12 @@ class LayerState:
         mode = m.kernel_mode
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path = self.choose(M, f, mode, m.kernel_max_density, capturing)
-        if self.scratch is None and make_scratch and DECODE_SCRATCH and x.is_cuda and not capturing and not m.training \
-                and M <= _fused_max_m():
-            # before a capture needs it: a buffer made inside one is the graph's. Not from the
+        if (self.scratch is None or (DECODE_SPLIT and self.split_scratch is None)) and make_scratch and not capturing \
+                and not m.training and M <= _fused_max_m():
+            # before a capture needs them: a buffer made inside one is the graph's. Not from the
             # compiled op (make_scratch False): cudagraph trees run their warm-up in the graphs'
             # memory pool, and a buffer from there must not outlive it
-            self._make_scratch(x)
-        if DECODE_SPLIT and self.split_scratch is None and make_scratch and (x.is_cuda or _interpreting()) \
-                and not capturing and not m.training and M <= _split_max_m():
-            from .kernels.decode_split import SplitScratch
-
-            self.split_scratch = SplitScratch(x.shape[1], f, x.dtype, x.device)
+            self._make_scratch(x, f)
         w_down_t = w_down.t() if path != "dense" else w_down
         if path != "dense" and not w_down_t.is_contiguous():
             # kernels need down columns as contiguous rows: the module keeps w_down so in eval
@@ -449,12 +439,20 @@ class LayerState:
         u = self.union_share(M, f)
         return sc if u is not None and u <= SPLIT_MAX_UNION else None
 
-    def _make_scratch(self, x: torch.Tensor) -> None:
-        # made once and never replaced: a graph captured with it keeps its address (a layer whose
-        # device changes later runs the fused kernel without it, one memset more per call)
-        from .kernels.decode_fused import DecodeScratch
+    def _make_scratch(self, x: torch.Tensor, f: int) -> None:
+        # The decode kernels' kept buffers for x's d, dtype and device: the fused kernel's
+        # accumulator (CUDA), and with DECODE_SPLIT the split kernels' (CUDA, or the interpreter
+        # for tests). Made once and never replaced: a graph captured with them keeps their
+        # addresses (a layer whose device or dtype changes later runs the fused kernel, without
+        # its accumulator: one memset more per call).
+        if self.scratch is None and DECODE_SCRATCH and x.is_cuda:
+            from .kernels.decode_fused import DecodeScratch
 
-        self.scratch = DecodeScratch(x.shape[1], x.device)
+            self.scratch = DecodeScratch(x.shape[1], x.device)
+        if DECODE_SPLIT and self.split_scratch is None and x.shape[0] <= _split_max_m() and (x.is_cuda or triton_interpreting()):
+            from .kernels.decode_split import SplitScratch
+
+            self.split_scratch = SplitScratch(x.shape[1], f, x.dtype, x.device)
 
     def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu
