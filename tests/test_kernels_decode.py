@@ -258,18 +258,35 @@ def test_decode_fused_gpu_other_dtypes_and_tiles(dtype, M):
     """fp16 and fp32 on both kernels and on 64-row tiles (fp32 there needs its smaller pipeline
     to fit shared memory), gated and non-gated, statistics against the pattern, with the kept
     accumulator and with programmatic dependent launch off: every result the same."""
-    from twell.kernels import _launch
     from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
 
+    x, wg, wu, wd = _gpu_bias_case(M, dtype, -1.28)  # about 10% of the units fire per token
+    scratch = DecodeScratch(x.shape[1], "cuda")
+    tol = 1e-2 if dtype == torch.float16 else 1e-4
+    _check_gpu_variants(lambda *a, **kw: ffn_decode_fused(*a, scratch=scratch, **kw), x, wg, wu, wd, tol,
+                        lambda: bool(torch.all(scratch.acc == 0)))
+
+
+def _gpu_bias_case(M: int, dtype, bias: float):
+    """``x [M, 512]``, ``w_gate``, ``w_up [1408, 512]``, ``w_down [512, 1408]`` on the GPU with a
+    bias input: x[:, 0] = 1 and w_gate[:, 0] = ``bias`` set how many units fire per token."""
     torch.manual_seed(M)
     d, f = 512, 1408
     x = torch.randn(M, d, device="cuda", dtype=dtype)
     wg = torch.randn(f, d, device="cuda", dtype=dtype) / d**0.5
-    x[:, 0], wg[:, 0] = 1.0, -1.28  # a bias input: about 10% of the units fire per token
+    x[:, 0], wg[:, 0] = 1.0, bias
     wu = torch.randn(f, d, device="cuda", dtype=dtype) / d**0.5
     wd = torch.randn(d, f, device="cuda", dtype=dtype) / f**0.5
-    scratch = DecodeScratch(d, "cuda")
-    tol = 1e-2 if dtype == torch.float16 else 1e-4
+    return x, wg, wu, wd
+
+
+def _check_gpu_variants(call, x, wg, wu, wd, tol, scratch_clean) -> None:
+    """``call(x, w_first, w_down_t, unit_counts=, row_nnz=[, w_up=])`` gated and non-gated, with
+    programmatic dependent launch on and off: against the reference, the statistics against the
+    pattern, ``scratch_clean()`` after each call, and both launch modes agreeing."""
+    from twell.kernels import _launch
+
+    M, f = x.shape[0], wg.shape[0]
     pattern = (x.double() @ wg.double().T) > 0
     for gated in (True, False):
         kw = dict(w_up=wu) if gated else {}
@@ -280,13 +297,14 @@ def test_decode_fused_gpu_other_dtypes_and_tiles(dtype, M):
             try:
                 uc = torch.full((f,), -7, dtype=torch.int32, device="cuda")
                 nnz = torch.zeros(M, dtype=torch.int32, device="cuda")
-                y = ffn_decode_fused(x, wg, wd.T.contiguous(), unit_counts=uc, row_nnz=nnz, scratch=scratch, **kw)
+                y = call(x, wg, wd.T.contiguous(), unit_counts=uc, row_nnz=nnz, **kw)
+                torch.cuda.synchronize()
             finally:
                 _launch.USE_PDL = True
-            assert y.dtype == dtype and rel_err(y, ref) < tol, (gated, pdl, rel_err(y, ref))
+            assert y.dtype == x.dtype and rel_err(y, ref) < tol, (gated, pdl, rel_err(y, ref))
             # a pre-activation within fp32 rounding of zero may take either sign
             assert (uc.long() - pattern.sum(0)).abs().sum() <= 2 and (nnz.long() - pattern.sum(1)).abs().sum() <= 2
-            assert torch.all(scratch.acc == 0)
+            assert scratch_clean()
             outs.append(y)
         assert rel_err(outs[0], outs[1].double()) < tol
 
@@ -423,6 +441,7 @@ def test_decode_split_gpu_bf16(M, k):
     a varying or wrong sum); the scratch left zeroed and empty."""
     from twell.bench.inference import errors, reference_fp32
     from twell.bench.synthetic import make_ffn
+    from twell.bench.timing import capture
     from twell.kernels.decode_split import SplitScratch, ffn_decode_split
 
     s = make_ffn(16, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=M + k)
@@ -439,14 +458,7 @@ def test_decode_split_gpu_bf16(M, k):
     torch.cuda.synchronize()
     assert torch.all(scratch.acc == 0) and int(scratch.count) == 0
     out = {}
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out["y"] = ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)
+    graph = capture(lambda: out.__setitem__("y", ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)), warmup=1)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -462,35 +474,10 @@ def test_decode_split_gpu_dtypes_gated_and_statistics(dtype, M):
     """Each dtype (fp32 on its smaller pipeline), gated and non-gated, with the statistics
     against the pattern, programmatic dependent launch on and off: every result the same, the
     scratch left zeroed and empty."""
-    from twell.kernels import _launch
     from twell.kernels.decode_split import SplitScratch, ffn_decode_split
 
-    torch.manual_seed(M)
-    d, f = 512, 1408
-    x = torch.randn(M, d, device="cuda", dtype=dtype)
-    wg = torch.randn(f, d, device="cuda", dtype=dtype) / d**0.5
-    x[:, 0], wg[:, 0] = 1.0, -2.3  # a bias input: about 1% of the units fire per token
-    wu = torch.randn(f, d, device="cuda", dtype=dtype) / d**0.5
-    wd = torch.randn(d, f, device="cuda", dtype=dtype) / f**0.5
-    scratch = SplitScratch(d, f, dtype, "cuda")
+    x, wg, wu, wd = _gpu_bias_case(M, dtype, -2.3)  # about 1% of the units fire per token
+    scratch = SplitScratch(x.shape[1], wg.shape[0], dtype, "cuda")
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    pattern = (x.double() @ wg.double().T) > 0
-    for gated in (True, False):
-        kw = dict(w_up=wu) if gated else {}
-        ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double()) if gated else R.mlp(x.double(), wg.double(), wd.double())
-        outs = []
-        for pdl in (True, False):
-            _launch.USE_PDL = pdl
-            try:
-                uc = torch.full((f,), -7, dtype=torch.int32, device="cuda")
-                nnz = torch.zeros(M, dtype=torch.int32, device="cuda")
-                y = ffn_decode_split(x, wg, wd.T.contiguous(), unit_counts=uc, row_nnz=nnz, scratch=scratch, **kw)
-                torch.cuda.synchronize()
-            finally:
-                _launch.USE_PDL = True
-            assert y.dtype == dtype and rel_err(y, ref) < tol, (gated, pdl, rel_err(y, ref))
-            # a pre-activation within rounding of zero may take either sign
-            assert (uc.long() - pattern.sum(0)).abs().sum() <= 2 and (nnz.long() - pattern.sum(1)).abs().sum() <= 2
-            assert torch.all(scratch.acc == 0) and int(scratch.count) == 0
-            outs.append(y)
-        assert rel_err(outs[0], outs[1].double()) < tol
+    _check_gpu_variants(lambda *a, **kw: ffn_decode_split(*a, scratch=scratch, **kw), x, wg, wu, wd, tol,
+                        lambda: bool(torch.all(scratch.acc == 0)) and int(scratch.count) == 0)

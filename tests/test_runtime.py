@@ -451,6 +451,7 @@ def test_cuda_graph_replay_with_split_decode(M, monkeypatch):
     the split kernels inside a capture; replays equal eager (dense path) within bf16 rounding,
     and a replay after new inputs were copied in uses them."""
     from twell import dispatch
+    from twell.bench.timing import capture
 
     monkeypatch.setattr(dispatch, "DECODE_SPLIT", True)
     stack, xs = _gpu_stack(layers=1)
@@ -461,16 +462,11 @@ def test_cuda_graph_replay_with_split_decode(M, monkeypatch):
             m(x)
             torch.cuda.synchronize()
         eager = m(x)
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            m(x)
-        torch.cuda.current_stream().wait_stream(side)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = m(x)
+        captured = {}
+        g = capture(lambda: captured.__setitem__("y", m(x)), warmup=1)
         g.replay()
         torch.cuda.synchronize()
+        out = captured["y"]
         assert m.last_path == "decode" and m._twell_layer.last_decode_kernels == "split"
         assert rel_err(out, eager) < 1e-2
         x.copy_(xs[M:2 * M])
