@@ -91,21 +91,26 @@ def main() -> None:
             variants.append((f"heavy_down {dtype[1:]}", heavy_rows._heavy_down_kernel,
                              dict(h_ptr=dtype, wd_ptr=dtype, y_ptr=dtype, idx_ptr="*i64", n_ptr="*i64"),
                              dict(IEEE=ieee, BM=64, BD=128, BK=64), 4, 3))
-    if decode_split is not None:  # the shipped shape, each dtype's gate precision, with PDL
+    if decode_split is not None and hasattr(decode_split, "_fire_gate_kernel"):  # from s10: the shipped shape, PDL
         c = decode_split.SPLIT_CONFIG
-        R = decode_split.SPLIT_MAX_M
-        for dtype, prec in ((BF, "tf32"), ("*fp16", "tf32"), ("*fp32", "ieee")):
-            for track in (True, False):
-                variants.append((f"split_gate {dtype[1:]} t{track:d}", decode_split._split_gate_kernel,
-                                 dict(x_ptr=dtype, wf_ptr=dtype, at_ptr=dtype, list_ptr="*i32", count_ptr="*i32", counts_ptr="*i32",
-                                      uc_ptr="*i32", nnz_ptr="*i32"),
-                                 dict(ROWS=R, BU=c.BU, BK=c.BK, TRACK=track, PREC=prec, GDC=True), c.num_warps,
-                                 c.num_stages if prec == "tf32" else min(c.num_stages, 2)))  # as the launcher
+        T = decode_split.SPLIT_MAX_M
+        for dtype, prec, size in ((BF, "tf32", 2), ("*fp16", "tf32", 2), ("*fp32", "ieee", 4)):
+            for rows in (16, 64):
+                for track, gated in ((True, True), (False, True), (False, False)):
+                    # stages as the launcher takes them on the H200 (232448 bytes of shared memory)
+                    ns = max(1, min(c.num_stages, (232448 - 8192) // ((c.BU + rows) * c.BK * size)))
+                    variants.append((f"fire_gate {dtype[1:]} r{rows} t{track:d} g{gated:d}", decode_split._fire_gate_kernel,
+                                     dict(x_ptr=dtype, wf_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, entry_ptr="*i32", gate_ptr=dtype,
+                                          count_ptr="*i32", acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
+                                     dict(ROWS=rows, BU=c.BU, BK=c.BK, TOK=T, GATED=gated, TRACK=track, PREC=prec, GDC=True),
+                                     c.num_warps, ns))
             for gated in (True, False):
-                variants.append((f"split_updown {dtype[1:]} g{gated:d}", decode_split._split_updown_kernel,
-                                 dict(x_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, at_ptr=dtype, list_ptr="*i32", count_ptr="*i32",
-                                      acc_ptr="*fp32"),
-                                 dict(ROWS=R, BD=c.BD, GATED=gated, GDC=True), c.updown_warps, 3))
+                for one in (True, False):
+                    variants.append((f"fire_updown {dtype[1:]} g{gated:d} one{one:d}", decode_split._fire_updown_kernel,
+                                     dict(x_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, entry_ptr="*i32", gate_ptr=dtype,
+                                          count_ptr="*i32", acc_ptr="*fp32"),
+                                     dict(BD=2048, ONE_STEP=one, TOK=T, GATED=gated, GDC=True), c.updown_warps, 3))
+    if decode_split is not None:
         variants.append(("write_out_reset bf16", decode_fused._write_out_reset_kernel,
                          dict(acc_ptr="*fp32", y_ptr=BF, count_ptr="*i32"), dict(BLOCK=1024, GDC=True), 4, 3))
     for name, fn, types, consts, nw, ns in variants:

@@ -336,25 +336,38 @@ def test_decode_fused_scratch_is_left_zeroed_and_reused(gated, config):
 
 # --- the split decode kernels (twell.kernels.decode_split) ---------------------------------------
 
-# M, d, f, SplitConfig (BU, BK, warps, stages, P, BD, up/down warps): blocks smaller than d and f
-# (every loop runs more than once, partial last blocks); fewer programs than listed units (each
-# walks several); one program; more programs than units
-SPLIT_CASES = [(1, 40, 100, (16, 16, 4, 1, 3, 16, 4)), (7, 72, 70, (32, 32, 4, 1, 5, 32, 2)), (16, 24, 37, (16, 16, 4, 1, 1, 16, 4)),
-               (5, 33, 45, (16, 64, 4, 1, 200, 64, 4)), (16, 40, 100, None)]
+# M, d, f, SplitConfig (BU, BK, warps, stages, P, BD, up/down warps), list capacity: blocks
+# smaller than d and f (every loop runs more than once, partial last blocks; BD < d: the up/down
+# walks d in steps); fewer programs than fires (each walks several); one program; more programs
+# than fires; 32- and 64-token tiles; lists too short for the batch's fires (the gate does the
+# rest itself), down to one entry, and one entry short (capacity -1: the fires less one)
+SPLIT_CASES = [(1, 40, 100, (16, 16, 4, 1, 3, 16, 4), 8192), (7, 72, 70, (32, 32, 4, 1, 5, 32, 2), 8192),
+               (16, 24, 37, (16, 16, 4, 1, 1, 16, 4), 8192), (5, 33, 45, (16, 64, 4, 1, 200, 64, 4), 8192),
+               (16, 40, 100, None, 8192), (40, 24, 37, (16, 16, 4, 1, 7, 32, 4), 8192), (64, 33, 50, (16, 16, 4, 1, 9, 64, 4), 8192),
+               (7, 72, 70, (32, 32, 4, 1, 5, 32, 2), 37), (64, 33, 50, (16, 16, 4, 1, 9, 16, 4), 100), (3, 40, 100, None, 1),
+               (16, 24, 37, (16, 16, 4, 1, 5, 16, 4), -1)]
 
 
-@pytest.mark.parametrize("M,d,f,config", SPLIT_CASES, ids=case_id)
+@pytest.mark.parametrize("M,d,f,config,capacity", SPLIT_CASES, ids=case_id)
 @pytest.mark.parametrize("gated", [True, False])
-def test_decode_split_matches_reference(M, d, f, config, gated):
+def test_decode_split_matches_reference(M, d, f, config, capacity, gated):
     """Against the reference, fp32, three different batches in a row on one scratch (the list
-    and the accumulator must be emptied by each call), outputs pre-filled with NaN where the
-    kernels could have left stale values; the statistics and block counts against the pattern."""
+    and the accumulator must be emptied by each call), list slots pre-filled with entries that
+    point at real units and NaN gate values (a slot a call did not fill must never be read); the
+    statistics, the block counts and the number of fires against the pattern. The list sits in
+    larger buffers whose tails must stay untouched (no write past its capacity)."""
     from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
 
     cfg = SplitConfig(*config) if config else None
     x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + d + f + 2)
-    scratch = SplitScratch(d, f, torch.float32, "cpu")
-    scratch.a_t.fill_(float("nan"))  # rows a call does not list must never be read
+    if capacity < 0:  # the three batches below have the same number of fires
+        capacity += int(((x @ wg.T) > 0).sum())
+    scratch = SplitScratch(d, f, torch.float32, "cpu", capacity=capacity)
+    entries = torch.full((capacity + 8,), -5, dtype=torch.int32)
+    gates = torch.full((capacity + 8,), 7.0)
+    scratch.entries, scratch.gates = entries[:capacity], gates[:capacity]
+    scratch.gates.fill_(float("nan"))
+    scratch.entries.copy_(torch.arange(capacity, dtype=torch.int32) % (f * 64))
     for call in range(3):
         xi = (x, x.flip(0), x * 0.5)[call].contiguous()
         uc = torch.full((f,), -7, dtype=torch.int32)  # overwritten
@@ -372,7 +385,9 @@ def test_decode_split_matches_reference(M, d, f, config, gated):
         nb = -(-f // BU)
         expect = torch.nn.functional.pad(pattern.any(0), (0, nb * BU - f)).view(nb, BU).sum(1)
         assert chunk == M and torch.equal(counts.long(), expect)
-        assert torch.all(scratch.acc == 0) and int(scratch.count) == 0, call
+        assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0, call
+        assert int(scratch.fires()) == int(pattern.sum()), call
+        assert torch.all(entries[capacity:] == -5) and torch.all(gates[capacity:] == 7.0), call
 
 
 def test_decode_split_fp16_no_active_unit_and_a_failed_call():
@@ -401,7 +416,7 @@ def test_decode_split_fp16_no_active_unit_and_a_failed_call():
         def __call__(self, *args, **kwargs):
             raise RuntimeError("launch failed")
 
-    for name in ("_split_updown_kernel", "launch_write_out"):  # the list, then also the sums, left behind
+    for name in ("_fire_updown_kernel", "launch_write_out"):  # the list, then also the sums, left behind
         real = getattr(decode_split, name)
         setattr(decode_split, name, Broken())
         try:
@@ -409,7 +424,7 @@ def test_decode_split_fp16_no_active_unit_and_a_failed_call():
                 ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg)
         finally:
             setattr(decode_split, name, real)
-        assert torch.all(scratch.acc == 0) and int(scratch.count) == 0, name
+        assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0, name
         assert torch.equal(ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg), y), name
 
 
@@ -418,8 +433,12 @@ def test_decode_split_validation():
 
     x, wg, wu, wd = gate_case(4, 24, 37, torch.float32, seed=5)
     sc = SplitScratch(24, 37, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="at most 16"):
-        ffn_decode_split(torch.zeros(17, 24), wg, wd.T.contiguous(), w_up=wu, scratch=sc)
+    with pytest.raises(ValueError, match="at most 64"):
+        ffn_decode_split(torch.zeros(65, 24), wg, wd.T.contiguous(), w_up=wu, scratch=sc)
+    with pytest.raises(ValueError, match="acc must be"):
+        SplitScratch(24, 37, torch.float32, "cpu", acc=torch.zeros(16, 24))
+    with pytest.raises(ValueError, match="capacity"):
+        SplitScratch(24, 37, torch.float32, "cpu", capacity=0)
     with pytest.raises(ValueError, match="w_down_t must be"):
         ffn_decode_split(x, wg, wd, w_up=wu, scratch=sc)
     with pytest.raises(ValueError, match="both"):
@@ -433,30 +452,33 @@ def test_decode_split_validation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("M", [1, 6, 8, 16])
+@pytest.mark.parametrize("M,capacity", [(1, 8192), (2, 8192), (8, 8192), (16, 8192), (33, 8192), (64, 8192), (64, 700)])
 @pytest.mark.parametrize("k", [8, 29, 56])
-def test_decode_split_gpu_bf16(M, k):
+def test_decode_split_gpu_bf16(M, capacity, k):
     """bf16 at the real shape, five calls in a row on one scratch and a CUDA graph replay,
     against fp32 and dense's row error (a wrong ordering of the list or the adds would show as
-    a varying or wrong sum); the scratch left zeroed and empty."""
+    a varying or wrong sum); a list too short for 64 tokens' fires (the gate's own path); the
+    scratch left zeroed and empty, its number of fires the pattern's."""
     from twell.bench.inference import errors, reference_fp32
     from twell.bench.synthetic import make_ffn
     from twell.bench.timing import capture
     from twell.kernels.decode_split import SplitScratch, ffn_decode_split
 
-    s = make_ffn(16, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=M + k)
+    s = make_ffn(64, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=M + k)
     x = s.x[:M].contiguous()
     wdt = s.w_down.T.contiguous()
     ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
     dense = (torch.relu(x @ s.w_gate.T) * (x @ s.w_up.T)) @ s.w_down.T
     _, dense_row = errors(dense, ref)
-    scratch = SplitScratch(2048, 5632, torch.bfloat16, "cuda")
+    scratch = SplitScratch(2048, 5632, torch.bfloat16, "cuda", capacity=capacity)
     for _ in range(5):
         y = ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)
         rel, row = errors(y, ref)
         assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
     torch.cuda.synchronize()
-    assert torch.all(scratch.acc == 0) and int(scratch.count) == 0
+    fires = int(((x @ s.w_gate.T) > 0).sum())
+    assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0 and int(scratch.fires()) == fires
+    assert capacity > fires or fires > capacity + 100  # the short list does overflow
     out = {}
     graph = capture(lambda: out.__setitem__("y", ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)), warmup=1)
     for _ in range(3):
@@ -469,7 +491,7 @@ def test_decode_split_gpu_bf16(M, k):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
-@pytest.mark.parametrize("M", [6, 16])
+@pytest.mark.parametrize("M", [6, 40])
 def test_decode_split_gpu_dtypes_gated_and_statistics(dtype, M):
     """Each dtype (fp32 on its smaller pipeline), gated and non-gated, with the statistics
     against the pattern, programmatic dependent launch on and off: every result the same, the
@@ -480,4 +502,4 @@ def test_decode_split_gpu_dtypes_gated_and_statistics(dtype, M):
     scratch = SplitScratch(x.shape[1], wg.shape[0], dtype, "cuda")
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     _check_gpu_variants(lambda *a, **kw: ffn_decode_split(*a, scratch=scratch, **kw), x, wg, wu, wd, tol,
-                        lambda: bool(torch.all(scratch.acc == 0)) and int(scratch.count) == 0)
+                        lambda: bool(torch.all(scratch.acc == 0)) and int(scratch.count[0]) == 0)

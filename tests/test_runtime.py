@@ -26,7 +26,9 @@ def _dense(m, x):
 # --- path choice -------------------------------------------------------------------------------
 
 
-def test_choice_by_batch_size_and_sparsity():
+def test_choice_by_batch_size_and_sparsity(monkeypatch):
+    from twell import dispatch
+
     s = SparseGatedMLP(8, 16)._twell_layer
     f = 5632
     choose = lambda M, mode="auto", density=None: s.choose(M, f, mode, density, False)  # noqa: E731
@@ -38,14 +40,32 @@ def test_choice_by_batch_size_and_sparsity():
     assert in_graph(DECODE_MAX_M + 1) == "dense"
     s.k_est = 8.0  # 16 tokens share about 2% of the units, 64 about 9%
     assert in_graph(16) == in_graph(DECODE_MAX_M) == "decode"
+    # the split kernels (dispatch.DECODE_SPLIT, the default) from SPLIT_MIN_M tokens while the
+    # expected fires, M times k_est, are at most SPLIT_MAX_FIRES (4096)
+    s.k_est = 20.0  # 64 tokens: 1280 fires
+    assert in_graph(33) == in_graph(DECODE_MAX_M) == "decode"
+    s.k_est = 70.0  # 58 tokens: 4060 fires, 59: 4130 (and 52% of the units: too many for the fused kernel)
+    assert in_graph(58) == "decode" and in_graph(59) == "dense"
+    s.k_est = 280.0  # one token: 5% of the units (the fused kernel); 14 tokens 3920 fires, 15 4200
+    assert in_graph(1) == in_graph(14) == "decode" and in_graph(15) == "dense"
+    s.k_est = 1500.0  # 27% of the units for a single token: the fused kernel would read too many rows
+    assert in_graph(1) == "dense"
+    s.k_est = 1300.0  # 3 tokens: 3900 fires; 2 tokens: too few for the split kernels, 41% of the units
+    assert in_graph(dispatch.SPLIT_MIN_M) == "decode" and in_graph(dispatch.SPLIT_MIN_M - 1) == "dense"
+    # without them, the fused kernel's rule on the union share alone
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
     s.k_est = 20.0  # 32 tokens: 10.7%; 33 tokens: 11.0%, above the 64-row tiles' 10%
     assert in_graph(32) == "decode" and in_graph(33) == in_graph(DECODE_MAX_M) == "dense"
-    s.k_est = 280.0  # 5% of the units for a single token: the fused kernel still pays
+    s.k_est = 280.0
     assert in_graph(1) == "decode" and in_graph(16) == "dense"  # 16 tokens: 56% of the units
-    s.k_est = 1500.0  # 27% for a single token: decode would read too many rows
-    assert in_graph(1) == "dense"
     s.k_est = 29.0  # 16 tokens: 8% of the units, 32: 15%, 64: 28% (above FUSED_WIDE_MAX_UNION)
     assert in_graph(16) == in_graph(32) == "decode" and in_graph(DECODE_MAX_M) == "dense"
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", True)
+    assert in_graph(DECODE_MAX_M) == "decode"  # 1856 fires
+    # heavy tokens: the fires counted by the root mean square of the active units per token
+    s.k_rms = 70.0  # 64 tokens: 4480 (mean 29); 58 tokens: 4060
+    assert in_graph(58) == "decode" and in_graph(59) == "dense"
+    s.k_est = s.k_rms = None
     assert choose(PREFILL_MIN_M) == "dense"  # no prefill estimate yet
     s.estimate = (29.0, 60.0)
     assert choose(PREFILL_MIN_M - 1) == "dense"
@@ -127,12 +147,16 @@ def test_estimate_from_a_decode_probe():
     assert s.union_share(16, 5632) == pytest.approx(share, rel=1e-6)
 
 
-def test_union_measured_by_a_small_dense_probe_steers_decode():
+def test_union_measured_by_a_small_dense_probe_steers_decode(monkeypatch):
     """A small dense call's probe also reports the share of units active for some token of its
     batch (in the overflow slot); the layer fits a per-token rate to it, which carries the
-    layer's skew: with the same mean, a skewed layer (fewer units in the union) takes decode at a
-    batch size where the independence estimate from the mean would not."""
+    layer's skew: with the same mean, a skewed layer (fewer units in the union) takes the fused
+    decode kernel at a batch size where the independence estimate from the mean would not (the
+    split kernels, whose rule counts fires, off)."""
+    from twell import dispatch
     from twell.dispatch import FUSED_MAX_UNION
+
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
 
     class Done:
         def query(self):
@@ -143,7 +167,7 @@ def test_union_measured_by_a_small_dense_probe_steers_decode():
     s._f, s._union_m = f, 0
     s._host, s._event, s._kind, s._no_overflow = torch.tensor([k, k, 2 * k, 0.0]), Done(), "rows", True
     s._poll()
-    assert s.union_rate is None and s.k_est == k
+    assert s.union_rate is None and s.k_est == k and s.k_rms == k
     independent = s.union_share(M, f)
     assert independent == pytest.approx(1 - (1 - k / f) ** M) and independent > FUSED_MAX_UNION
     assert s.choose(M, f, "auto", None, True) == "dense"
@@ -154,6 +178,35 @@ def test_union_measured_by_a_small_dense_probe_steers_decode():
     assert s.union_share(M, f) == pytest.approx(share, rel=1e-6)
     assert s.choose(M, f, "auto", None, True) == "decode"
     assert s.union_share(1, f) == pytest.approx(1 - (1 - share) ** (1 / M), rel=1e-6)
+
+
+@pytest.mark.parametrize("M", [5, 70])
+@pytest.mark.parametrize("triton_pass", [False, True])
+def test_dense_probe_counts_the_pattern(M, triton_pass, monkeypatch):
+    """The dense path's probe (taken in its own dtype, see LayerState._dense) reports each row's
+    active units and, up to 64 tokens, the number of units active for some token of the batch,
+    as the pattern a > 0 gives them (NaN-free inputs with exact zeros and negative values), after
+    relu(a) * u as two in-place PyTorch ops or as the Triton pass."""
+    torch.manual_seed(M)
+    m = SparseGatedMLP(24, 37).eval().to(torch.bfloat16)
+    s = m._twell_layer
+    if triton_pass:
+        monkeypatch.setattr(s, "SMALL_M", 0)
+    x = torch.randn(M, 24, dtype=torch.bfloat16)
+    x[:, :3] = 0.0
+    m.gate_proj.weight.data[:5] = 0.0  # exact zeros in a: not firing
+    got = {}
+    monkeypatch.setattr(s, "_publish_rows", lambda per_row, over, union=None, union_m=0: got.update(
+        per_row=per_row, union=union, union_m=union_m))
+    with torch.no_grad():
+        y = s._dense(m, x, m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight, False, True)
+    pattern = (x @ m.gate_proj.weight.T) > 0
+    assert rel_err(y, _dense(m, x)) < 1e-2
+    assert torch.equal(got["per_row"], pattern.sum(1).float())
+    if M <= 64:
+        assert got["union_m"] == M and float(got["union"]) == pytest.approx(float(pattern.any(0).sum()) / 37)
+    else:
+        assert got["union"] is None
 
 
 def test_row_stats():
@@ -321,39 +374,56 @@ def test_custom_op_passes_opcheck():
     assert rel_err(y2, _dense(m, x)) < 1e-5
 
 
-def test_split_decode_kernels_behind_their_switch(monkeypatch):
-    """DECODE_SPLIT off (the default): decode calls run the fused kernels and make no split
-    buffers. On: calls of SPLIT_MIN_M to 16 tokens whose expected union share is at most
-    SPLIT_MAX_UNION take the split kernels (buffers made at the first such eager call), others
-    the fused ones; every call gives the dense answer, and the statistics come from the kernels."""
+def test_split_decode_kernels_and_their_rule(monkeypatch):
+    """DECODE_SPLIT off: decode calls run the fused kernels and make no split buffers. On (the
+    default): calls of SPLIT_MIN_M to 64 tokens whose expected fires (tokens times the measured
+    mean active units, else the fitted rate times f) are at most SPLIT_MAX_FIRES take the split
+    kernels (buffers made at the first eager call; with no estimate yet, split), others the fused
+    ones, and forced calls of more than 64 tokens the three-launch kernels; every call gives the
+    dense answer, and the statistics come from the kernels. Inside a capture, "auto" takes decode
+    for a batch whose fires the split kernels can take although its union share is too large for
+    the fused kernel."""
     from twell import dispatch
 
+    assert dispatch.DECODE_SPLIT  # the default
     torch.manual_seed(5)
     m = SparseGatedMLP(40, 100).eval()
     m.kernel_mode = "decode"
     state = m._twell_layer
     x = torch.randn(8, 40)
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
     with torch.no_grad():
         assert rel_err(m(x), _dense(m, x)) < 1e-5
     assert state.last_decode_kernels == "fused" and state.split_scratch is None
     monkeypatch.setattr(dispatch, "DECODE_SPLIT", True)
     with torch.no_grad():
-        m(x)  # no union estimate yet: the fused kernel (buffers made for the next calls)
-        assert state.last_decode_kernels == "fused" and state.split_scratch is not None
-        state.union_rate = 0.001  # 8 tokens share about 1% of the units, 16 about 2%
-        for M, expect in ((8, "split"), (16, "split"), (dispatch.SPLIT_MIN_M - 1, "fused"), (17, "fused")):
+        assert rel_err(m(x), _dense(m, x)) < 1e-5  # no estimate yet: split (buffers made first)
+        assert state.last_decode_kernels == "split" and state.split_scratch is not None
+        cases = [(3.0, None, 8, "split"), (3.0, None, dispatch.SPLIT_MIN_M - 1, "fused"), (3.0, None, 64, "split"),
+                 (3.0, None, 65, "three-launch"), (100.0, None, 64, "fused"), (100.0, None, 16, "split"),
+                 (None, 0.5, 64, "split"), (None, 0.9, 64, "fused")]
+        for k, rate, M, expect in cases:  # f = 100: 64 tokens at k 100 are 6400 fires
+            state.k_est, state.union_rate = k, rate
             xi = torch.randn(M, 40)
-            assert rel_err(m(xi), _dense(m, xi)) < 1e-5, M
-            assert state.last_decode_kernels == expect, M
-        state.union_rate = 0.05  # 16 tokens: about 56% of the units
-        xi = torch.randn(16, 40)
-        assert rel_err(m(xi), _dense(m, xi)) < 1e-5 and state.last_decode_kernels == "fused"
-        state.union_rate = 0.001
+            assert rel_err(m(xi), _dense(m, xi)) < 1e-5, (k, rate, M)
+            assert state.last_decode_kernels == expect, (k, rate, M)
+        state.k_est, state.union_rate = 3.0, None
         m.track_stats = True
         y = m(x)
     assert state.last_decode_kernels == "split" and rel_err(y, _dense(m, x)) < 1e-5
     pattern = (x @ m.gate_proj.weight.T) > 0
     assert torch.equal(m.stats.unit_counts, pattern.sum(0)) and int(m.stats.active_max) == int(pattern.sum(1).max())
+    assert int(state.split_scratch.fires()) == int(pattern.sum())
+    # the capture's choice (k 29 of 5632 at 64 tokens: 1856 fires, 28% of the units in the batch)
+    state.k_est, state.union_rate = 29.0, None
+    assert state.choose(64, 5632, "auto", None, capturing=True) == "decode"
+    assert state.choose(64, 5632, "auto", None, capturing=False) == "dense"  # eager small calls: dense
+    state.k_est = 80.0  # 5120 fires
+    assert state.choose(64, 5632, "auto", None, capturing=True) == "dense"
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
+    state.k_est = 29.0
+    assert state.choose(64, 5632, "auto", None, capturing=True) == "dense"
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", True)
     # the kept buffers are for fp32: a model cast afterwards decodes on the fused kernel, exactly
     m.half()
     with torch.no_grad():
@@ -437,10 +507,9 @@ def test_cuda_graph_replay_equals_eager(M):
         g.replay()
         torch.cuda.synchronize()
     assert paths[0] == ("dense" if M < EAGER_PREFILL_MIN_M else "prefill")  # eager
-    # in the graph: decode up to 32 tokens (k = 29 of 5632: at most 15% of the units active in the
-    # batch, within dispatch.FUSED_MAX_UNION; 24 tokens take a buffer made inside the capture),
-    # dense at 64 (28%), else as eager
-    assert stack[0].last_path == ("decode" if M <= 32 else paths[0])
+    # in the graph: decode up to 64 tokens (k = 29 of 5632: at most 1856 fires, within
+    # dispatch.SPLIT_MAX_FIRES; one token on the fused kernel, within FUSED_MAX_UNION), else as eager
+    assert stack[0].last_path == ("decode" if M <= 64 else paths[0])
     assert rel_err(out, eager) < 1e-2
 
 
@@ -581,6 +650,43 @@ def test_eval_layout_leaves_weights_that_view_a_larger_buffer():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("M", [16, 256, 1024])
+def test_dense_probe_never_raises_the_peak_and_measures_the_pattern(M):
+    """An eager dense call that takes the sparsity probe allocates no more at its peak than one
+    that does not, and the probe's mean active units per token (and, up to 64 tokens, the share
+    of units active in the batch) are the pattern's."""
+    stack, xs = _gpu_stack(layers=1, M=1024)
+    m = stack[0]
+    s = m._twell_layer
+    x = xs[:M].contiguous()
+    pattern = (x @ m.gate_proj.weight.T) > 0
+
+    def peak(probe: bool) -> int:
+        torch.cuda.synchronize()
+        s._poll()
+        assert s._event is None
+        s._calls = 0 if probe else 1  # the probe runs at the call whose count is 1 modulo its spacing
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        m(x)
+        torch.cuda.synchronize()
+        assert m.last_path == "dense" and (s._event is not None) == probe
+        return torch.cuda.max_memory_allocated() - base
+
+    with torch.no_grad():
+        for _ in range(3):
+            m(x)
+        plain, probed = peak(False), peak(True)
+        torch.cuda.synchronize()
+        s._poll()
+    assert probed <= plain, (probed, plain)
+    assert s.k_est == pytest.approx(float(pattern.sum(1).float().mean()), rel=1e-6)
+    if M <= 64:
+        assert s.union_share(M, pattern.shape[1]) == pytest.approx(float(pattern.any(0).float().mean()), rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_small_eager_calls_measure_the_union_and_make_the_decode_accumulator():
     """Eager calls of 16 tokens run dense, and their probes (every PROBE_EVERY_SMALL calls)
     measure the share of units active for some token of the batch: the layer's union estimate
@@ -597,4 +703,6 @@ def test_small_eager_calls_measure_the_union_and_make_the_decode_accumulator():
     assert m.last_path == "dense" and s.union_rate is not None
     share = float(((x.float() @ m.gate_proj.weight.float().T) > 0).any(0).float().mean())
     assert s.union_share(16, 5632) == pytest.approx(share, rel=0.02)
-    assert s.scratch is not None and s.scratch.acc.shape == (16, 2048) and bool(torch.all(s.scratch.acc == 0))
+    # 64 rows: the split kernels' accumulator too (dispatch.DECODE_SPLIT), with their list beside it
+    assert s.scratch is not None and s.scratch.acc.shape == (64, 2048) and bool(torch.all(s.scratch.acc == 0))
+    assert s.split_scratch is not None and s.split_scratch.acc is s.scratch.acc

@@ -4,11 +4,11 @@ Three paths compute the same function (up to rounding) for every input:
 
 ``"decode"`` (small batches, ``M <= DECODE_MAX_M`` tokens per call)
     The gate read whole, then the up and down rows of the batch's active units only, in one
-    fused kernel (:func:`twell.kernels.decode_fused.ffn_decode_fused`; a forced call of more
-    than ``FUSED_MAX_M`` tokens takes three launches, :func:`twell.kernels.ffn_decode`; with
-    ``DECODE_SPLIT`` on, calls of ``SPLIT_MIN_M`` to 16 tokens at a low union share take the
-    split kernels, :mod:`twell.kernels.decode_split`). It never reads more weight bytes than
-    dense. ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
+    fused kernel (:func:`twell.kernels.decode_fused.ffn_decode_fused`), or from ``SPLIT_MIN_M``
+    to 64 tokens in three launches that list the batch's fires and do up and down one fire at a
+    time (:mod:`twell.kernels.decode_split`, while the expected number of fires is at most
+    ``SPLIT_MAX_FIRES``); a forced call of more than 64 tokens takes three launches,
+    :func:`twell.kernels.ffn_decode`. It never reads more weight bytes than dense. ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
 ``"prefill"`` (large batches)
     cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the fused up/down kernel
     (:func:`twell.kernels.ffn_from_twell`); overflowed rows take the exact path.
@@ -18,9 +18,10 @@ Three paths compute the same function (up to rounding) for every input:
 How a layer chooses (``module.kernel_mode = "auto"``, the default):
 
 - ``M <= DECODE_MAX_M`` inside a CUDA graph capture: decode, if the layer's measured sparsity
-  says that the share of units active for some token of the batch is at most
-  ``FUSED_MAX_UNION`` (``FUSED_WIDE_MAX_UNION`` above ``FUSED_WIDE_M`` tokens; without a
-  measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
+  says that the batch's expected fires (tokens times mean active units) are at most
+  ``SPLIT_MAX_FIRES`` (from ``SPLIT_MIN_M`` tokens) or that the share of units active for some
+  token of the batch is at most ``FUSED_MAX_UNION`` (``FUSED_WIDE_MAX_UNION`` above
+  ``FUSED_WIDE_M`` tokens; without a measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
   capture small batches run dense: there the host's time to issue a call (each launch about
   14 us on the H200 machine here) decides, not the GPU's, and dense, whose three cuBLAS calls
   and two element-wise ops need no checks or Triton launcher, issues fastest.
@@ -65,7 +66,7 @@ from .checks import triton_interpreting
 
 __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION", "FUSED_WIDE_M",
            "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M",
-           "EAGER_PREFILL_MIN_M", "DECODE_SPLIT", "SPLIT_MIN_M", "SPLIT_MAX_UNION", "MODES"]
+           "EAGER_PREFILL_MIN_M", "DECODE_SPLIT", "SPLIT_MIN_M", "SPLIT_MAX_FIRES", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
@@ -90,15 +91,22 @@ FUSED_WIDE_MAX_UNION = 0.10
 # and a layer runs on one stream at a time.
 DECODE_SCRATCH = True
 # The split decode kernels (twell.kernels.decode_split) instead of the fused kernel, from
-# SPLIT_MIN_M to their SPLIT_MAX_M (16) tokens while the expected share of units active for the
-# batch is at most SPLIT_MAX_UNION. In the probe (benchmarks/NOTES_decode.md, ninth session; CUDA
-# graphs, H200, bf16, d 2048, f 5632) they took 23.1 to 26.4 us at 8 and 16 tokens for shares up
-# to 0.078 (1.55x to 1.78x of dense) where the fused kernel took 28.8 to 29.2 us, and lost at a
-# share of 0.15 (34.3 against 29.7 us) and at 1 to 4 tokens. Off (DECODE_SPLIT False) until
-# their GPU tests have run on this code: `twell bench decode --split` times the grid with it on.
-DECODE_SPLIT = False
-SPLIT_MIN_M = 6
-SPLIT_MAX_UNION = 0.08
+# SPLIT_MIN_M to their SPLIT_MAX_M (64) tokens while the batch's expected fires (its tokens times
+# the layer's mean active units per token) are at most SPLIT_MAX_FIRES. In CUDA graphs on the H200
+# (benchmarks/NOTES_decode.md, tenth session; bf16, d 2048, f 5632, L2 flushed) they took about
+# 17 to 21 us plus 4 to 5 ns per fire: 18 to 20 us at 8 and 16 tokens for k 8 to 56 (the fused
+# kernel 28.5 to 29.5, dense 40 to 41), 35.4 us at 64 tokens and k 56 (3584 fires; dense 42.6);
+# at one token 17.8 against the fused CUDA-core kernel's 15.1. At 4096 fires the time is about
+# 0.9 of dense's. Heavy tokens cost more: at 64 tokens with a few tokens of about a thousand
+# active units (3649 fires, mean 57 per token) they took 51.4 us against dense's 43.0 (fires
+# adding into one accumulator row queue there), so the rule counts fires by the root mean
+# square of the active units per token when a probe measured it. From how many tokens (benchmarks/decode_split_small_m.py, the module in graphs,
+# k 8 to 56, two rounds): at 2 tokens 19.0 to 19.6 us against the fused kernel's 16.9 to 17.8, at
+# 3 tokens 19.1 to 19.8 against 19.7 to 20.7, at 4 tokens 19.1 to 20.0 against 21.7 to 22.8.
+# DECODE_SPLIT False: the fused kernel everywhere (as before the tenth session).
+DECODE_SPLIT = True
+SPLIT_MIN_M = 3
+SPLIT_MAX_FIRES = 4096
 # Below this many tokens per call, "auto" never takes the prefill kernels: their fixed costs
 # (four launches, the pack's scratch) exceed what sparsity saves.
 PREFILL_MIN_M = 4096
@@ -129,6 +137,13 @@ def _split_max_m() -> int:
     from .kernels.decode_split import SPLIT_MAX_M
 
     return SPLIT_MAX_M
+
+
+@functools.cache
+def _split_max_f() -> int:
+    from .kernels.decode_split import _MAX_F
+
+    return _MAX_F
 
 
 _LAYERS: "weakref.WeakValueDictionary[int, LayerState]" = weakref.WeakValueDictionary()
@@ -205,6 +220,12 @@ class LayerState:
     PROBE_EVERY = 8  # calls between two estimates (each costs a few small launches)
     PROBE_EVERY_SMALL = 64  # the same for calls of fewer than PREFILL_MIN_M tokens
     SMALL_M = 1024  # up to here the dense path multiplies with PyTorch ops, above with relu_mul_
+    # The same inside a CUDA graph capture, where issuing time does not count: in graphs on the
+    # H200 (benchmarks/dense_elementwise_probe.py, bf16, d 2048, f 5632) the whole dense branch
+    # took 39.7 to 40.1 us with relu_mul_ against 41.7 to 42.0 with the two PyTorch ops at 64
+    # tokens, 46.4 to 46.5 against 48.4 to 49.0 at 256, 111 to 112 against 116 to 117 at 1024
+    # (PyTorch's relu(g) * u MLP: 41.8 to 42.1, 48.6 to 49.2, 116 to 117). Below 64 not measured.
+    GRAPH_SMALL_M = 63
 
     def __init__(self, module) -> None:
         self.key = next(_IDS)
@@ -212,6 +233,10 @@ class LayerState:
         self._module = weakref.ref(module)
         self.estimate: Optional[tuple[float, float]] = None  # prefill: (cost without the tail, max row)
         self.k_est: Optional[float] = None  # mean active units per token, from any path's probe
+        # their root mean square over the tokens (from the probes that see rows; None after a
+        # decode probe): the split decode kernels' rule counts fires by it, since a heavy token's
+        # fires all add into one row of the accumulator and queue there
+        self.k_rms: Optional[float] = None
         # per-token firing rate that reproduces the measured share of units active for some token
         # of a small batch (skewed layers: below k_est / f); decode's choice uses it first
         self.union_rate: Optional[float] = None
@@ -260,9 +285,9 @@ class LayerState:
                 if self._no_overflow:
                     e = 0.0
                 self.estimate = (a + self.RMS_WEIGHT * max(0.0, b - a) + e * self._tile / 8, c)
-                self.k_est = a
+                self.k_est, self.k_rms = a, b
             else:  # "union": share of the units active in a chunk of b tokens
-                self.k_est = self._f * _rate_of_union(a, b)
+                self.k_est, self.k_rms = self._f * _rate_of_union(a, b), None
                 self._fit_union(a, int(b))
             self._event = None
 
@@ -304,6 +329,8 @@ class LayerState:
                 u = self.union_share(M, f)
                 if u is None:
                     return "decode" if M <= DECODE_BLIND_M else "dense"
+                if self._split_pays(M, f):
+                    return "decode"
                 return "decode" if u <= (FUSED_MAX_UNION if M <= FUSED_WIDE_M else FUSED_WIDE_MAX_UNION) else "dense"
             if M < (PREFILL_MIN_M if capturing else EAGER_PREFILL_MIN_M):
                 return "dense"
@@ -394,7 +421,7 @@ class LayerState:
             return self._decode(m, x, w_first, w_down_t, w_up, track, probe)
         if path == "prefill":
             return self._prefill(m, x, w_first, w_down_t, w_up, track, probe)
-        return self._dense(m, x, w_first, w_down, w_up, track, probe)
+        return self._dense(m, x, w_first, w_down, w_up, track, probe, capturing)
 
     def _decode(self, m, x, w_first, w_down_t, w_up, track, probe):
         from .kernels.decode import decode_launch
@@ -427,32 +454,45 @@ class LayerState:
             self._publish("union", torch.stack([share, share.new_full((), min(M, chunk)), share, share]))
         return y
 
+    def _split_pays(self, M: int, f: int) -> bool:
+        """Whether a decode call of ``M`` tokens should take the split kernels: DECODE_SPLIT on,
+        SPLIT_MIN_M to SPLIT_MAX_M tokens, and the expected fires at most SPLIT_MAX_FIRES: M times
+        the measured root mean square of the active units per token (heavy tokens count more:
+        their fires queue on one accumulator row), else its mean, else the fitted rate times f;
+        with no measurement yet (a forced decode call), yes."""
+        if not DECODE_SPLIT or not SPLIT_MIN_M <= M <= _split_max_m() or f >= _split_max_f():
+            return False
+        k = self.k_rms if self.k_rms is not None else self.k_est
+        if k is None and self.union_rate is not None:
+            k = self.union_rate * f
+        return k is None or M * k <= SPLIT_MAX_FIRES
+
     def _split_for(self, x: torch.Tensor, M: int, f: int):
         """The layer's SplitScratch when this decode call of ``M`` tokens takes the split kernels
-        (DECODE_SPLIT on, SPLIT_MIN_M to SPLIT_MAX_M tokens, an expected union share of at most
-        SPLIT_MAX_UNION, buffers made for x's d, dtype and device), else None."""
+        (see :meth:`_split_pays`; buffers made for x's d, dtype and device and ``f``), else None."""
         sc = self.split_scratch
-        if sc is None or not DECODE_SPLIT or not SPLIT_MIN_M <= M <= _split_max_m():
+        if sc is None or not self._split_pays(M, f):
             return None
-        if sc.a_t.dtype != x.dtype or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1] or sc.a_t.shape[0] != f:
+        if sc.gates.dtype != x.dtype or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1] or sc.f != f:
             return None
-        u = self.union_share(M, f)
-        return sc if u is not None and u <= SPLIT_MAX_UNION else None
+        return sc
 
     def _make_scratch(self, x: torch.Tensor, f: int) -> None:
-        # The decode kernels' kept buffers for x's d, dtype and device: the fused kernel's
-        # accumulator (CUDA), and with DECODE_SPLIT the split kernels' (CUDA, or the interpreter
-        # for tests). Made once and never replaced: a graph captured with them keeps their
-        # addresses (a layer whose device or dtype changes later runs the fused kernel, without
-        # its accumulator: one memset more per call).
+        # The decode kernels' kept buffers for x's d, dtype and device: the accumulator (CUDA; 64
+        # rows when the split kernels share it), and with DECODE_SPLIT the split kernels' list
+        # (CUDA, or the interpreter for tests). Made once and never replaced: a graph captured
+        # with them keeps their addresses (a layer whose device or dtype changes later runs the
+        # fused kernel, without its accumulator: one memset more per call).
         if self.scratch is None and DECODE_SCRATCH and x.is_cuda:
-            from .kernels.decode_fused import DecodeScratch
+            from .kernels.decode_fused import SCRATCH_ROWS, DecodeScratch
 
-            self.scratch = DecodeScratch(x.shape[1], x.device)
-        if DECODE_SPLIT and self.split_scratch is None and x.shape[0] <= _split_max_m() and (x.is_cuda or triton_interpreting()):
-            from .kernels.decode_split import SplitScratch
+            self.scratch = DecodeScratch(x.shape[1], x.device, rows=_split_max_m() if DECODE_SPLIT else SCRATCH_ROWS)
+        if DECODE_SPLIT and self.split_scratch is None and f < _split_max_f() and (x.is_cuda or triton_interpreting()):
+            from .kernels.decode_split import SPLIT_MAX_M, SplitScratch
 
-            self.split_scratch = SplitScratch(x.shape[1], f, x.dtype, x.device)
+            sc = self.scratch
+            shared = sc.acc if sc is not None and sc.acc.shape == (SPLIT_MAX_M, x.shape[1]) and sc.acc.device == x.device else None
+            self.split_scratch = SplitScratch(x.shape[1], f, x.dtype, x.device, acc=shared)
 
     def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu
@@ -476,14 +516,14 @@ class LayerState:
             self._publish_rows(per_row.float(), (self.counters.tiles - before).float() / M)
         return y
 
-    def _dense(self, m, x, w_first, w_down, w_up, track, probe):
+    def _dense(self, m, x, w_first, w_down, w_up, track, probe, capturing=False):
         # F.linear rather than mm(x, w.t()): one Python-level view fewer per product
         a = F.linear(x, w_first)  # the pre-activation: a > 0 is the ReLU pattern
         if track:
             m._record(a, None)
         if w_up is None:
             h = torch.relu(a)
-        elif a.shape[0] <= self.SMALL_M:
+        elif a.shape[0] <= (self.GRAPH_SMALL_M if capturing else self.SMALL_M):
             # two in-place PyTorch ops issue faster than a Triton launch; the traffic is small here
             h = F.linear(x, w_up).mul_(a.relu_())
         else:
@@ -493,10 +533,12 @@ class LayerState:
         y = F.linear(h, w_down)
         del h
         if probe and a.shape[0]:
-            # after h is freed, so the probe's [rows, f] mask never raises the call's peak; a > 0
-            # is still the pattern (relu_ keeps the sign)
-            fires = a[:4096] > 0
+            # after h is freed, and in a's dtype, so that the probe never raises the call's peak: a
+            # bool mask costs a byte an element and is summed through a float32 copy (4 more),
+            # while a half-precision tensor is summed in float32 without one on CUDA (measured: a
+            # bool mask raised the peak by 3 bytes an element at 256 and 1024 tokens)
+            fires = a[:4096].clamp(min=0).sign_()  # 1 where a > 0 (the pattern), else 0
             M = a.shape[0]
-            union = fires.any(0).sum(dtype=torch.float32) / max(a.shape[1], 1) if M <= _fused_max_m() else None
+            union = fires.amax(dim=0).sum(dtype=torch.float32) / max(a.shape[1], 1) if M <= _fused_max_m() else None
             self._publish_rows(fires.sum(dim=1, dtype=torch.float32), None, union, M)
         return y

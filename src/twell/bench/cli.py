@@ -2,7 +2,7 @@
 
     twell bench inference [--out DIR] [--quick] [--variants] [--no-grid]
     twell bench batch [--out DIR] [--quick]
-    twell bench decode [--out DIR] [--split]
+    twell bench decode [--out DIR] [--fused]
     twell bench model [--out DIR] [--preset 2b] [--k 29] [--batch 16] [--model RUN_OR_CHECKPOINT]
     twell bench training [--out DIR] [--quick] [--variants] [--no-grid]
 
@@ -17,8 +17,8 @@ to 131072, eager and in CUDA graphs, with host time and peak memory, and a compi
 against a compiled dense one: ``inference_batch_<gpu>.{json,csv,png}``.
 
 ``decode`` times small batches in CUDA graphs (M 1 to 256, k 8/29/56, even and skewed units):
-``decode_<gpu>.{json,csv,png}``; with ``--split``, the split decode kernels on
-(``twell.dispatch.DECODE_SPLIT``): ``decode_<gpu>_split.*``.
+``decode_<gpu>.{json,csv,png}``; with ``--fused``, the split decode kernels off
+(``twell.dispatch.DECODE_SPLIT``): ``decode_<gpu>_fused.*``.
 
 ``model`` builds a randomly initialised model of a preset's shape, gives its MLPs about ``--k``
 active units per token by construction (:func:`twell.bench.model.calibrate_sparsity`), and
@@ -141,8 +141,9 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--k", type=float, default=29, help="model: active units per token to construct (default 29)")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences of 2048 tokens per forward (default 16)")
     parser.add_argument("--no-lean", action="store_true", help="model: skip the compiled lean path")
-    parser.add_argument("--split", action="store_true", help="decode: with the split decode kernels on "
-                        "(twell.dispatch.DECODE_SPLIT; results written as decode_<gpu>_split.json)")
+    parser.add_argument("--fused", action="store_true", help="decode: with the split decode kernels off, the "
+                        "fused kernel up to 64 tokens (twell.dispatch.DECODE_SPLIT; results written as "
+                        "decode_<gpu>_fused.json)")
     parser.add_argument("--model", help="model: a trained model instead (a twell checkpoint, run folder or export), "
                         "benchmarked on windows of its run's validation split; --preset then only labels it")
     args = parser.parse_args(argv)
@@ -422,14 +423,18 @@ def _runtime_bench(args, tag: str, log, t0: float) -> None:
         os.remove(os.path.splitext(path)[0] + "_records.json")
         plot_batch(records, os.path.splitext(path)[0] + ".png", "M", ("speedup", "graph_speedup"), "tokens per call M")
     else:
-        if args.split:
+        if args.fused:
             from .. import dispatch
 
-            dispatch.DECODE_SPLIT = True
+            dispatch.DECODE_SPLIT = False
         records = decode_grid(log=log)
-        path = os.path.join(args.out, f"decode_{tag}{'_split' if args.split else ''}.json")
+        path = os.path.join(args.out, f"decode_{tag}{'_fused' if args.fused else ''}.json")
+        model = []  # the generation records `twell bench model` wrote there stay
+        if os.path.exists(path):
+            with open(path) as fh:
+                model = json.load(fh).get("model", [])
         with open(path, "w") as fh:
-            json.dump({"mlp": records, "model": []}, fh, indent=1)
+            json.dump({"mlp": records, "model": model}, fh, indent=1)
         write_results(records, os.path.splitext(path)[0] + "_mlp.json")
         os.remove(os.path.splitext(path)[0] + "_mlp.json")
         plot_batch(records, os.path.splitext(path)[0] + ".png", "M", ("speedup", "decode_speedup"), "tokens per call M")

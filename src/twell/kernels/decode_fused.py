@@ -96,21 +96,32 @@ def _decode_fused_kernel(
     a = a.to(wf_ptr.dtype.element_ty).to(tl.float32)  # the dense path's rounding of the product
     fires, active, n_active, per_row = _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK)
     if n_active > 0:
-        h = tl.where(fires, a, 0.0)
-        if GATED:  # the up rows of the active units only
-            u = _rows_times_units(x_rows, rmask, wu_ptr, stride_wu, units, active, d, BM, BU, BK, PREC)
-            h = h * u.to(wu_ptr.dtype.element_ty).to(tl.float32)
-        hb = h.to(wd_ptr.dtype.element_ty)
-        cs = tl.arange(0, BD)
-        for d0 in range(0, d, BD):
-            cols = d0 + cs
-            cmask = cols < d
-            w = tl.load(wd_ptr + units.to(tl.int64)[:, None] * stride_wd + cols[None, :], mask=active[:, None] & cmask[None, :], other=0.0)
-            part = tl.dot(hb, w, input_precision=PREC)
-            # only the rows with an active unit in this block add (the others' part is 0: at k 29
-            # and 16 tokens about 3 rows in 4 of a 64-unit block); relaxed: nothing reads acc
-            # until the next launch (acq_rel would fence every add)
-            tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], part, mask=(per_row > 0)[:, None] & cmask[None, :], sem="relaxed")
+        _up_down_block(tl.where(fires, a, 0.0), x_rows, rmask, rows, units, active, per_row, wu_ptr, stride_wu, wd_ptr,
+                       stride_wd, acc_ptr, d, BM, BU, BK, BD, GATED, PREC)
+
+
+@triton.jit
+def _up_down_block(h, x_rows, rmask, rows, units, active, per_row, wu_ptr, stride_wu, wd_ptr, stride_wd, acc_ptr, d,
+                   BM: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr,
+                   PREC: tl.constexpr):
+    """A block's up and down on tensor cores: ``h [BM, BU]`` (relu(a) where the unit fires for
+    the token, else 0) times the up rows of the ``active`` units (gated), rounded, then
+    ``acc[rows] += h w_down_t[units]`` (fp32 atomic adds, only rows with ``per_row > 0``).
+    Also the overflow path of :mod:`twell.kernels.decode_split`'s gate."""
+    if GATED:  # the up rows of the active units only
+        u = _rows_times_units(x_rows, rmask, wu_ptr, stride_wu, units, active, d, BM, BU, BK, PREC)
+        h = h * u.to(wu_ptr.dtype.element_ty).to(tl.float32)
+    hb = h.to(wd_ptr.dtype.element_ty)
+    cs = tl.arange(0, BD)
+    for d0 in range(0, d, BD):
+        cols = d0 + cs
+        cmask = cols < d
+        w = tl.load(wd_ptr + units.to(tl.int64)[:, None] * stride_wd + cols[None, :], mask=active[:, None] & cmask[None, :], other=0.0)
+        part = tl.dot(hb, w, input_precision=PREC)
+        # only the rows with an active unit in this block add (the others' part is 0: at k 29
+        # and 16 tokens about 3 rows in 4 of a 64-unit block); relaxed: nothing reads acc
+        # until the next launch (acq_rel would fence every add)
+        tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], part, mask=(per_row > 0)[:, None] & cmask[None, :], sem="relaxed")
 
 
 @triton.jit
@@ -136,15 +147,18 @@ def _write_out_kernel(acc_ptr, y_ptr, stride_ym, M, d, BLOCK: tl.constexpr, GDC:
 
 @triton.jit
 def _write_out_reset_kernel(acc_ptr, y_ptr, stride_ym, count_ptr, M, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
-    # the same, and the list length at count_ptr set to 0 (twell.kernels.decode_split's list)
+    # the same, and twell.kernels.decode_split's list emptied: its length (count_ptr[0]) kept in
+    # count_ptr[1] as the call's number of fires, then set to 0
     _write_out_block(acc_ptr, y_ptr, stride_ym, d, BLOCK, GDC)
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(count_ptr + 1, tl.load(count_ptr))
         tl.store(count_ptr, 0)
 
 
 def launch_write_out(acc: torch.Tensor, M: int, dtype: torch.dtype, gdc: bool, count: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y [M, d]`` in ``dtype`` from the first M rows of the fp32 accumulator ``acc [*, d]``,
-    which is left zeroed (and ``count``, when given, set to 0), in one launch: a programmatic
+    which is left zeroed (and ``count [2]``, when given, emptied: ``count[1] = count[0]``,
+    ``count[0] = 0``), in one launch: a programmatic
     dependent launch of the kernel before it when ``gdc``."""
     d = acc.shape[1]
     y = torch.empty(M, d, dtype=dtype, device=acc.device)
@@ -220,17 +234,18 @@ def _decode_gemv_kernel(
 
 
 class DecodeScratch:
-    """A reusable fp32 accumulator for :func:`decode_fused_launch`: ``[16, d]`` zeros, left
-    zeroed by every call (its write-out kernel zeroes what the call used), so a call needs no
-    memset launch. One per layer, used by one stream at a time (two streams' calls on one
-    scratch would mix their sums). Allocate it outside a CUDA graph capture: a buffer from a
-    capture's memory pool is the graph's."""
+    """A reusable fp32 accumulator for :func:`decode_fused_launch`: ``[rows, d]`` zeros (16 rows
+    unless asked; calls of more tokens make a fresh buffer), left zeroed by every call (its
+    write-out kernel zeroes what the call used), so a call needs no memset launch. One per layer,
+    used by one stream at a time (two streams' calls on one scratch would mix their sums).
+    :class:`twell.kernels.decode_split.SplitScratch` can share it. Allocate it outside a CUDA
+    graph capture: a buffer from a capture's memory pool is the graph's."""
 
-    def __init__(self, d: int, device) -> None:
+    def __init__(self, d: int, device, rows: int = SCRATCH_ROWS) -> None:
         # a normal tensor even when made under torch.inference_mode (a serving loop's first call):
         # an inference tensor could not be zeroed in place outside that mode after a failed call
         with torch.inference_mode(False):
-            self.acc = torch.zeros(SCRATCH_ROWS, d, dtype=torch.float32, device=device)
+            self.acc = torch.zeros(rows, d, dtype=torch.float32, device=device)
 
 
 # BU units per program, BK columns of d per gate/up step, BD columns per down step, warps,

@@ -1,47 +1,46 @@
-"""The FFN of a small batch in three launches that spread up and down over many small programs.
+"""The FFN of a small batch in three launches: the gate lists every (unit, token) that fires, then
+hundreds of small programs do up and down one fire at a time.
 
 In :mod:`twell.kernels.decode_fused` one program per block of 64 units does gate, up and down
 in turn. From 6 tokens on the H200 its gate costs what any gate product does (about 13.5 us:
-23 MB with L2 flushed), but the up and down phases add 5 to 6 us each, whatever their bytes:
-88 programs, one per SM, each waiting on its own chain (benchmarks/NOTES_decode.md, ninth
-session). Here the work after the gate is spread over hundreds of programs instead::
+23 MB with L2 flushed), but its up and down phases add 5 to 6 us each, whatever their bytes:
+88 programs, one per SM, each waiting on its own chain of loads (benchmarks/NOTES_decode.md,
+ninth session). Here the work after the gate is spread over about a thousand programs instead,
+each with one round of loads per fire::
 
-    1. _split_gate_kernel, one program per BU units:
-           a^T[u, m] = w_first[u] . x[m]       tensor cores, units as the dot's rows; rounded to
-                                                x's dtype as the dense path's product is
-           active units (a > 0 for some token)  appended to a list by one atomic ticket per block,
-                                                with their relu(a) column: a_t[slot, tokens]
-    2. _split_updown_kernel, P programs walking the list; for a listed unit u:
-           gated:     h[m] = relu(a[m, u]) * (x[m] . w_up[u])   only for the tokens u fires for
-                                                                 (other x rows are never read)
-           non-gated: h[m] = relu(a[m, u])
-           acc[m]    += h[m] * w_down_t[u]                       fp32 atomic adds, those tokens only
+    1. _fire_gate_kernel, one program per BU units, the batch's tokens as one tile:
+           a^T[u, m] = w_first[u] . x[m]       tensor cores; rounded to x's dtype as the dense
+                                                path's product is
+           every fire (a[m, u] > 0)             appended to a list by one atomic ticket per block:
+                                                entry u * 64 + m, and relu(a) beside it
+           fires past the list's capacity       done by this program itself, as the fused kernel
+                                                does a block (tensor cores): exact, slower
+    2. _fire_updown_kernel, P programs walking the list; for a fire (u, m) with gate value g:
+           gated:     h = g * (x[m] . w_up[u])     the up row, x row and down row loaded together
+           non-gated: h = g
+           acc[m]    += h * w_down_t[u]             fp32 atomic adds
     3. the fused kernel's write-out (decode_fused._write_out_reset_kernel): y = acc in x's dtype;
-       acc zeroed, the list emptied.
+       acc zeroed; the list emptied, its length kept as the call's number of fires.
 
-Up and down run on CUDA cores, one listed unit per loop step. On Hopper each launch after the
-first is a programmatic dependent launch of the one before: it starts while that one runs and
-waits in ``griddepcontrol.wait`` until it has completed and its writes are visible.
+On Hopper each launch after the first is a programmatic dependent launch of the one before: it
+starts while that one runs and waits in ``griddepcontrol.wait`` until it has completed and its
+writes are visible.
 
 The buffers live in a :class:`SplitScratch` that the caller keeps (one per layer, one stream at
 a time); every call leaves it zeroed and its list empty. The down sums run in fp32 in whatever
 order the programs finish: exact up to rounding, not bit-reproducible.
 
-Measured in ``benchmarks/decode_gate_probe.py --split`` (H200, bf16, d 2048, f 5632, CUDA
-graphs), with the probe's versions of these kernels (no statistics or block counts; int32 row
-offsets):
-- 8 tokens: 1.55x to 1.78x of dense, k 8 to 56;
-- 16 tokens: 1.57x to 1.71x, k 8 and 29. The fused kernel gives 1.38x to 1.43x at 8 and 16
-  tokens;
-- slower than the fused kernels at 1 to 4 tokens, at 16 tokens with a union share of 0.15
-  (k 56), and from 32 tokens at k 29.
-
-The dispatcher (:mod:`twell.dispatch`) takes them only with ``DECODE_SPLIT`` on, off until
-their GPU tests have run on this code.
+Measured (H200, bf16, d 2048, f 5632, CUDA graphs, L2 flushed; benchmarks/NOTES_decode.md, tenth
+session): 18 to 20 us at 8 and 16 tokens for k 8 to 56 (dense 40 to 41 us, the fused kernel 28.5
+to 29.5), 20 to 27 us at 32 tokens and 23 to 35 us at 64; the time grows with the number of fires
+(about 4 to 5 ns each) over a gate of 17 to 21 us. At one token the fused CUDA-core kernel is
+faster (15 against 18 us). The dispatcher (:mod:`twell.dispatch`) takes these kernels from
+``SPLIT_MIN_M`` to 64 tokens while the expected number of fires is at most ``SPLIT_MAX_FIRES``.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple, Optional
 
 import torch
@@ -50,19 +49,23 @@ import triton.language as tl
 
 from ._launch import on_device_of, pdl_ok
 from .decode import check_decode_args, check_stat_buffers
-from .decode_fused import _block_activity, launch_write_out
+from .decode_fused import _block_activity, _up_down_block, launch_write_out
 
-__all__ = ["ffn_decode_split", "decode_split_launch", "SplitScratch", "SplitConfig", "SPLIT_CONFIG", "SPLIT_MAX_M"]
+__all__ = ["ffn_decode_split", "decode_split_launch", "SplitScratch", "SplitConfig", "SPLIT_CONFIG", "SPLIT_MAX_M",
+           "SPLIT_CAPACITY"]
 
-SPLIT_MAX_M = 16  # tokens per call: the token tile of the gate's dot and of the list's a_t rows
+SPLIT_MAX_M = 64  # tokens per call: the gate's token tile, and the token field of a list entry
+SPLIT_CAPACITY = 8192  # list entries of a SplitScratch unless asked (48 KB in bf16)
+_MAX_F = 2**31 // SPLIT_MAX_M  # an entry u * 64 + m must fit in int32
 
 
 @triton.jit
-def _split_gate_kernel(
-    x_ptr, stride_xm, wf_ptr, stride_wf,
-    at_ptr, list_ptr, count_ptr, counts_ptr, uc_ptr, nnz_ptr,
-    M, d, f,
-    ROWS: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, TRACK: tl.constexpr, PREC: tl.constexpr, GDC: tl.constexpr,
+def _fire_gate_kernel(
+    x_ptr, stride_xm, wf_ptr, stride_wf, wu_ptr, stride_wu, wd_ptr, stride_wd,
+    entry_ptr, gate_ptr, count_ptr, acc_ptr, counts_ptr, uc_ptr, nnz_ptr,
+    M, d, f, capacity,
+    ROWS: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
+    GATED: tl.constexpr, TRACK: tl.constexpr, PREC: tl.constexpr, GDC: tl.constexpr,
 ):
     if GDC:  # the next launch may start now (it waits for this one's end to read the list)
         tl.extra.cuda.gdc_launch_dependents()
@@ -73,89 +76,126 @@ def _split_gate_kernel(
     umask = units < f
     ks = tl.arange(0, BK)
     acc = tl.zeros([BU, ROWS], dtype=tl.float32)
-    for k0 in range(0, d, BK):
+    for k0 in range(0, d, BK):  # units as the dot's rows: measured the faster orientation here
         kk = k0 + ks
         kmask = kk < d
         w = tl.load(wf_ptr + units.to(tl.int64)[:, None] * stride_wf + kk[None, :], mask=umask[:, None] & kmask[None, :], other=0.0)
         xt = tl.load(x_ptr + rows.to(tl.int64)[None, :] * stride_xm + kk[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=PREC)
-    a_t = acc.to(wf_ptr.dtype.element_ty).to(tl.float32)  # the dense path's rounding of the product
-    fires, active, n_active, per_row = _block_activity(tl.trans(a_t), rows, rmask, units, umask, b, counts_ptr, uc_ptr,
-                                                       nnz_ptr, TRACK)
-    if n_active > 0:
-        base = tl.atomic_add(count_ptr, n_active)  # this block's slots in the list
-        slot = base + tl.cumsum(active.to(tl.int32), axis=0) - 1
-        tl.store(list_ptr + slot, units, mask=active)
-        h_t = tl.where(tl.trans(fires), a_t, 0.0)
-        tl.store(at_ptr + slot.to(tl.int64)[:, None] * ROWS + rows[None, :], h_t.to(at_ptr.dtype.element_ty), mask=active[:, None])
+    a = tl.trans(acc.to(wf_ptr.dtype.element_ty).to(tl.float32))  # [ROWS, BU], the dense path's rounding
+    fires, active, n_active, per_row = _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK)
+    n = tl.sum(per_row, axis=0)  # this block's fires
+    if n > 0:
+        base = tl.atomic_add(count_ptr, n)  # this block's slots in the list
+        # unit-major: a unit's fires side by side, so that programs running at the same time
+        # mostly read the same up and down rows (as measured)
+        fired = tl.reshape(tl.trans(fires.to(tl.int32)), [BU * ROWS])
+        slot = base + tl.cumsum(fired, axis=0) - 1
+        listed = (fired > 0) & (slot < capacity)
+        entry = tl.reshape(units[:, None] * TOK + rows[None, :], [BU * ROWS])
+        tl.store(entry_ptr + slot, entry, mask=listed)
+        tl.store(gate_ptr + slot, tl.reshape(tl.trans(a), [BU * ROWS]).to(gate_ptr.dtype.element_ty), mask=listed)
+        if base + n > capacity:
+            # the list is full: this block's remaining fires are done here, exactly as the fused
+            # kernel does a block (slower, and rare where the dispatcher chose these kernels)
+            over = fires & (tl.trans(tl.reshape(slot, [BU, ROWS])) >= capacity)
+            over_i = over.to(tl.int32)
+            x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+            _up_down_block(tl.where(over, a, 0.0), x_rows, rmask, rows, units, tl.max(over_i, axis=0) > 0,
+                           tl.sum(over_i, axis=1), wu_ptr, stride_wu, wd_ptr, stride_wd, acc_ptr, d, ROWS, BU, BK, BK,
+                           GATED, PREC)
 
 
 @triton.jit
-def _split_updown_kernel(
+def _fire_updown_kernel(
     x_ptr, stride_xm, wu_ptr, stride_wu, wd_ptr, stride_wd,
-    at_ptr, list_ptr, count_ptr, acc_ptr,
-    M, d, P,
-    ROWS: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
+    entry_ptr, gate_ptr, count_ptr, acc_ptr,
+    d, capacity, P,
+    BD: tl.constexpr, ONE_STEP: tl.constexpr, TOK: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
 ):
     if GDC:
         tl.extra.cuda.gdc_wait()  # the gate launch has completed and its list is visible
         tl.extra.cuda.gdc_launch_dependents()
     pid = tl.program_id(0)
-    n = tl.load(count_ptr)
-    rows = tl.arange(0, ROWS)
-    rmask = rows < M
+    n = tl.minimum(tl.load(count_ptr), capacity)
     cs = tl.arange(0, BD)
     for i in range(pid, n, P):
-        j = tl.load(list_ptr + i).to(tl.int64)
-        h = tl.load(at_ptr + i * ROWS + rows, mask=rmask, other=0.0).to(tl.float32)  # relu(a), 0 where not firing
-        fire = h > 0
-        if GATED:  # the up row times the x rows of the tokens this unit fires for
-            u = tl.zeros([ROWS], dtype=tl.float32)
+        e = tl.load(entry_ptr + i)
+        u = (e // TOK).to(tl.int64)
+        m = (e % TOK).to(tl.int64)
+        h = tl.load(gate_ptr + i).to(tl.float32)  # relu(a[m, u]) > 0
+        acc_row = acc_ptr + m * d
+        if ONE_STEP:  # d in one step: the up row, the x row and the down row in one round of loads
+            cmask = cs < d
+            wd = tl.load(wd_ptr + u * stride_wd + cs, mask=cmask, other=0.0).to(tl.float32)
+            if GATED:
+                wu = tl.load(wu_ptr + u * stride_wu + cs, mask=cmask, other=0.0).to(tl.float32)
+                xm = tl.load(x_ptr + m * stride_xm + cs, mask=cmask, other=0.0).to(tl.float32)
+                up = tl.sum(wu * xm, axis=0).to(wu_ptr.dtype.element_ty).to(tl.float32)  # the dense path rounds it
+                h = h * up
+            h = h.to(wd_ptr.dtype.element_ty).to(tl.float32)  # and h, before the down product
+            # relaxed: nothing reads acc until the write-out, ordered after this launch's end
+            tl.atomic_add(acc_row + cs, h * wd, mask=cmask, sem="relaxed")
+        else:
+            if GATED:
+                part = tl.zeros([BD], dtype=tl.float32)
+                for c0 in range(0, d, BD):
+                    cols = c0 + cs
+                    cmask = cols < d
+                    wu = tl.load(wu_ptr + u * stride_wu + cols, mask=cmask, other=0.0).to(tl.float32)
+                    xm = tl.load(x_ptr + m * stride_xm + cols, mask=cmask, other=0.0).to(tl.float32)
+                    part += wu * xm
+                h = h * tl.sum(part, axis=0).to(wu_ptr.dtype.element_ty).to(tl.float32)
+            h = h.to(wd_ptr.dtype.element_ty).to(tl.float32)
             for c0 in range(0, d, BD):
                 cols = c0 + cs
                 cmask = cols < d
-                w = tl.load(wu_ptr + j * stride_wu + cols, mask=cmask, other=0.0).to(tl.float32)
-                xs = tl.load(x_ptr + rows.to(tl.int64)[:, None] * stride_xm + cols[None, :], mask=fire[:, None] & cmask[None, :],
-                             other=0.0).to(tl.float32)
-                u += tl.sum(xs * w[None, :], axis=1)
-            h = h * u.to(wu_ptr.dtype.element_ty).to(tl.float32)  # the dense path rounds the up product
-        h = h.to(wd_ptr.dtype.element_ty).to(tl.float32)  # and h, before the down product
-        for c0 in range(0, d, BD):
-            cols = c0 + cs
-            cmask = cols < d
-            w = tl.load(wd_ptr + j * stride_wd + cols, mask=cmask, other=0.0).to(tl.float32)
-            # relaxed: nothing reads acc until the write-out, ordered after this launch's end
-            tl.atomic_add(acc_ptr + rows[:, None] * d + cols[None, :], h[:, None] * w[None, :],
-                          mask=fire[:, None] & cmask[None, :], sem="relaxed")
+                wd = tl.load(wd_ptr + u * stride_wd + cols, mask=cmask, other=0.0).to(tl.float32)
+                tl.atomic_add(acc_row + cols, h * wd, mask=cmask, sem="relaxed")
 
 
 class SplitScratch:
     """What a :func:`ffn_decode_split` call keeps between calls, for one layer and one stream at a
     time, left zeroed (the accumulator) and empty (the list) by every call.
 
-    Attributes: ``acc [16, d]`` fp32; ``a_t [f, 16]`` the listed units' relu(a) columns (the
-    inputs' dtype); ``units [f]`` int32, the list; ``count [1]`` int32, its length. About
-    ``16 (4 d + 2 f) + 4 f`` bytes: 250 KB at d 2048, f 5632, bf16. Make it outside a CUDA graph
-    capture: a buffer from a capture's memory pool is the graph's."""
+    Attributes: ``acc [64, d]`` fp32 (shared with a :class:`twell.kernels.decode_fused.DecodeScratch`
+    of 64 rows when given); ``entries [capacity]`` int32, the list (``u * 64 + m``);
+    ``gates [capacity]`` relu(a) of each entry in the inputs' dtype; ``count [2]`` int32: the
+    list's length during a call, and the last call's number of fires (:meth:`fires`). About
+    ``6 capacity`` bytes besides the accumulator: 48 KB at the default capacity, bf16. Make it
+    outside a CUDA graph capture: a buffer from a capture's memory pool is the graph's."""
 
-    def __init__(self, d: int, f: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, d: int, f: int, dtype: torch.dtype, device, capacity: int = SPLIT_CAPACITY,
+                 acc: Optional[torch.Tensor] = None) -> None:
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self.f, self.capacity = f, capacity
         # normal tensors even when made under torch.inference_mode (a serving loop's first call):
         # inference tensors could not be reset in place outside that mode after a failed call
         with torch.inference_mode(False):
-            self.acc = torch.zeros(SPLIT_MAX_M, d, dtype=torch.float32, device=device)
-            self.a_t = torch.zeros(f, SPLIT_MAX_M, dtype=dtype, device=device)
-            self.units = torch.zeros(f, dtype=torch.int32, device=device)
-            self.count = torch.zeros(1, dtype=torch.int32, device=device)
+            if acc is None:
+                acc = torch.zeros(SPLIT_MAX_M, d, dtype=torch.float32, device=device)
+            elif acc.shape != (SPLIT_MAX_M, d) or acc.dtype != torch.float32 or not acc.is_contiguous():
+                raise ValueError(f"acc must be a contiguous [{SPLIT_MAX_M}, {d}] float32 tensor, got {list(acc.shape)} {acc.dtype}")
+            self.acc = acc
+            self.entries = torch.zeros(capacity, dtype=torch.int32, device=device)
+            self.gates = torch.zeros(capacity, dtype=dtype, device=device)
+            self.count = torch.zeros(2, dtype=torch.int32, device=device)
+
+    def fires(self) -> torch.Tensor:
+        """The last call's number of fires (``[]`` int32 on the scratch's device; reading it on
+        the host waits for the GPU). Those past :attr:`capacity` took the slower path."""
+        return self.count[1]
 
     def reset(self) -> None:
         """Empty the list and zero the accumulator (after a call that failed half-way)."""
-        self.count.zero_()
+        self.count[0].zero_()
         self.acc.zero_()
 
 
 class SplitConfig(NamedTuple):
     """Launch shapes: the gate's ``BU`` units per program, its steps of ``BK`` columns, warps and
-    stages; the up/down launch's ``P`` programs, their steps of ``BD`` columns, and warps."""
+    stages; the up/down launch's ``P`` programs, their steps of at most ``BD`` columns, and warps."""
 
     BU: int
     BK: int
@@ -166,10 +206,31 @@ class SplitConfig(NamedTuple):
     updown_warps: int
 
 
-# The fastest of the probe's shapes at 8 and 16 tokens (benchmarks/decode_gate_probe.py --split,
-# call 9: 528 programs of 4 warps, 512- or 1024-column steps; the gate's shape the fastest
-# stand-alone gate of call 1, 13.3 to 13.6 us).
-SPLIT_CONFIG = SplitConfig(64, 128, 4, 6, 528, 512, 4)
+# benchmarks/decode_gate_probe.py --split --fire (tenth session, call 1): 1056 programs of 4 warps
+# with d in one step were the fastest or within 0.5 us of it from 1 to 64 tokens (528 and 2112
+# programs also tried); the gate's shape the fastest stand-alone gate of the ninth session
+# (13.3 to 13.6 us at 8 tokens).
+SPLIT_CONFIG = SplitConfig(64, 128, 4, 6, 1056, 4096, 4)
+
+
+@functools.cache
+def _shared_memory(index: int) -> int:
+    """Bytes of shared memory a block may use on CUDA device ``index``."""
+    try:
+        return int(triton.runtime.driver.active.utils.get_device_properties(index)["max_shared_mem"])
+    except Exception:  # noqa: BLE001 - an unknown driver: the smallest of recent NVIDIA GPUs'
+        return 99 * 1024
+
+
+def _gate_stages(x: torch.Tensor, rows: int, cfg: SplitConfig, BK: int) -> int:
+    """The gate's pipeline stages: the config's, fewer where they would not fit in the device's
+    shared memory (fp32 inputs, 64-token tiles, GPUs before Hopper)."""
+    if not x.is_cuda:
+        return 1
+    per_stage = (cfg.BU + rows) * BK * x.element_size()
+    idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
+    fit = (_shared_memory(idx) - 8 * 1024) // per_stage  # some left for the reductions
+    return max(1, min(cfg.num_stages, fit))
 
 
 def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scratch: SplitScratch,
@@ -189,23 +250,24 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
     track = unit_counts is not None
     gdc = pdl_ok(x)
     dpow = max(16, triton.next_power_of_2(d))
+    rows = max(16, triton.next_power_of_2(M))
+    BK = min(cfg.BK, dpow)
+    BD = min(cfg.BD, dpow)
+    w_up_ = w_up if w_up is not None else w_first
+    prec = "ieee" if x.dtype == torch.float32 else "tf32"
     try:
         with on_device_of(x):
-            _split_gate_kernel[(NB,)](
-                x, x.stride(0), w_first, w_first.stride(0),
-                scratch.a_t, scratch.units, scratch.count, counts,
-                unit_counts if track else counts, row_nnz if track else counts, M, d, f,
-                ROWS=SPLIT_MAX_M, BU=cfg.BU, BK=min(cfg.BK, dpow), TRACK=track,
-                PREC="ieee" if x.dtype == torch.float32 else "tf32", GDC=gdc,
-                # fp32 operands at 6 stages need 200 KB of shared memory (more than pre-Hopper
-                # GPUs have); 2 stages need 40 KB. bf16 and fp16 take 20 KB at any depth here.
-                num_warps=cfg.num_warps, num_stages=cfg.num_stages if x.element_size() < 4 else min(cfg.num_stages, 2),
+            _fire_gate_kernel[(NB,)](
+                x, x.stride(0), w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0),
+                scratch.entries, scratch.gates, scratch.count, scratch.acc, counts,
+                unit_counts if track else counts, row_nnz if track else counts, M, d, f, scratch.capacity,
+                ROWS=rows, BU=cfg.BU, BK=BK, TOK=SPLIT_MAX_M, GATED=w_up is not None, TRACK=track, PREC=prec, GDC=gdc,
+                num_warps=cfg.num_warps, num_stages=_gate_stages(x, rows, cfg, BK),
             )
-            w_up_ = w_up if w_up is not None else w_first
-            _split_updown_kernel[(cfg.P,)](
+            _fire_updown_kernel[(cfg.P,)](
                 x, x.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0),
-                scratch.a_t, scratch.units, scratch.count, scratch.acc, M, d, cfg.P,
-                ROWS=SPLIT_MAX_M, BD=min(cfg.BD, dpow), GATED=w_up is not None, GDC=gdc,
+                scratch.entries, scratch.gates, scratch.count, scratch.acc, d, scratch.capacity, cfg.P,
+                BD=BD, ONE_STEP=BD >= d, TOK=SPLIT_MAX_M, GATED=w_up is not None, GDC=gdc,
                 num_warps=cfg.updown_warps, launch_pdl=gdc,
             )
             y = launch_write_out(scratch.acc, M, x.dtype, gdc, count=scratch.count)
@@ -213,6 +275,15 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
         scratch.reset()  # never hand a half-done call's sums or list to the next call
         raise
     return y, counts, M
+
+
+def check_split_scratch(scratch, x: torch.Tensor, f: int) -> None:
+    """A clear error unless ``scratch`` is a :class:`SplitScratch` for x's d, dtype and device and
+    ``f`` units."""
+    d = x.shape[1]
+    if not isinstance(scratch, SplitScratch) or scratch.acc.shape != (SPLIT_MAX_M, d) or scratch.f != f \
+            or scratch.gates.dtype != x.dtype or scratch.acc.device != x.device:
+        raise ValueError(f"scratch must be a SplitScratch(d={d}, f={f}, dtype={x.dtype}, device={x.device})")
 
 
 def ffn_decode_split(
@@ -226,13 +297,14 @@ def ffn_decode_split(
     row_nnz: Optional[torch.Tensor] = None,
     config: Optional[SplitConfig] = None,
 ) -> torch.Tensor:
-    """The whole FFN of at most 16 tokens in three launches (see the module's text).
+    """The whole FFN of at most 64 tokens in three launches (see the module's text).
 
     Args:
-        x: ``[M, d]`` tokens, ``M <= 16`` (fp16, bf16 or fp32; unit-stride rows).
-        w_first: ``[f, d]`` gate (gated) or up (non-gated) rows; w_down_t: ``[f, d]``, row ``j`` =
-            ``w_down[:, j]``; w_up: ``[f, d]`` for the gated MLP, None for the non-gated one.
-        scratch: a :class:`SplitScratch` for x's d, f, dtype and device.
+        x: ``[M, d]`` tokens, ``M <= 64`` (fp16, bf16 or fp32; unit-stride rows).
+        w_first: ``[f, d]`` gate (gated) or up (non-gated) rows, ``f < 2**25``; w_down_t:
+            ``[f, d]``, row ``j`` = ``w_down[:, j]``; w_up: ``[f, d]`` for the gated MLP, None for
+            the non-gated one.
+        scratch: a :class:`SplitScratch` for x's d, dtype and device and f units.
         unit_counts: optional ``[f]`` int32, overwritten with the tokens each unit fired for;
             row_nnz: optional ``[M]`` int32 zeros, given the active units of each token (both
             or neither).
@@ -244,8 +316,8 @@ def ffn_decode_split(
     M, d, f = check_decode_args(x, w_first, w_down_t, w_up)
     if M > SPLIT_MAX_M:
         raise ValueError(f"the split decode kernels take at most {SPLIT_MAX_M} tokens per call, got {M}")
+    if f >= _MAX_F:
+        raise ValueError(f"the split decode kernels take fewer than {_MAX_F} units, got f = {f}")
     check_stat_buffers(x, unit_counts, row_nnz, f)
-    if not isinstance(scratch, SplitScratch) or scratch.acc.shape != (SPLIT_MAX_M, d) or scratch.a_t.shape != (f, SPLIT_MAX_M) \
-            or scratch.a_t.dtype != x.dtype or scratch.acc.device != x.device:
-        raise ValueError(f"scratch must be a SplitScratch(d={d}, f={f}, dtype={x.dtype}, device={x.device})")
+    check_split_scratch(scratch, x, f)
     return decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, scratch=scratch, config=config)[0]
