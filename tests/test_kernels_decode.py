@@ -314,24 +314,29 @@ def _check_gpu_variants(call, x, wg, wu, wd, tol, scratch_clean) -> None:
 def test_decode_fused_scratch_is_left_zeroed_and_reused(gated, config):
     """With a DecodeScratch: two launches per call, the same results as without, and the
     scratch all zeros after each call (calls of different batches on one scratch; 20 tokens,
-    more than its 16 rows, take a fresh buffer and must leave it untouched)."""
+    more than its 16 rows, take a fresh buffer and must leave it untouched; a 64-row scratch,
+    as the dispatcher keeps beside the split kernels, serves them)."""
     from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
 
     x, wg, wu, wd = gate_case(9, 40, 100, torch.float32, seed=11)
-    scratch = DecodeScratch(40, "cpu")
     x20 = torch.cat([x, x.flip(0), x[:2]])  # 20 tokens: more than the scratch's 16 rows
     batches = (x, x[:3].flip(0).contiguous(), x20, x[1:2].contiguous())
     if isinstance(config, GemvConfig):  # the CUDA-core variant serves a few tokens
         batches = (x[:3], x[4:5], x[:5].flip(0).contiguous())
-    for call, xi in enumerate(batches):
-        xi = xi.contiguous()
-        kw = dict(w_up=wu) if gated else {}
-        y = ffn_decode_fused(xi, wg, wd.T.contiguous(), scratch=scratch, config=config, **kw)
-        ref = ffn_decode_fused(xi, wg, wd.T.contiguous(), config=config, **kw)
-        assert y.shape == xi.shape and rel_err(y, ref) < 1e-6, call
-        assert torch.all(scratch.acc == 0), call
+    for rows in (16, 64):
+        scratch = DecodeScratch(40, "cpu", rows=rows)
+        scratch.acc[20:].fill_(float("nan"))  # rows past the calls' tokens are never touched
+        for call, xi in enumerate(batches):
+            xi = xi.contiguous()
+            kw = dict(w_up=wu) if gated else {}
+            y = ffn_decode_fused(xi, wg, wd.T.contiguous(), scratch=scratch, config=config, **kw)
+            ref = ffn_decode_fused(xi, wg, wd.T.contiguous(), config=config, **kw)
+            assert y.shape == xi.shape and rel_err(y, ref) < 1e-6, (rows, call)
+            assert torch.all(scratch.acc[:20] == 0) and torch.all(scratch.acc[20:].isnan()), (rows, call)
     with pytest.raises(ValueError, match="scratch must be"):
         ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, scratch=DecodeScratch(32, "cpu"))
+    with pytest.raises(ValueError, match="scratch must be"):
+        ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, scratch=DecodeScratch(40, "cpu", rows=8))
 
 
 # --- the split decode kernels (twell.kernels.decode_split) ---------------------------------------
@@ -424,17 +429,19 @@ def test_decode_split_fp16_no_active_unit_and_a_failed_call():
                 ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg)
         finally:
             setattr(decode_split, name, real)
-        assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0, name
+        assert torch.all(scratch.acc == 0) and torch.all(scratch.count == 0), name  # fires() reads 0
         assert torch.equal(ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg), y), name
 
 
 def test_decode_split_validation():
-    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
+    from twell.kernels.decode_split import SplitScratch, decode_split_launch, ffn_decode_split
 
     x, wg, wu, wd = gate_case(4, 24, 37, torch.float32, seed=5)
     sc = SplitScratch(24, 37, torch.float32, "cpu")
     with pytest.raises(ValueError, match="at most 64"):
         ffn_decode_split(torch.zeros(65, 24), wg, wd.T.contiguous(), w_up=wu, scratch=sc)
+    with pytest.raises(ValueError, match="at most 64"):  # also the unchecked launcher
+        decode_split_launch(torch.zeros(65, 24), wg, wd.T.contiguous(), wu, None, None, scratch=sc)
     with pytest.raises(ValueError, match="acc must be"):
         SplitScratch(24, 37, torch.float32, "cpu", acc=torch.zeros(16, 24))
     with pytest.raises(ValueError, match="capacity"):
@@ -457,7 +464,8 @@ def test_decode_split_validation():
 def test_decode_split_gpu_bf16(M, capacity, k):
     """bf16 at the real shape, five calls in a row on one scratch and a CUDA graph replay,
     against fp32 and dense's row error (a wrong ordering of the list or the adds would show as
-    a varying or wrong sum); a list too short for 64 tokens' fires (the gate's own path); the
+    a varying or wrong sum); a list too short for 64 tokens' fires at k 29 and 56 (the gate's own
+    path; at k 8 their 512 fires fit); the
     scratch left zeroed and empty, its number of fires the pattern's."""
     from twell.bench.inference import errors, reference_fp32
     from twell.bench.synthetic import make_ffn

@@ -50,8 +50,10 @@ def test_choice_by_batch_size_and_sparsity(monkeypatch):
     assert in_graph(1) == in_graph(14) == "decode" and in_graph(15) == "dense"
     s.k_est = 1500.0  # 27% of the units for a single token: the fused kernel would read too many rows
     assert in_graph(1) == "dense"
-    s.k_est = 1300.0  # 3 tokens: 3900 fires; 2 tokens: too few for the split kernels, 41% of the units
-    assert in_graph(dispatch.SPLIT_MIN_M) == "decode" and in_graph(dispatch.SPLIT_MIN_M - 1) == "dense"
+    s.k_est = 1000.0  # 4 tokens: 4000 fires; 2 tokens: too few for the split kernels, 32% of the units
+    assert in_graph(dispatch.SPLIT_MIN_M) == in_graph(4) == "decode" and in_graph(dispatch.SPLIT_MIN_M - 1) == "dense"
+    s.k_est = 1100.0  # 3 tokens: 3300 fires, but more than SPLIT_MAX_ROW_FIRES per token
+    assert in_graph(3) == "dense"
     # without them, the fused kernel's rule on the union share alone
     monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
     s.k_est = 20.0  # 32 tokens: 10.7%; 33 tokens: 11.0%, above the 64-row tiles' 10%
@@ -103,7 +105,7 @@ def test_module_passes_its_knobs(monkeypatch):
     seen = {}
     real = LayerState.choose
 
-    def spy(self, M, f, mode, max_density, capturing):
+    def spy(self, M, f, mode, max_density, capturing, x=None):
         seen.update(M=M, f=f, mode=mode, max_density=max_density, capturing=capturing)
         return real(self, M, f, mode, max_density, capturing)
 
@@ -207,6 +209,27 @@ def test_dense_probe_counts_the_pattern(M, triton_pass, monkeypatch):
         assert got["union_m"] == M and float(got["union"]) == pytest.approx(float(pattern.any(0).sum()) / 37)
     else:
         assert got["union"] is None
+
+
+def test_split_gate_stages_fit_the_shared_memory(monkeypatch):
+    """The split gate's pipeline depth: the config's where it fits the device's shared memory,
+    fewer where not (fp32, 64-token tiles, a 99 KB GPU), at least one; a depth that failed to
+    compile once is remembered for that device, dtype and tile."""
+    from types import SimpleNamespace
+
+    from twell.kernels import decode_split as S
+
+    def fake(dtype_bytes, idx=0):
+        return SimpleNamespace(is_cuda=True, device=torch.device("cuda", idx), dtype=dtype_bytes, element_size=lambda: dtype_bytes)
+
+    cfg = S.SPLIT_CONFIG  # 64 units, 128 columns, 6 stages
+    monkeypatch.setattr(S, "_shared_memory", lambda idx: 232448)  # the H200's
+    assert S._gate_stages(fake(2), 16, cfg, 128) == 6  # 20 KB a stage
+    assert S._gate_stages(fake(4), 64, cfg, 128) == 3  # 64 KB a stage
+    monkeypatch.setattr(S, "_shared_memory", lambda idx: 99 * 1024)
+    assert S._gate_stages(fake(2), 64, cfg, 128) == 2 and S._gate_stages(fake(4), 64, cfg, 128) == 1
+    monkeypatch.setattr(S, "_FEWER_STAGES", {(fake(2).device, 2, 16): 1})
+    assert S._gate_stages(fake(2), 16, cfg, 128) == 1
 
 
 def test_row_stats():
@@ -424,6 +447,16 @@ def test_split_decode_kernels_and_their_rule(monkeypatch):
     state.k_est = 29.0
     assert state.choose(64, 5632, "auto", None, capturing=True) == "dense"
     monkeypatch.setattr(dispatch, "DECODE_SPLIT", True)
+    # given the call's input, the split kernels count only where their buffers are there for it
+    # (else the fused kernel would run, at a union share its own rule refuses): f = 100 here
+    state.k_est = 0.5  # 64 tokens: 32 fires, 27% of the units
+    x64 = torch.randn(64, 40)
+    assert state.choose(64, 100, "auto", None, True, x64) == "decode"
+    assert state.choose(64, 100, "auto", None, True, x64.half()) == "dense"  # buffers for fp32
+    assert state.choose(64, 100, "auto", None, True, torch.randn(64, 24)) == "dense"  # another d
+    saved, state.split_scratch = state.split_scratch, None
+    assert state.choose(64, 100, "auto", None, True, x64) == "dense"
+    state.split_scratch = saved
     # the kept buffers are for fp32: a model cast afterwards decodes on the fused kernel, exactly
     m.half()
     with torch.no_grad():

@@ -66,7 +66,7 @@ from .checks import triton_interpreting
 
 __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION", "FUSED_WIDE_M",
            "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M",
-           "EAGER_PREFILL_MIN_M", "DECODE_SPLIT", "SPLIT_MIN_M", "SPLIT_MAX_FIRES", "MODES"]
+           "EAGER_PREFILL_MIN_M", "DECODE_SPLIT", "SPLIT_MIN_M", "SPLIT_MAX_FIRES", "SPLIT_MAX_ROW_FIRES", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
@@ -107,6 +107,11 @@ DECODE_SCRATCH = True
 DECODE_SPLIT = True
 SPLIT_MIN_M = 3
 SPLIT_MAX_FIRES = 4096
+# ...and while a token's active units (their root mean square over the batch's tokens) are at
+# most SPLIT_MAX_ROW_FIRES: a guard against a few tokens of thousands of fires each, whose adds
+# would queue on their accumulator rows (not measured at this size; the heavy batches measured,
+# with tokens of up to about a thousand, are within it).
+SPLIT_MAX_ROW_FIRES = 1024
 # Below this many tokens per call, "auto" never takes the prefill kernels: their fixed costs
 # (four launches, the pack's scratch) exceed what sparsity saves.
 PREFILL_MIN_M = 4096
@@ -318,8 +323,11 @@ class LayerState:
             rate = min(self.k_est / max(f, 1), 1.0)
         return 1.0 - (1.0 - rate) ** M
 
-    def choose(self, M: int, f: int, mode: str, max_density: Optional[float], capturing: bool) -> str:
-        """``"dense"``, ``"decode"`` or ``"prefill"`` for a call of ``M`` tokens."""
+    def choose(self, M: int, f: int, mode: str, max_density: Optional[float], capturing: bool,
+               x: Optional[torch.Tensor] = None) -> str:
+        """``"dense"``, ``"decode"`` or ``"prefill"`` for a call of ``M`` tokens (``x``: the call's
+        input, to check that the split decode kernels' buffers are there for it; None: assume
+        they are)."""
         if mode == "auto":
             if not capturing:
                 self._poll()
@@ -329,7 +337,8 @@ class LayerState:
                 u = self.union_share(M, f)
                 if u is None:
                     return "decode" if M <= DECODE_BLIND_M else "dense"
-                if self._split_pays(M, f):
+                split = self._split_pays(M, f) if x is None else self._split_for(x, M, f) is not None
+                if split:  # (without its buffers the fused kernel would run: the union rule below)
                     return "decode"
                 return "decode" if u <= (FUSED_MAX_UNION if M <= FUSED_WIDE_M else FUSED_WIDE_MAX_UNION) else "dense"
             if M < (PREFILL_MIN_M if capturing else EAGER_PREFILL_MIN_M):
@@ -394,7 +403,7 @@ class LayerState:
         self._f = f
         mode = m.kernel_mode
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        path = self.choose(M, f, mode, m.kernel_max_density, capturing)
+        path = self.choose(M, f, mode, m.kernel_max_density, capturing, x)
         if (self.scratch is None or (DECODE_SPLIT and self.split_scratch is None)) and make_scratch and not capturing \
                 and not m.training and M <= _fused_max_m():
             # before a capture needs them: a buffer made inside one is the graph's. Not from the
@@ -458,14 +467,14 @@ class LayerState:
         """Whether a decode call of ``M`` tokens should take the split kernels: DECODE_SPLIT on,
         SPLIT_MIN_M to SPLIT_MAX_M tokens, and the expected fires at most SPLIT_MAX_FIRES: M times
         the measured root mean square of the active units per token (heavy tokens count more:
-        their fires queue on one accumulator row), else its mean, else the fitted rate times f;
-        with no measurement yet (a forced decode call), yes."""
+        their fires queue on one accumulator row; also at most SPLIT_MAX_ROW_FIRES), else its
+        mean, else the fitted rate times f; with no measurement yet (a forced decode call), yes."""
         if not DECODE_SPLIT or not SPLIT_MIN_M <= M <= _split_max_m() or f >= _split_max_f():
             return False
         k = self.k_rms if self.k_rms is not None else self.k_est
         if k is None and self.union_rate is not None:
             k = self.union_rate * f
-        return k is None or M * k <= SPLIT_MAX_FIRES
+        return k is None or (M * k <= SPLIT_MAX_FIRES and k <= SPLIT_MAX_ROW_FIRES)
 
     def _split_for(self, x: torch.Tensor, M: int, f: int):
         """The layer's SplitScratch when this decode call of ``M`` tokens takes the split kernels
@@ -533,11 +542,11 @@ class LayerState:
         y = F.linear(h, w_down)
         del h
         if probe and a.shape[0]:
-            # after h is freed, and in a's dtype, so that the probe never raises the call's peak: a
+            # after h is freed, and in a itself, so that the probe never raises the call's peak: a
             # bool mask costs a byte an element and is summed through a float32 copy (4 more),
             # while a half-precision tensor is summed in float32 without one on CUDA (measured: a
             # bool mask raised the peak by 3 bytes an element at 256 and 1024 tokens)
-            fires = a[:4096].clamp(min=0).sign_()  # 1 where a > 0 (the pattern), else 0
+            fires = a[:4096].clamp_(min=0).sign_()  # 1 where a > 0 (the pattern), else 0; a is not used again
             M = a.shape[0]
             union = fires.amax(dim=0).sum(dtype=torch.float32) / max(a.shape[1], 1) if M <= _fused_max_m() else None
             self._publish_rows(fires.sum(dim=1, dtype=torch.float32), None, union, M)

@@ -373,7 +373,7 @@ def ffn_decode_fused(
         config: ``(BU, BK, BD, num_warps, num_stages)`` for the tensor-core kernel, or a
             :class:`GemvConfig` for the CUDA-core one; None: :func:`fused_config`.
         scratch: a :class:`DecodeScratch` (zeroed accumulator kept between calls: one launch
-            fewer; used up to its 16 rows, a larger call makes a fresh buffer); None: a fresh
+            fewer; used up to its rows, a larger call makes a fresh buffer); None: a fresh
             buffer per call.
 
     Returns:
@@ -383,6 +383,7 @@ def ffn_decode_fused(
     if M > FUSED_MAX_M:
         raise ValueError(f"the fused decode kernel takes at most {FUSED_MAX_M} tokens per call, got {M}")
     check_stat_buffers(x, unit_counts, row_nnz, f)
-    if scratch is not None and (scratch.acc.shape != (SCRATCH_ROWS, d) or scratch.acc.device != x.device):
+    if scratch is not None and (scratch.acc.dim() != 2 or scratch.acc.shape[0] < SCRATCH_ROWS or scratch.acc.shape[1] != d
+                                or scratch.acc.device != x.device):
         raise ValueError(f"scratch must be a DecodeScratch for d = {d} on {x.device}, got {list(scratch.acc.shape)} on {scratch.acc.device}")
     return decode_fused_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, config=config, scratch=scratch)[0]

@@ -188,8 +188,9 @@ class SplitScratch:
         return self.count[1]
 
     def reset(self) -> None:
-        """Empty the list and zero the accumulator (after a call that failed half-way)."""
-        self.count[0].zero_()
+        """Empty the list and zero the accumulator (after a call that failed half-way; the
+        number of fires then reads 0)."""
+        self.count.zero_()
         self.acc.zero_()
 
 
@@ -222,11 +223,17 @@ def _shared_memory(index: int) -> int:
         return 99 * 1024
 
 
+_FEWER_STAGES: dict = {}  # (device, dtype, rows) -> stages, where the estimate below failed
+
+
 def _gate_stages(x: torch.Tensor, rows: int, cfg: SplitConfig, BK: int) -> int:
     """The gate's pipeline stages: the config's, fewer where they would not fit in the device's
     shared memory (fp32 inputs, 64-token tiles, GPUs before Hopper)."""
     if not x.is_cuda:
         return 1
+    known = _FEWER_STAGES.get((x.device, x.dtype, rows))
+    if known is not None:
+        return known
     per_stage = (cfg.BU + rows) * BK * x.element_size()
     idx = x.device.index if x.device.index is not None else torch.cuda.current_device()
     fit = (_shared_memory(idx) - 8 * 1024) // per_stage  # some left for the reductions
@@ -242,6 +249,8 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
     returns them."""
     M, d = x.shape
     f = w_first.shape[0]
+    if M > SPLIT_MAX_M:  # a list entry keeps the token in 6 bits: never decode one wrongly
+        raise ValueError(f"the split decode kernels take at most {SPLIT_MAX_M} tokens per call, got {M}")
     if M == 0 or d == 0 or f == 0:
         return torch.zeros(M, d, dtype=x.dtype, device=x.device), torch.zeros(0, dtype=torch.int32, device=x.device), max(M, 1)
     cfg = config or SPLIT_CONFIG
@@ -255,15 +264,25 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
     BD = min(cfg.BD, dpow)
     w_up_ = w_up if w_up is not None else w_first
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    stages = _gate_stages(x, rows, cfg, BK)
     try:
         with on_device_of(x):
-            _fire_gate_kernel[(NB,)](
-                x, x.stride(0), w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0),
-                scratch.entries, scratch.gates, scratch.count, scratch.acc, counts,
-                unit_counts if track else counts, row_nnz if track else counts, M, d, f, scratch.capacity,
-                ROWS=rows, BU=cfg.BU, BK=BK, TOK=SPLIT_MAX_M, GATED=w_up is not None, TRACK=track, PREC=prec, GDC=gdc,
-                num_warps=cfg.num_warps, num_stages=_gate_stages(x, rows, cfg, BK),
-            )
+            for attempt in (0, 1):
+                try:
+                    _fire_gate_kernel[(NB,)](
+                        x, x.stride(0), w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0),
+                        scratch.entries, scratch.gates, scratch.count, scratch.acc, counts,
+                        unit_counts if track else counts, row_nnz if track else counts, M, d, f, scratch.capacity,
+                        ROWS=rows, BU=cfg.BU, BK=BK, TOK=SPLIT_MAX_M, GATED=w_up is not None, TRACK=track, PREC=prec,
+                        GDC=gdc, num_warps=cfg.num_warps, num_stages=stages,
+                    )
+                    break
+                except triton.runtime.errors.OutOfResources:
+                    # compiled, not launched: a GPU whose shared memory the estimate above got
+                    # wrong takes one stage, remembered for its later calls
+                    if attempt or stages == 1:
+                        raise
+                    stages = _FEWER_STAGES[(x.device, x.dtype, rows)] = 1
             _fire_updown_kernel[(cfg.P,)](
                 x, x.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0),
                 scratch.entries, scratch.gates, scratch.count, scratch.acc, d, scratch.capacity, cfg.P,
