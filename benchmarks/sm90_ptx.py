@@ -94,11 +94,14 @@ def main() -> None:
     if decode_split is not None and hasattr(decode_split, "_fire_gate_kernel"):  # from s10: the shipped shape, PDL
         c = decode_split.SPLIT_CONFIG
         T = decode_split.SPLIT_MAX_M
+
+        def stages(rows: int, size: int) -> int:  # as the launcher takes them on the H200 (232448 bytes of shared memory)
+            return max(1, min(c.num_stages, (232448 - 8192) // ((c.BU + rows) * c.BK * size)))
+
         for dtype, prec, size in ((BF, "tf32", 2), ("*fp16", "tf32", 2), ("*fp32", "ieee", 4)):
             for rows in (16, 64):
                 for track, gated in ((True, True), (False, True), (False, False)):
-                    # stages as the launcher takes them on the H200 (232448 bytes of shared memory)
-                    ns = max(1, min(c.num_stages, (232448 - 8192) // ((c.BU + rows) * c.BK * size)))
+                    ns = stages(rows, size)
                     variants.append((f"fire_gate {dtype[1:]} r{rows} t{track:d} g{gated:d}", decode_split._fire_gate_kernel,
                                      dict(x_ptr=dtype, wf_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, entry_ptr="*i32", gate_ptr=dtype,
                                           count_ptr="*i32", acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
@@ -112,7 +115,7 @@ def main() -> None:
                                      dict(BD=2048, ONE_STEP=one, TOK=T, GATED=gated, GDC=True), c.updown_warps, 3))
             if hasattr(decode_split, "_token_gate_kernel"):  # from s10: per-token lists
                 for rows in (16, 64):
-                    ns = max(1, min(c.num_stages, (232448 - 8192) // ((c.BU + rows) * c.BK * size)))
+                    ns = stages(rows, size)
                     variants.append((f"token_gate {dtype[1:]} r{rows} g1", decode_split._token_gate_kernel,
                                      dict(x_ptr=dtype, wf_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, unit_ptr="*i32", gate_ptr=dtype,
                                           count_ptr="*i32", acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),

@@ -8,7 +8,8 @@ Three paths compute the same function (up to rounding) for every input:
     to 64 tokens in three launches that list the batch's fires and do up and down one fire at a
     time (:mod:`twell.kernels.decode_split`, while the expected number of fires is at most
     ``SPLIT_MAX_FIRES``); a forced call of more than 64 tokens takes three launches,
-    :func:`twell.kernels.ffn_decode`. It never reads more weight bytes than dense. ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
+    :func:`twell.kernels.ffn_decode`. It never reads more weight bytes than dense.
+    ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
 ``"prefill"`` (large batches)
     cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the fused up/down kernel
     (:func:`twell.kernels.ffn_from_twell`); overflowed rows take the exact path.
@@ -18,8 +19,9 @@ Three paths compute the same function (up to rounding) for every input:
 How a layer chooses (``module.kernel_mode = "auto"``, the default):
 
 - ``M <= DECODE_MAX_M`` inside a CUDA graph capture: decode, if the layer's measured sparsity
-  says that the batch's expected fires (tokens times mean active units) are at most
-  ``SPLIT_MAX_FIRES`` (from ``SPLIT_MIN_M`` tokens) or that the share of units active for some
+  says that the batch's expected fires (tokens times the root mean square of the active units
+  per token) are at most ``SPLIT_MAX_FIRES`` (from ``SPLIT_MIN_M`` tokens, and with its buffers
+  made) or that the share of units active for some
   token of the batch is at most ``FUSED_MAX_UNION`` (``FUSED_WIDE_MAX_UNION`` above
   ``FUSED_WIDE_M`` tokens; without a measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
   capture small batches run dense: there the host's time to issue a call (each launch about
@@ -92,7 +94,7 @@ FUSED_WIDE_MAX_UNION = 0.10
 DECODE_SCRATCH = True
 # The split decode kernels (twell.kernels.decode_split) instead of the fused kernel, from
 # SPLIT_MIN_M to their SPLIT_MAX_M (64) tokens while the batch's expected fires (its tokens times
-# the layer's mean active units per token) are at most SPLIT_MAX_FIRES. In CUDA graphs on the H200
+# the root mean square of the layer's active units per token) are at most SPLIT_MAX_FIRES. In CUDA graphs on the H200
 # (benchmarks/NOTES_decode.md, tenth session; bf16, d 2048, f 5632, L2 flushed) they took about
 # 17 to 21 us plus 4 to 5 ns per fire: 18 to 20 us at 8 and 16 tokens for k 8 to 56 (the fused
 # kernel 28.5 to 29.5, dense 40 to 41), 35.4 us at 64 tokens and k 56 (3584 fires; dense 42.6);

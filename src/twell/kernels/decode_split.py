@@ -60,6 +60,53 @@ _MAX_F = 2**31 // SPLIT_MAX_M  # an entry u * 64 + m must fit in int32
 
 
 @triton.jit
+def _gate_tile(x_ptr, stride_xm, wf_ptr, stride_wf, rows, rmask, units, umask, d,
+               ROWS: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
+    """``a [ROWS, BU]``: the block's gate products on tensor cores, rounded to the weights' dtype
+    as the dense path's product is. Units as the dot's rows: measured the faster orientation here."""
+    ks = tl.arange(0, BK)
+    acc = tl.zeros([BU, ROWS], dtype=tl.float32)
+    for k0 in range(0, d, BK):
+        kk = k0 + ks
+        kmask = kk < d
+        w = tl.load(wf_ptr + units.to(tl.int64)[:, None] * stride_wf + kk[None, :], mask=umask[:, None] & kmask[None, :], other=0.0)
+        xt = tl.load(x_ptr + rows.to(tl.int64)[None, :] * stride_xm + kk[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
+        acc = tl.dot(w, xt, acc, input_precision=PREC)
+    return tl.trans(acc.to(wf_ptr.dtype.element_ty).to(tl.float32))
+
+
+@triton.jit
+def _unlisted_fires(over, a, x_ptr, stride_xm, rows, rmask, units, wu_ptr, stride_wu, wd_ptr, stride_wd, acc_ptr, d,
+                    ROWS: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, GATED: tl.constexpr, PREC: tl.constexpr):
+    """The fires ``over [ROWS, BU]`` that found no slot in the list, done by the gate program
+    itself as the fused kernel does a block (tensor cores): exact, slower."""
+    over_i = over.to(tl.int32)
+    x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
+    _up_down_block(tl.where(over, a, 0.0), x_rows, rmask, rows, units, tl.max(over_i, axis=0) > 0, tl.sum(over_i, axis=1),
+                   wu_ptr, stride_wu, wd_ptr, stride_wd, acc_ptr, d, ROWS, BU, BK, BK, GATED, PREC)
+
+
+@triton.jit
+def _add_fire_in_steps(h, x_row, wu_row, wd_row, acc_row, d, BD: tl.constexpr, GATED: tl.constexpr):
+    """One fire with d in steps of BD (d larger than one step): h (its gate value) times its up
+    product (gated), rounded as the dense path rounds, then ``acc_row += h * wd_row``."""
+    cs = tl.arange(0, BD)
+    if GATED:
+        part = tl.zeros([BD], dtype=tl.float32)
+        for c0 in range(0, d, BD):
+            cols = c0 + cs
+            cmask = cols < d
+            part += tl.load(wu_row + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        h = h * tl.sum(part, axis=0).to(wu_row.dtype.element_ty).to(tl.float32)
+    h = h.to(wd_row.dtype.element_ty).to(tl.float32)
+    for c0 in range(0, d, BD):
+        cols = c0 + cs
+        cmask = cols < d
+        wd = tl.load(wd_row + cols, mask=cmask, other=0.0).to(tl.float32)
+        tl.atomic_add(acc_row + cols, h * wd, mask=cmask, sem="relaxed")
+
+
+@triton.jit
 def _fire_gate_kernel(
     x_ptr, stride_xm, wf_ptr, stride_wf, wu_ptr, stride_wu, wd_ptr, stride_wd,
     entry_ptr, gate_ptr, count_ptr, acc_ptr, counts_ptr, uc_ptr, nnz_ptr,
@@ -74,15 +121,7 @@ def _fire_gate_kernel(
     rmask = rows < M
     units = b * BU + tl.arange(0, BU)
     umask = units < f
-    ks = tl.arange(0, BK)
-    acc = tl.zeros([BU, ROWS], dtype=tl.float32)
-    for k0 in range(0, d, BK):  # units as the dot's rows: measured the faster orientation here
-        kk = k0 + ks
-        kmask = kk < d
-        w = tl.load(wf_ptr + units.to(tl.int64)[:, None] * stride_wf + kk[None, :], mask=umask[:, None] & kmask[None, :], other=0.0)
-        xt = tl.load(x_ptr + rows.to(tl.int64)[None, :] * stride_xm + kk[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
-        acc = tl.dot(w, xt, acc, input_precision=PREC)
-    a = tl.trans(acc.to(wf_ptr.dtype.element_ty).to(tl.float32))  # [ROWS, BU], the dense path's rounding
+    a = _gate_tile(x_ptr, stride_xm, wf_ptr, stride_wf, rows, rmask, units, umask, d, ROWS, BU, BK, PREC)  # [ROWS, BU]
     fires, active, n_active, per_row = _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK)
     n = tl.sum(per_row, axis=0)  # this block's fires
     if n > 0:
@@ -98,12 +137,8 @@ def _fire_gate_kernel(
         if base + n > capacity:
             # the list is full: this block's remaining fires are done here, exactly as the fused
             # kernel does a block (slower, and rare where the dispatcher chose these kernels)
-            over = fires & (tl.trans(tl.reshape(slot, [BU, ROWS])) >= capacity)
-            over_i = over.to(tl.int32)
-            x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-            _up_down_block(tl.where(over, a, 0.0), x_rows, rmask, rows, units, tl.max(over_i, axis=0) > 0,
-                           tl.sum(over_i, axis=1), wu_ptr, stride_wu, wd_ptr, stride_wd, acc_ptr, d, ROWS, BU, BK, BK,
-                           GATED, PREC)
+            _unlisted_fires(fires & (tl.trans(tl.reshape(slot, [BU, ROWS])) >= capacity), a, x_ptr, stride_xm, rows, rmask,
+                            units, wu_ptr, stride_wu, wd_ptr, stride_wd, acc_ptr, d, ROWS, BU, BK, GATED, PREC)
 
 
 @triton.jit
@@ -137,21 +172,7 @@ def _fire_updown_kernel(
             # relaxed: nothing reads acc until the write-out, ordered after this launch's end
             tl.atomic_add(acc_row + cs, h * wd, mask=cmask, sem="relaxed")
         else:
-            if GATED:
-                part = tl.zeros([BD], dtype=tl.float32)
-                for c0 in range(0, d, BD):
-                    cols = c0 + cs
-                    cmask = cols < d
-                    wu = tl.load(wu_ptr + u * stride_wu + cols, mask=cmask, other=0.0).to(tl.float32)
-                    xm = tl.load(x_ptr + m * stride_xm + cols, mask=cmask, other=0.0).to(tl.float32)
-                    part += wu * xm
-                h = h * tl.sum(part, axis=0).to(wu_ptr.dtype.element_ty).to(tl.float32)
-            h = h.to(wd_ptr.dtype.element_ty).to(tl.float32)
-            for c0 in range(0, d, BD):
-                cols = c0 + cs
-                cmask = cols < d
-                wd = tl.load(wd_ptr + u * stride_wd + cols, mask=cmask, other=0.0).to(tl.float32)
-                tl.atomic_add(acc_row + cols, h * wd, mask=cmask, sem="relaxed")
+            _add_fire_in_steps(h, x_ptr + m * stride_xm, wu_ptr + u * stride_wu, wd_ptr + u * stride_wd, acc_row, d, BD, GATED)
 
 
 @triton.jit
@@ -165,22 +186,14 @@ def _token_gate_kernel(
     # as _fire_gate_kernel, but each token has its own list of per_token slots (unit ids from
     # slot m * per_token; length count[2 + m]), so that the up/down programs of one token can add
     # their fires up in registers; a token's fires past its slots (a heavy token) are done here
-    if GDC:
+    if GDC:  # the next launch may start now (it waits for this one's end to read the list)
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     rmask = rows < M
     units = b * BU + tl.arange(0, BU)
     umask = units < f
-    ks = tl.arange(0, BK)
-    acc = tl.zeros([BU, ROWS], dtype=tl.float32)
-    for k0 in range(0, d, BK):
-        kk = k0 + ks
-        kmask = kk < d
-        w = tl.load(wf_ptr + units.to(tl.int64)[:, None] * stride_wf + kk[None, :], mask=umask[:, None] & kmask[None, :], other=0.0)
-        xt = tl.load(x_ptr + rows.to(tl.int64)[None, :] * stride_xm + kk[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
-        acc = tl.dot(w, xt, acc, input_precision=PREC)
-    a = tl.trans(acc.to(wf_ptr.dtype.element_ty).to(tl.float32))  # [ROWS, BU]
+    a = _gate_tile(x_ptr, stride_xm, wf_ptr, stride_wf, rows, rmask, units, umask, d, ROWS, BU, BK, PREC)  # [ROWS, BU]
     fires, active, n_active, per_row = _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK)
     if n_active > 0:
         has = per_row > 0
@@ -193,12 +206,8 @@ def _token_gate_kernel(
         tl.store(unit_ptr + offs, units[None, :] + 0 * rows[:, None], mask=listed)
         tl.store(gate_ptr + offs, a.to(gate_ptr.dtype.element_ty), mask=listed)
         if tl.max(base + per_row, axis=0) > per_token:
-            over = fires & (slot >= per_token)
-            over_i = over.to(tl.int32)
-            x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
-            _up_down_block(tl.where(over, a, 0.0), x_rows, rmask, rows, units, tl.max(over_i, axis=0) > 0,
-                           tl.sum(over_i, axis=1), wu_ptr, stride_wu, wd_ptr, stride_wd, acc_ptr, d, ROWS, BU, BK, BK,
-                           GATED, PREC)
+            _unlisted_fires(fires & (slot >= per_token), a, x_ptr, stride_xm, rows, rmask, units, wu_ptr, stride_wu, wd_ptr,
+                            stride_wd, acc_ptr, d, ROWS, BU, BK, GATED, PREC)
 
 
 @triton.jit
@@ -242,21 +251,7 @@ def _token_updown_kernel(
             for j in range(r, n, R):
                 u = tl.load(unit_ptr + base + j).to(tl.int64)
                 h = tl.load(gate_ptr + base + j).to(tl.float32)
-                if GATED:
-                    part = tl.zeros([BD], dtype=tl.float32)
-                    for c0 in range(0, d, BD):
-                        cols = c0 + cs
-                        cmask = cols < d
-                        wu = tl.load(wu_ptr + u * stride_wu + cols, mask=cmask, other=0.0).to(tl.float32)
-                        xm = tl.load(x_row + cols, mask=cmask, other=0.0).to(tl.float32)
-                        part += wu * xm
-                    h = h * tl.sum(part, axis=0).to(wu_ptr.dtype.element_ty).to(tl.float32)
-                h = h.to(wd_ptr.dtype.element_ty).to(tl.float32)
-                for c0 in range(0, d, BD):
-                    cols = c0 + cs
-                    cmask = cols < d
-                    wd = tl.load(wd_ptr + u * stride_wd + cols, mask=cmask, other=0.0).to(tl.float32)
-                    tl.atomic_add(acc_row + cols, h * wd, mask=cmask, sem="relaxed")
+                _add_fire_in_steps(h, x_row, wu_ptr + u * stride_wu, wd_ptr + u * stride_wd, acc_row, d, BD, GATED)
 
 
 class SplitScratch:
