@@ -362,6 +362,42 @@ def test_copies_get_their_own_state():
     assert twell.dispatch.layer_state(m._twell_key) is m._twell_layer
 
 
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_inference_path_reads_parametrized_weights(cls):
+    """The inference path reads weights from the parameter dicts (fast); a weight that is not a
+    plain parameter (here a parametrization doubling the first projection) must still be read
+    through its attribute, and a parametrized bias must still send the call to the dense math."""
+    from torch.nn.utils import parametrize
+
+    class Double(torch.nn.Module):
+        def forward(self, w):
+            return 2 * w
+
+    torch.manual_seed(4)
+    m = cls(16, 40).eval()
+    m.kernel_mode = "decode"
+    first = m._first_projection()
+    parametrize.register_parametrization(first, "weight", Double())
+    assert "weight" not in first._parameters
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        y = m(x)
+        w_first = first.weight.double()
+        if cls is SparseGatedMLP:
+            want = R.gated_mlp(x.double(), w_first, m.up_proj.weight.double(), m.down_proj.weight.double())
+        else:
+            want = R.mlp(x.double(), w_first, m.down_proj.weight.double())
+    assert m.last_path == "decode"
+    assert rel_err(y, want) < 1e-5
+    # a bias that is not a plain parameter still counts as a bias: no inference kernels
+    m.down_proj.bias = torch.nn.Parameter(torch.zeros(16))
+    parametrize.register_parametrization(m.down_proj, "bias", Double())
+    m._twell_layer.last_path = None
+    with torch.no_grad():
+        m(x)
+    assert m._twell_layer.last_path is None
+
 # --- torch.compile and the custom op (interpreter) ---------------------------------------------
 
 

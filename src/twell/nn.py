@@ -54,6 +54,15 @@ class SparsityStats:
 _HALF = (torch.float16, torch.bfloat16)
 
 
+def _param(linear: nn.Module, name: str = "weight") -> Optional[torch.Tensor]:
+    """``linear.<name>`` (``weight`` or ``bias``) read from the module's parameter dict:
+    ``nn.Module.__getattr__`` costs about a microsecond a lookup, and a one-token eager call makes
+    four (a visible share of its host time). One that is not a plain parameter (a
+    parametrization, a wrapper's property) is read as an attribute."""
+    params = linear._parameters
+    return params[name] if name in params else getattr(linear, name)
+
+
 class _SparseFFN(nn.Module):
     """What the gated and the non-gated modules share: L1, statistics, dead units, and the
     inference path (:mod:`twell.dispatch`)."""
@@ -189,9 +198,9 @@ class _SparseFFN(nn.Module):
             return False
         if torch.is_grad_enabled() and (self.training or x.requires_grad or self._weights_require_grad()):
             return False
-        if torch.is_autocast_enabled(x.device.type):
+        if torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type):
             return False  # autocast recasts the matmuls; the dense path follows its rules
-        return w.dtype == x.dtype and self.down_proj.bias is None
+        return w.dtype == x.dtype and _param(self._modules["down_proj"], "bias") is None
 
     def _weights_require_grad(self) -> bool:
         raise NotImplementedError
@@ -377,10 +386,11 @@ class SparseGatedMLP(_SparseFFN):
         ``self.kernel_mode``). In training on CUDA, the path :mod:`twell.train_path` chooses (sparse
         kernels or twell's fused dense op); otherwise the dense PyTorch math, with the L1 term and
         statistics."""
-        w_down = self.down_proj.weight
+        linear = self._modules
+        w_down = _param(linear["down_proj"])
         self._check_input(x, w_down)
         if self._inference_ok(x, w_down):
-            return self._infer(x, self.gate_proj.weight, w_down, self.up_proj.weight)
+            return self._infer(x, _param(linear["gate_proj"]), w_down, _param(linear["up_proj"]))
         choice = self._train_choice(x)
         if choice is not None and (choice[0] == "sparse" or train_path.FUSED_DENSE):
             return self._train_kernels(x, *choice, (self.gate_proj.weight, self.up_proj.weight, w_down))
@@ -420,10 +430,11 @@ class SparseMLP(_SparseFFN):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., d]``; picks its path as :meth:`SparseGatedMLP.forward` does."""
-        w_down = self.down_proj.weight
+        linear = self._modules
+        w_down = _param(linear["down_proj"])
         self._check_input(x, w_down)
         if self._inference_ok(x, w_down):
-            return self._infer(x, self.up_proj.weight, w_down, None)
+            return self._infer(x, _param(linear["up_proj"]), w_down, None)
         choice = self._train_choice(x)
         if choice is not None and (choice[0] == "sparse" or train_path.FUSED_DENSE):
             return self._train_kernels(x, *choice, (self.up_proj.weight, w_down))
