@@ -500,6 +500,37 @@ def test_split_decode_kernels_and_their_rule(monkeypatch):
     assert state.last_decode_kernels == "fused" and rel_err(y, _dense(m, x.half())) < 3e-3
 
 
+def test_layers_share_the_decode_buffers():
+    """The split kernels' list (and on CUDA the accumulator) is one per device and shape, shared
+    by the layers: each call leaves it empty, so layers called in turn on one buffer each give
+    their own dense answer and fires count; another f or dtype gets its own buffer, and the
+    buffer goes with the last layer holding it."""
+    import gc
+
+    from twell import dispatch
+
+    torch.manual_seed(7)
+    layers = [SparseGatedMLP(40, 100).eval() for _ in range(3)] + [SparseMLP(40, 100).eval()]
+    other_f = SparseGatedMLP(40, 72).eval()
+    for m in layers + [other_f]:
+        m.kernel_mode = "decode"
+    x = torch.randn(8, 40)
+    with torch.no_grad():
+        for _ in range(2):
+            for m in layers + [other_f]:
+                assert rel_err(m(x), _dense(m, x) if isinstance(m, SparseGatedMLP) else
+                               R.mlp(x.double(), m.up_proj.weight.double(), m.down_proj.weight.double())) < 1e-5
+                assert m._twell_layer.last_decode_kernels == "split"
+                first = m._first_projection().weight
+                assert int(m._twell_layer.split_scratch.fires()) == int(((x @ first.T) > 0).sum())
+    scratches = {id(m._twell_layer.split_scratch) for m in layers}
+    assert len(scratches) == 1 and id(other_f._twell_layer.split_scratch) not in scratches
+    key = next(k for k, v in dispatch._SCRATCH.items() if v is layers[0]._twell_layer.split_scratch)
+    del layers, m
+    gc.collect()
+    assert key not in dispatch._SCRATCH
+
+
 def test_per_layer_compile_shares_one_graph():
     """Regional compilation (each decoder layer compiled on its own) must not compile once per
     layer: past dynamo's recompile limit (8) the other layers would silently run eager."""

@@ -87,10 +87,15 @@ DECODE_BLIND_M = 4
 FUSED_MAX_UNION = 0.25
 FUSED_WIDE_M = 32
 FUSED_WIDE_MAX_UNION = 0.10
-# Whether a layer keeps a zeroed [16, d] fp32 accumulator for the fused decode kernel (128 KB at
-# d 2048; calls of more tokens make a fresh one), saving a memset launch per call (the memset and the cast measured 5.9 us together in
-# a graph on the H200, of a 25 us call at M = 1). One per layer: calls on one stream are ordered,
-# and a layer runs on one stream at a time.
+# Whether the decode kernels keep a zeroed fp32 accumulator between calls ([64, d] with the split
+# kernels, [16, d] without: 512 or 128 KB at d 2048; calls of more tokens make a fresh one), saving
+# a memset launch per call (the memset and the cast measured 5.9 us together in a graph on the
+# H200, of a 25 us call at M = 1). Every call leaves it zeroed (and the split kernels' list empty),
+# so one set of these buffers serves every layer of a device (per d; the list also per f and
+# dtype: _shared_scratch): calls on one stream run in order. One per layer had cost the 2b shape's
+# 38 layers 22.5 MiB, which put its decoding peak above dense's (tenth session). So calls that
+# take the decode kernels from two streams at once (two CUDA graphs replayed concurrently on one
+# device) must not share a device: they would mix their sums.
 DECODE_SCRATCH = True
 # The split decode kernels (twell.kernels.decode_split) instead of the fused kernel, from
 # SPLIT_MIN_M to their SPLIT_MAX_M (64) tokens while the batch's expected fires (its tokens times
@@ -124,6 +129,19 @@ PREFILL_MIN_M = 4096
 # 1.81x at k <= 29 (benchmarks/NOTES_inference.md, run 7).
 EAGER_PREFILL_MIN_M = 8192
 
+
+
+# The decode kernels' buffers by (kind, device, shape...): held by the layers that use them, and
+# gone with the last of them
+_SCRATCH: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _shared_scratch(key: tuple, make):
+    """The decode buffers under ``key``, made by ``make()`` if no layer holds them now."""
+    scratch = _SCRATCH.get(key)
+    if scratch is None:
+        scratch = _SCRATCH[key] = make()
+    return scratch
 
 
 def _rate_of_union(share: float, m: float) -> float:
@@ -489,21 +507,25 @@ class LayerState:
         return sc
 
     def _make_scratch(self, x: torch.Tensor, f: int) -> None:
-        # The decode kernels' kept buffers for x's d, dtype and device: the accumulator (CUDA; 64
-        # rows when the split kernels share it), and with DECODE_SPLIT the split kernels' list
-        # (CUDA, or the interpreter for tests). Made once and never replaced: a graph captured
-        # with them keeps their addresses (a layer whose device or dtype changes later runs the
-        # fused kernel, without its accumulator: one memset more per call).
+        # The decode kernels' kept buffers for x's d, dtype and device, shared with the other
+        # layers of the device (see DECODE_SCRATCH): the accumulator (CUDA; 64 rows when the split
+        # kernels share it), and with DECODE_SPLIT the split kernels' list (CUDA, or the
+        # interpreter for tests). A layer takes them once and never replaces them: a graph
+        # captured with them keeps their addresses (a layer whose device or dtype changes later
+        # runs the fused kernel, without its accumulator: one memset more per call).
+        d = x.shape[1]
         if self.scratch is None and DECODE_SCRATCH and x.is_cuda:
             from .kernels.decode_fused import SCRATCH_ROWS, DecodeScratch
 
-            self.scratch = DecodeScratch(x.shape[1], x.device, rows=_split_max_m() if DECODE_SPLIT else SCRATCH_ROWS)
+            rows = _split_max_m() if DECODE_SPLIT else SCRATCH_ROWS
+            self.scratch = _shared_scratch(("acc", x.device, d, rows), lambda: DecodeScratch(d, x.device, rows=rows))
         if DECODE_SPLIT and self.split_scratch is None and f < _split_max_f() and (x.is_cuda or triton_interpreting()):
             from .kernels.decode_split import SPLIT_MAX_M, SplitScratch
 
             sc = self.scratch
-            shared = sc.acc if sc is not None and sc.acc.shape == (SPLIT_MAX_M, x.shape[1]) and sc.acc.device == x.device else None
-            self.split_scratch = SplitScratch(x.shape[1], f, x.dtype, x.device, acc=shared)
+            acc = sc.acc if sc is not None and sc.acc.shape == (SPLIT_MAX_M, d) and sc.acc.device == x.device else None
+            self.split_scratch = _shared_scratch(("list", x.device, d, f, x.dtype, None if acc is None else acc.data_ptr()),
+                                                 lambda: SplitScratch(d, f, x.dtype, x.device, acc=acc))
 
     def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu
