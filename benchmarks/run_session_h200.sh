@@ -7,7 +7,7 @@
 # gemvprobe (benchmarks/decode_gemv_probe.py), gateprobe (benchmarks/decode_gate_probe.py), hostprobe (benchmarks/host_probe.py at HOST_M tokens, default 1 16 4096), smallm
 # (benchmarks/prefill_small_m_probe.py), decode, decodefused (decode with DECODE_SPLIT off), splitsmallm
 # (benchmarks/decode_split_small_m.py), downlayout (benchmarks/dense_down_layout_probe.py),
-# eltprobe (benchmarks/dense_elementwise_probe.py), splitlayouts (benchmarks/decode_split_layouts.py), batch (BATCH_ARGS, e.g. --quick),
+# eltprobe (benchmarks/dense_elementwise_probe.py), batch (BATCH_ARGS, e.g. --quick),
 # gridM (twell bench inference --M $GRID_M, default 4096 16384),
 # grid (twell bench inference, no variants), model (twell bench model: 2b, calibrated k 29).
 # Each writes STEP.log and its results under OUTDIR/STEP/; OUTDIR/results.tar.gz holds them all
@@ -37,7 +37,6 @@ for step in "$@"; do
     decodefused) cmd=(timeout "${DECODE_S:-150}" $PY -m twell.bench.cli decode --fused --out "$dir") ;;
     downlayout) cmd=(env OUT="$dir" timeout 120 $PY benchmarks/dense_down_layout_probe.py) ;;
     eltprobe) cmd=(env OUT="$dir" timeout 120 $PY benchmarks/dense_elementwise_probe.py) ;;
-    splitlayouts) cmd=(env OUT="$dir" timeout "${SPLITLAYOUTS_S:-200}" $PY benchmarks/decode_split_layouts.py) ;;
     splitsmallm) cmd=(env OUT="$dir" timeout "${SPLITSMALLM_S:-150}" $PY benchmarks/decode_split_small_m.py) ;;
     batch)    cmd=(timeout "${BATCH_S:-200}" $PY -m twell.bench.cli batch --out "$dir" ${BATCH_ARGS:-}) ;;
     grid)     cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60) ;;

@@ -113,25 +113,11 @@ def main() -> None:
                                      dict(x_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, entry_ptr="*i32", gate_ptr=dtype,
                                           count_ptr="*i32", acc_ptr="*fp32"),
                                      dict(BD=2048, ONE_STEP=one, TOK=T, GATED=gated, GDC=True), c.updown_warps, 3))
-            if hasattr(decode_split, "_token_gate_kernel"):  # from s10: per-token lists
-                for rows in (16, 64):
-                    ns = stages(rows, size)
-                    variants.append((f"token_gate {dtype[1:]} r{rows} g1", decode_split._token_gate_kernel,
-                                     dict(x_ptr=dtype, wf_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, unit_ptr="*i32", gate_ptr=dtype,
-                                          count_ptr="*i32", acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
-                                     dict(ROWS=rows, BU=c.BU, BK=c.BK, GATED=True, TRACK=False, PREC=prec, GDC=True),
-                                     c.num_warps, ns))
-                for gated in (True, False):
-                    for one in (True, False):
-                        variants.append((f"token_updown {dtype[1:]} g{gated:d} one{one:d}", decode_split._token_updown_kernel,
-                                         dict(x_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, unit_ptr="*i32", gate_ptr=dtype,
-                                              count_ptr="*i32", acc_ptr="*fp32"),
-                                         dict(BD=2048, ONE_STEP=one, GATED=gated, GDC=True), c.updown_warps, 3))
     if decode_split is not None:
-        for per_token in (False, True):
-            variants.append((f"write_out_reset bf16 pt{per_token:d}", decode_fused._write_out_reset_kernel,
-                             dict(acc_ptr="*fp32", y_ptr=BF, count_ptr="*i32"),
-                             dict(BLOCK=1024, GDC=True, TOK=64, PER_TOKEN=per_token), 4, 3))
+        args = decode_fused._write_out_reset_kernel.arg_names
+        extra = {"TOK": 64, "PER_TOKEN": False} if "PER_TOKEN" in args else {}  # s10, with the per-token lists
+        variants.append(("write_out_reset bf16", decode_fused._write_out_reset_kernel,
+                         dict(acc_ptr="*fp32", y_ptr=BF, count_ptr="*i32"), dict(BLOCK=1024, GDC=True, **extra), 4, 3))
     for name, fn, types, consts, nw, ns in variants:
         digest, shared = compiled(fn, types, consts, nw, ns)
         print(f"{name:40s} {digest}  shared {shared} B")

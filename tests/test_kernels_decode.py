@@ -345,40 +345,34 @@ def test_decode_fused_scratch_is_left_zeroed_and_reused(gated, config):
 # smaller than d and f (every loop runs more than once, partial last blocks; BD < d: the up/down
 # walks d in steps); fewer programs than fires (each walks several); one program; more programs
 # than fires; 32- and 64-token tiles; lists too short for the batch's fires (the gate does the
-# rest itself), down to one entry, and one entry short (capacity -1: the fires less one; -2: 64
-# per-token lists one slot short of the heaviest token's fires)
+# rest itself), down to one entry, and one entry short (capacity -1: the fires less one)
 SPLIT_CASES = [(1, 40, 100, (16, 16, 4, 1, 3, 16, 4), 8192), (7, 72, 70, (32, 32, 4, 1, 5, 32, 2), 8192),
                (16, 24, 37, (16, 16, 4, 1, 1, 16, 4), 8192), (5, 33, 45, (16, 64, 4, 1, 200, 64, 4), 8192),
                (16, 40, 100, None, 8192), (40, 24, 37, (16, 16, 4, 1, 7, 32, 4), 8192), (64, 33, 50, (16, 16, 4, 1, 9, 64, 4), 8192),
                (7, 72, 70, (32, 32, 4, 1, 5, 32, 2), 37), (64, 33, 50, (16, 16, 4, 1, 9, 16, 4), 100), (3, 40, 100, None, 1),
-               (16, 24, 37, (16, 16, 4, 1, 5, 16, 4), -1), (16, 24, 37, (16, 16, 4, 1, 5, 32, 4), -2)]
+               (16, 24, 37, (16, 16, 4, 1, 5, 16, 4), -1)]
 
 
 @pytest.mark.parametrize("M,d,f,config,capacity", SPLIT_CASES, ids=case_id)
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("per_token", [False, True], ids=["one_list", "per_token"])
-def test_decode_split_matches_reference(M, d, f, config, capacity, gated, per_token):
+def test_decode_split_matches_reference(M, d, f, config, capacity, gated):
     """Against the reference, fp32, three different batches in a row on one scratch (the list
     and the accumulator must be emptied by each call), list slots pre-filled with entries that
     point at real units and NaN gate values (a slot a call did not fill must never be read); the
     statistics, the block counts and the number of fires against the pattern. The list sits in
-    larger buffers whose tails must stay untouched (no write past its capacity). Both layouts:
-    one list of fires, or one list per token (capacity // 64 slots each: every case with a
-    short list overflows some token's)."""
-    from twell.kernels.decode_split import SPLIT_CONFIG, SplitConfig, SplitScratch, decode_split_launch
+    larger buffers whose tails must stay untouched (no write past its capacity)."""
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
 
-    cfg = SplitConfig(*config, per_token=per_token) if config else SPLIT_CONFIG._replace(per_token=per_token)
+    cfg = SplitConfig(*config) if config else None
     x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + d + f + 2)
-    if capacity == -1:  # the three batches below have the same fires, and per token the same counts
-        capacity = int(((x @ wg.T) > 0).sum()) - 1
-    elif capacity == -2:
-        capacity = 64 * (int(((x @ wg.T) > 0).sum(1).max()) - 1)
+    if capacity < 0:  # the three batches below have the same number of fires
+        capacity += int(((x @ wg.T) > 0).sum())
     scratch = SplitScratch(d, f, torch.float32, "cpu", capacity=capacity)
     entries = torch.full((capacity + 8,), -5, dtype=torch.int32)
     gates = torch.full((capacity + 8,), 7.0)
     scratch.entries, scratch.gates = entries[:capacity], gates[:capacity]
     scratch.gates.fill_(float("nan"))
-    scratch.entries.copy_(torch.arange(capacity, dtype=torch.int32) % f)  # real units (and tokens < 64)
+    scratch.entries.copy_(torch.arange(capacity, dtype=torch.int32) % (f * 64))
     for call in range(3):
         xi = (x, x.flip(0), x * 0.5)[call].contiguous()
         uc = torch.full((f,), -7, dtype=torch.int32)  # overwritten
@@ -396,7 +390,7 @@ def test_decode_split_matches_reference(M, d, f, config, capacity, gated, per_to
         nb = -(-f // BU)
         expect = torch.nn.functional.pad(pattern.any(0), (0, nb * BU - f)).view(nb, BU).sum(1)
         assert chunk == M and torch.equal(counts.long(), expect)
-        assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0 and torch.all(scratch.count[2:66] == 0), call
+        assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0, call
         assert int(scratch.fires()) == int(pattern.sum()), call
         assert torch.all(entries[capacity:] == -5) and torch.all(gates[capacity:] == 7.0), call
 
@@ -439,23 +433,6 @@ def test_decode_split_fp16_no_active_unit_and_a_failed_call():
         assert torch.equal(ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg), y), name
 
 
-def test_decode_split_layouts_on_one_scratch():
-    """Calls alternating between one list and per-token lists, and between batch sizes, on one
-    scratch: each gives the reference and its own number of fires (the other layout's kept
-    count cleared, and a smaller batch's per-token counts not mixed with a larger one's)."""
-    from twell.kernels.decode_split import SplitConfig, SplitScratch, ffn_decode_split
-
-    x, wg, wu, wd = gate_case(12, 40, 100, torch.float32, seed=8)
-    scratch = SplitScratch(40, 100, torch.float32, "cpu", capacity=64 * 6)
-    for per_token, M in ((False, 12), (True, 12), (True, 5), (False, 3), (True, 7)):
-        cfg = SplitConfig(16, 16, 4, 1, 30, 64, 4, per_token)
-        xi = x[:M].contiguous()
-        y = ffn_decode_split(xi, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg)
-        assert rel_err(y, R.gated_mlp(xi.double(), wg.double(), wu.double(), wd.double())) < 1e-5, (per_token, M)
-        assert int(scratch.fires()) == int(((xi @ wg.T) > 0).sum()), (per_token, M)
-        assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0 and torch.all(scratch.count[2:66] == 0)
-
-
 def test_decode_split_validation():
     from twell.kernels.decode_split import SplitScratch, decode_split_launch, ffn_decode_split
 
@@ -484,8 +461,7 @@ def test_decode_split_validation():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M,capacity", [(1, 8192), (2, 8192), (8, 8192), (16, 8192), (33, 8192), (64, 8192), (64, 700)])
 @pytest.mark.parametrize("k", [8, 29, 56])
-@pytest.mark.parametrize("per_token", [False, True], ids=["one_list", "per_token"])
-def test_decode_split_gpu_bf16(M, capacity, k, per_token):
+def test_decode_split_gpu_bf16(M, capacity, k):
     """bf16 at the real shape, five calls in a row on one scratch and a CUDA graph replay,
     against fp32 and dense's row error (a wrong ordering of the list or the adds would show as
     a varying or wrong sum); a list too short for 64 tokens' fires at k 29 and 56 (the gate's own
@@ -494,9 +470,8 @@ def test_decode_split_gpu_bf16(M, capacity, k, per_token):
     from twell.bench.inference import errors, reference_fp32
     from twell.bench.synthetic import make_ffn
     from twell.bench.timing import capture
-    from twell.kernels.decode_split import SPLIT_CONFIG, SplitScratch, ffn_decode_split
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
 
-    cfg = SPLIT_CONFIG._replace(per_token=per_token)  # per token: 128 slots each (64 x 700: 10)
     s = make_ffn(64, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=M + k)
     x = s.x[:M].contiguous()
     wdt = s.w_down.T.contiguous()
@@ -505,17 +480,15 @@ def test_decode_split_gpu_bf16(M, capacity, k, per_token):
     _, dense_row = errors(dense, ref)
     scratch = SplitScratch(2048, 5632, torch.bfloat16, "cuda", capacity=capacity)
     for _ in range(5):
-        y = ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch, config=cfg)
+        y = ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)
         rel, row = errors(y, ref)
         assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
     torch.cuda.synchronize()
     fires = int(((x @ s.w_gate.T) > 0).sum())
-    assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0 and torch.all(scratch.count[2:66] == 0)
-    assert int(scratch.fires()) == fires
-    assert per_token or capacity > fires or fires > capacity + 100  # the short list does overflow
+    assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0 and int(scratch.fires()) == fires
+    assert capacity > fires or fires > capacity + 100  # the short list does overflow
     out = {}
-    graph = capture(lambda: out.__setitem__("y", ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch, config=cfg)),
-                    warmup=1)
+    graph = capture(lambda: out.__setitem__("y", ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)), warmup=1)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -527,17 +500,14 @@ def test_decode_split_gpu_bf16(M, capacity, k, per_token):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("M", [6, 40])
-@pytest.mark.parametrize("per_token", [False, True], ids=["one_list", "per_token"])
-def test_decode_split_gpu_dtypes_gated_and_statistics(dtype, M, per_token):
+def test_decode_split_gpu_dtypes_gated_and_statistics(dtype, M):
     """Each dtype (fp32 on its smaller pipeline), gated and non-gated, with the statistics
-    against the pattern, programmatic dependent launch on and off, both list layouts: every
-    result the same, the scratch left zeroed and empty."""
-    from twell.kernels.decode_split import SPLIT_CONFIG, SplitScratch, ffn_decode_split
+    against the pattern, programmatic dependent launch on and off: every result the same, the
+    scratch left zeroed and empty."""
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
 
     x, wg, wu, wd = _gpu_bias_case(M, dtype, -2.3)  # about 1% of the units fire per token
     scratch = SplitScratch(x.shape[1], wg.shape[0], dtype, "cuda")
-    cfg = SPLIT_CONFIG._replace(per_token=per_token)
     tol = 1e-4 if dtype == torch.float32 else 1e-2
-    _check_gpu_variants(lambda *a, **kw: ffn_decode_split(*a, scratch=scratch, config=cfg, **kw), x, wg, wu, wd, tol,
-                        lambda: bool(torch.all(scratch.acc == 0)) and int(scratch.count[0]) == 0
-                        and bool(torch.all(scratch.count[2:66] == 0)))
+    _check_gpu_variants(lambda *a, **kw: ffn_decode_split(*a, scratch=scratch, **kw), x, wg, wu, wd, tol,
+                        lambda: bool(torch.all(scratch.acc == 0)) and int(scratch.count[0]) == 0)

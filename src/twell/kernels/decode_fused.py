@@ -146,35 +146,21 @@ def _write_out_kernel(acc_ptr, y_ptr, stride_ym, M, d, BLOCK: tl.constexpr, GDC:
 
 
 @triton.jit
-def _write_out_reset_kernel(acc_ptr, y_ptr, stride_ym, count_ptr, M, d, BLOCK: tl.constexpr, GDC: tl.constexpr,
-                            TOK: tl.constexpr, PER_TOKEN: tl.constexpr):
-    # the same, and twell.kernels.decode_split's lists emptied, their lengths kept as the call's
-    # fires (see SplitScratch.count): one list (count[0], kept in count[1]) or one per token
-    # (count[2 + m], kept in count[2 + TOK + m]); the other layout's kept fires set to 0
+def _write_out_reset_kernel(acc_ptr, y_ptr, stride_ym, count_ptr, M, d, BLOCK: tl.constexpr, GDC: tl.constexpr):
+    # the same, and twell.kernels.decode_split's list emptied: its length (count_ptr[0]) kept in
+    # count_ptr[1] as the call's number of fires, then set to 0
     _write_out_block(acc_ptr, y_ptr, stride_ym, d, BLOCK, GDC)
-    c = tl.program_id(0)
-    m = tl.program_id(1)
-    toks = tl.arange(0, TOK)
-    if PER_TOKEN:
-        if c == 0:
-            tl.store(count_ptr + 2 + TOK + m, tl.load(count_ptr + 2 + m))
-            tl.store(count_ptr + 2 + m, 0)
-            if m == 0:  # the tokens this call did not have, and the one-list count
-                tl.store(count_ptr + 2 + TOK + toks, tl.zeros([TOK], dtype=tl.int32), mask=toks >= M)
-                tl.store(count_ptr + 1, 0)
-    else:
-        if (c == 0) & (m == 0):
-            tl.store(count_ptr + 1, tl.load(count_ptr))
-            tl.store(count_ptr, 0)
-            tl.store(count_ptr + 2 + TOK + toks, tl.zeros([TOK], dtype=tl.int32))
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        tl.store(count_ptr + 1, tl.load(count_ptr))
+        tl.store(count_ptr, 0)
 
 
-def launch_write_out(acc: torch.Tensor, M: int, dtype: torch.dtype, gdc: bool, count: Optional[torch.Tensor] = None,
-                     per_token: bool = False) -> torch.Tensor:
+def launch_write_out(acc: torch.Tensor, M: int, dtype: torch.dtype, gdc: bool, count: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``y [M, d]`` in ``dtype`` from the first M rows of the fp32 accumulator ``acc [*, d]``,
-    which is left zeroed (and ``count [2 + 2 T]``, when given, emptied:
-    :class:`twell.kernels.decode_split.SplitScratch`'s list lengths, one list or ``T`` per-token
-    lists), in one launch: a programmatic dependent launch of the kernel before it when ``gdc``."""
+    which is left zeroed (and ``count [2]``, when given, emptied: ``count[1] = count[0]``,
+    ``count[0] = 0``: :class:`twell.kernels.decode_split.SplitScratch`'s list length kept as the
+    call's fires), in one launch: a programmatic dependent launch of the kernel before it when
+    ``gdc``."""
     d = acc.shape[1]
     y = torch.empty(M, d, dtype=dtype, device=acc.device)
     WB = min(1024, triton.next_power_of_2(d))
@@ -182,8 +168,7 @@ def launch_write_out(acc: torch.Tensor, M: int, dtype: torch.dtype, gdc: bool, c
     if count is None:
         _write_out_kernel[grid](acc, y, y.stride(0), M, d, BLOCK=WB, GDC=gdc, num_warps=4, launch_pdl=gdc)
     else:
-        _write_out_reset_kernel[grid](acc, y, y.stride(0), count, M, d, BLOCK=WB, GDC=gdc, TOK=(count.shape[0] - 2) // 2,
-                                      PER_TOKEN=per_token, num_warps=4, launch_pdl=gdc)
+        _write_out_reset_kernel[grid](acc, y, y.stride(0), count, M, d, BLOCK=WB, GDC=gdc, num_warps=4, launch_pdl=gdc)
     return y
 
 

@@ -175,98 +175,17 @@ def _fire_updown_kernel(
             _add_fire_in_steps(h, x_ptr + m * stride_xm, wu_ptr + u * stride_wu, wd_ptr + u * stride_wd, acc_row, d, BD, GATED)
 
 
-@triton.jit
-def _token_gate_kernel(
-    x_ptr, stride_xm, wf_ptr, stride_wf, wu_ptr, stride_wu, wd_ptr, stride_wd,
-    unit_ptr, gate_ptr, count_ptr, acc_ptr, counts_ptr, uc_ptr, nnz_ptr,
-    M, d, f, per_token,
-    ROWS: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr,
-    GATED: tl.constexpr, TRACK: tl.constexpr, PREC: tl.constexpr, GDC: tl.constexpr,
-):
-    # as _fire_gate_kernel, but each token has its own list of per_token slots (unit ids from
-    # slot m * per_token; length count[2 + m]), so that the up/down programs of one token can add
-    # their fires up in registers; a token's fires past its slots (a heavy token) are done here
-    if GDC:  # the next launch may start now (it waits for this one's end to read the list)
-        tl.extra.cuda.gdc_launch_dependents()
-    b = tl.program_id(0)
-    rows = tl.arange(0, ROWS)
-    rmask = rows < M
-    units = b * BU + tl.arange(0, BU)
-    umask = units < f
-    a = _gate_tile(x_ptr, stride_xm, wf_ptr, stride_wf, rows, rmask, units, umask, d, ROWS, BU, BK, PREC)  # [ROWS, BU]
-    fires, active, n_active, per_row = _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK)
-    if n_active > 0:
-        has = per_row > 0
-        base = tl.atomic_add(count_ptr + 2 + rows, per_row, mask=has)  # each token's slots for this block
-        base = tl.where(has, base, 0)
-        fires_i = fires.to(tl.int32)
-        slot = base[:, None] + tl.cumsum(fires_i, axis=1) - 1
-        listed = fires & (slot < per_token)
-        offs = rows.to(tl.int64)[:, None] * per_token + slot
-        tl.store(unit_ptr + offs, units[None, :] + 0 * rows[:, None], mask=listed)
-        tl.store(gate_ptr + offs, a.to(gate_ptr.dtype.element_ty), mask=listed)
-        if tl.max(base + per_row, axis=0) > per_token:
-            _unlisted_fires(fires & (slot >= per_token), a, x_ptr, stride_xm, rows, rmask, units, wu_ptr, stride_wu, wd_ptr,
-                            stride_wd, acc_ptr, d, ROWS, BU, BK, GATED, PREC)
-
-
-@triton.jit
-def _token_updown_kernel(
-    x_ptr, stride_xm, wu_ptr, stride_wu, wd_ptr, stride_wd,
-    unit_ptr, gate_ptr, count_ptr, acc_ptr,
-    M, d, per_token, R,
-    BD: tl.constexpr, ONE_STEP: tl.constexpr, GATED: tl.constexpr, GDC: tl.constexpr,
-):
-    # R programs per token (program p: token p % M, slots p // M, + R, ...). With d in one step a
-    # program adds its fires' h * w_down rows up in registers and makes one atomic add per
-    # column: a token's adds no longer queue fire by fire on its accumulator row
-    if GDC:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    m = pid % M
-    r = pid // M
-    n = tl.minimum(tl.load(count_ptr + 2 + m), per_token)
-    if r < n:
-        cs = tl.arange(0, BD)
-        base = m.to(tl.int64) * per_token
-        x_row = x_ptr + m.to(tl.int64) * stride_xm
-        acc_row = acc_ptr + m.to(tl.int64) * d
-        if ONE_STEP:
-            cmask = cs < d
-            if GATED:
-                xm = tl.load(x_row + cs, mask=cmask, other=0.0).to(tl.float32)  # once per program
-            part = tl.zeros([BD], dtype=tl.float32)
-            for j in range(r, n, R):
-                u = tl.load(unit_ptr + base + j).to(tl.int64)
-                h = tl.load(gate_ptr + base + j).to(tl.float32)
-                wd = tl.load(wd_ptr + u * stride_wd + cs, mask=cmask, other=0.0).to(tl.float32)
-                if GATED:
-                    wu = tl.load(wu_ptr + u * stride_wu + cs, mask=cmask, other=0.0).to(tl.float32)
-                    h = h * tl.sum(wu * xm, axis=0).to(wu_ptr.dtype.element_ty).to(tl.float32)
-                h = h.to(wd_ptr.dtype.element_ty).to(tl.float32)
-                part += h * wd
-            tl.atomic_add(acc_row + cs, part, mask=cmask, sem="relaxed")
-        else:
-            for j in range(r, n, R):
-                u = tl.load(unit_ptr + base + j).to(tl.int64)
-                h = tl.load(gate_ptr + base + j).to(tl.float32)
-                _add_fire_in_steps(h, x_row, wu_ptr + u * stride_wu, wd_ptr + u * stride_wd, acc_row, d, BD, GATED)
-
-
 class SplitScratch:
     """What a :func:`ffn_decode_split` call keeps between calls, for one layer and one stream at a
     time, left zeroed (the accumulator) and empty (the list) by every call.
 
     Attributes: ``acc [64, d]`` fp32 (shared with a :class:`twell.kernels.decode_fused.DecodeScratch`
     of 64 rows when given); ``entries [capacity]`` int32, the list (``u * 64 + m``);
-    ``gates [capacity]`` relu(a) of each entry in the inputs' dtype; ``count [2 + 2 * 64]``
-    int32: the list's length during a call and the last call's fires (``count[0]``,
-    ``count[1]``), or with per-token lists (:class:`SplitConfig` ``per_token``: token ``m``'s
-    unit ids and gate values from slot ``m * (capacity // 64)``) each token's list length and
-    its fires (``count[2 + m]``, ``count[66 + m]``); :meth:`fires` sums the last call's. About
-    ``6 capacity`` bytes besides the accumulator: 48 KB at the default capacity, bf16. Make it
-    outside a CUDA graph capture: a buffer from a capture's memory pool is the graph's."""
+    ``gates [capacity]`` relu(a) of each entry in the inputs' dtype; ``count [2]`` int32: the
+    list's length during a call (``count[0]``) and the last call's number of fires
+    (``count[1]``). About ``6 capacity`` bytes besides the accumulator: 48 KB at the default
+    capacity, bf16. Make it outside a CUDA graph capture: a buffer from a capture's memory pool
+    is the graph's."""
 
     def __init__(self, d: int, f: int, dtype: torch.dtype, device, capacity: int = SPLIT_CAPACITY,
                  acc: Optional[torch.Tensor] = None) -> None:
@@ -283,13 +202,12 @@ class SplitScratch:
             self.acc = acc
             self.entries = torch.zeros(capacity, dtype=torch.int32, device=device)
             self.gates = torch.zeros(capacity, dtype=dtype, device=device)
-            self.count = torch.zeros(2 + 2 * SPLIT_MAX_M, dtype=torch.int32, device=device)
+            self.count = torch.zeros(2, dtype=torch.int32, device=device)
 
     def fires(self) -> torch.Tensor:
-        """The last call's number of fires (``[]`` int64 on the scratch's device; reading it on
-        the host waits for the GPU). Those past the list's capacity (per token with per-token
-        lists) took the slower path."""
-        return self.count[1] + self.count[2 + SPLIT_MAX_M:].sum()
+        """The last call's number of fires (``[]`` int32 on the scratch's device; reading it on
+        the host waits for the GPU). Those past the list's capacity took the slower path."""
+        return self.count[1]
 
     def reset(self) -> None:
         """Empty the list and zero the accumulator (after a call that failed half-way; the
@@ -300,10 +218,7 @@ class SplitScratch:
 
 class SplitConfig(NamedTuple):
     """Launch shapes: the gate's ``BU`` units per program, its steps of ``BK`` columns, warps and
-    stages; the up/down launch's ``P`` programs (with ``per_token``: ``P // M`` per token), their
-    steps of at most ``BD`` columns, and warps. ``per_token``: one list per token
-    (``_token_gate_kernel``, ``_token_updown_kernel``) instead of one list of fires; written
-    for batches with heavy tokens and for 64 tokens, not yet timed."""
+    stages; the up/down launch's ``P`` programs, their steps of at most ``BD`` columns, and warps."""
 
     BU: int
     BK: int
@@ -312,7 +227,6 @@ class SplitConfig(NamedTuple):
     P: int
     BD: int
     updown_warps: int
-    per_token: bool = False
 
 
 # benchmarks/decode_gate_probe.py --split --fire (tenth session, call 1): 1056 programs of 4 warps
@@ -377,18 +291,13 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
     weights = (w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0))
     lists = (scratch.entries, scratch.gates, scratch.count, scratch.acc)
     stats = (counts, unit_counts if track else counts, row_nnz if track else counts)
-    if cfg.per_token:  # one list of capacity // 64 slots per token
-        slots = scratch.capacity // SPLIT_MAX_M
-        gate, gate_args, gate_consts = _token_gate_kernel, (M, d, f, slots), {}
-    else:
-        gate, gate_args, gate_consts = _fire_gate_kernel, (M, d, f, scratch.capacity), {"TOK": SPLIT_MAX_M}
     try:
         with on_device_of(x):
             for attempt in (0, 1):
                 try:
-                    gate[(NB,)](x, x.stride(0), *weights, *lists, *stats, *gate_args, ROWS=rows, BU=cfg.BU, BK=BK,
-                                GATED=gated, TRACK=track, PREC=prec, GDC=gdc, num_warps=cfg.num_warps,
-                                num_stages=stages, **gate_consts)
+                    _fire_gate_kernel[(NB,)](x, x.stride(0), *weights, *lists, *stats, M, d, f, scratch.capacity,
+                                             ROWS=rows, BU=cfg.BU, BK=BK, TOK=SPLIT_MAX_M, GATED=gated, TRACK=track,
+                                             PREC=prec, GDC=gdc, num_warps=cfg.num_warps, num_stages=stages)
                     break
                 except triton.runtime.errors.OutOfResources:
                     # compiled, not launched: a GPU whose shared memory the estimate above got
@@ -396,19 +305,12 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
                     if attempt or stages == 1:
                         raise
                     stages = _FEWER_STAGES[(x.device, x.dtype, rows)] = 1
-            if cfg.per_token:
-                R = max(1, cfg.P // M)  # programs per token
-                _token_updown_kernel[(R * M,)](
-                    x, x.stride(0), *weights[2:], *lists, M, d, slots, R,
-                    BD=BD, ONE_STEP=BD >= d, GATED=gated, GDC=gdc, num_warps=cfg.updown_warps, launch_pdl=gdc,
-                )
-            else:
-                _fire_updown_kernel[(cfg.P,)](
-                    x, x.stride(0), *weights[2:], *lists, d, scratch.capacity, cfg.P,
-                    BD=BD, ONE_STEP=BD >= d, TOK=SPLIT_MAX_M, GATED=gated, GDC=gdc,
-                    num_warps=cfg.updown_warps, launch_pdl=gdc,
-                )
-            y = launch_write_out(scratch.acc, M, x.dtype, gdc, count=scratch.count, per_token=cfg.per_token)
+            _fire_updown_kernel[(cfg.P,)](
+                x, x.stride(0), *weights[2:], *lists, d, scratch.capacity, cfg.P,
+                BD=BD, ONE_STEP=BD >= d, TOK=SPLIT_MAX_M, GATED=gated, GDC=gdc,
+                num_warps=cfg.updown_warps, launch_pdl=gdc,
+            )
+            y = launch_write_out(scratch.acc, M, x.dtype, gdc, count=scratch.count)
     except BaseException:
         scratch.reset()  # never hand a half-done call's sums or list to the next call
         raise
