@@ -237,8 +237,9 @@ def _decode_gemv_kernel(
 class DecodeScratch:
     """A reusable fp32 accumulator for :func:`decode_fused_launch`: ``[rows, d]`` zeros (16 rows
     unless asked; calls of more tokens make a fresh buffer), left zeroed by every call (its
-    write-out kernel zeroes what the call used), so a call needs no memset launch. One per layer,
-    used by one stream at a time (two streams' calls on one scratch would mix their sums).
+    write-out kernel zeroes what the call used), so a call needs no memset launch. One can serve
+    many layers (:mod:`twell.dispatch` keeps one per device and d), used by one stream at a time
+    (two streams' calls on one scratch at once would mix their sums).
     :class:`twell.kernels.decode_split.SplitScratch` can share it. Allocate it outside a CUDA
     graph capture: a buffer from a capture's memory pool is the graph's."""
 

@@ -26,8 +26,9 @@ On Hopper each launch after the first is a programmatic dependent launch of the 
 starts while that one runs and waits in ``griddepcontrol.wait`` until it has completed and its
 writes are visible.
 
-The buffers live in a :class:`SplitScratch` that the caller keeps (one per layer, one stream at
-a time); every call leaves it zeroed and its list empty. The down sums run in fp32 in whatever
+The buffers live in a :class:`SplitScratch` that the caller keeps (:mod:`twell.dispatch` shares
+one among a device's layers of one shape; one stream at a time); every call leaves it zeroed and
+its list empty. The down sums run in fp32 in whatever
 order the programs finish: exact up to rounding, not bit-reproducible.
 
 Measured (H200, bf16, d 2048, f 5632, CUDA graphs, L2 flushed; benchmarks/NOTES_decode.md, tenth
