@@ -398,6 +398,50 @@ def test_inference_path_reads_parametrized_weights(cls):
         m(x)
     assert m._twell_layer.last_path is None
 
+
+def test_projection_with_a_weight_property_or_hooks():
+    """A projection whose class defines ``weight`` as a property over its stored parameter must
+    be read through the property; one with forward hooks (old-style ``weight_norm``, which
+    recomputes the weight before each call) must take the dense math, which calls it, at
+    inference and in training alike."""
+    class Doubled(torch.nn.Linear):
+        @property
+        def weight(self):
+            w = self._parameters.get("weight")
+            if w is None:  # nn.Linear.__init__ asks before registering it
+                raise AttributeError("weight")
+            return 2 * w
+
+    torch.manual_seed(6)
+    m = SparseGatedMLP(16, 40).eval()
+    m.kernel_mode = "decode"
+    doubled = Doubled(16, 40, bias=False)
+    with torch.no_grad():
+        doubled._parameters["weight"].copy_(m.gate_proj.weight)
+    m.gate_proj = doubled
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        y = m(x)
+        want = R.gated_mlp(x.double(), 2 * m.gate_proj._parameters["weight"].double(), m.up_proj.weight.double(),
+                           m.down_proj.weight.double())
+    assert m.last_path == "decode" and rel_err(y, want) < 1e-5
+
+    m = SparseGatedMLP(16, 40).eval()
+    m.kernel_mode = "decode"
+    m.train_kernels = "sparse"
+    with pytest.warns(FutureWarning):
+        torch.nn.utils.weight_norm(m.up_proj)
+    with torch.no_grad():
+        m.up_proj.weight_g.mul_(3)  # the hook makes the weight 3x at the next call
+        y = m(x)
+        want = R.gated_mlp(x.double(), m.gate_proj.weight.double(), m.up_proj.weight.double(), m.down_proj.weight.double())
+    assert m.last_path is None and rel_err(y, want) < 1e-5
+    m.train()
+    y = m(x)
+    assert m.last_train_path is None  # the plain dense math
+    assert rel_err(y.detach(), R.gated_mlp(x.double(), m.gate_proj.weight.double(), m.up_proj.weight.double(),
+                                           m.down_proj.weight.double())) < 1e-5
+
 # --- torch.compile and the custom op (interpreter) ---------------------------------------------
 
 
@@ -511,24 +555,41 @@ def test_layers_share_the_decode_buffers():
 
     torch.manual_seed(7)
     layers = [SparseGatedMLP(40, 100).eval() for _ in range(3)] + [SparseMLP(40, 100).eval()]
-    other_f = SparseGatedMLP(40, 72).eval()
-    for m in layers + [other_f]:
+    others = [SparseGatedMLP(40, 72).eval(), SparseGatedMLP(40, 100).eval().half()]  # another f, dtype
+    for m in layers + others:
         m.kernel_mode = "decode"
     x = torch.randn(8, 40)
     with torch.no_grad():
         for _ in range(2):
-            for m in layers + [other_f]:
-                assert rel_err(m(x), _dense(m, x) if isinstance(m, SparseGatedMLP) else
-                               R.mlp(x.double(), m.up_proj.weight.double(), m.down_proj.weight.double())) < 1e-5
+            for m in layers + others:
+                xm = x.to(m.down_proj.weight.dtype)
+                want = (_dense(m, xm) if isinstance(m, SparseGatedMLP) else
+                        R.mlp(x.double(), m.up_proj.weight.double(), m.down_proj.weight.double()))
+                assert rel_err(m(xm), want) < (3e-3 if xm.dtype == torch.half else 1e-5)
                 assert m._twell_layer.last_decode_kernels == "split"
                 first = m._first_projection().weight
-                assert int(m._twell_layer.split_scratch.fires()) == int(((x @ first.T) > 0).sum())
+                assert int(m._twell_layer.split_scratch.fires()) == int(((xm @ first.T) > 0).sum())
     scratches = {id(m._twell_layer.split_scratch) for m in layers}
-    assert len(scratches) == 1 and id(other_f._twell_layer.split_scratch) not in scratches
+    assert len(scratches) == 1 and all(id(o._twell_layer.split_scratch) not in scratches for o in others)
+    assert others[0]._twell_layer.split_scratch is not others[1]._twell_layer.split_scratch
     key = next(k for k, v in dispatch._SCRATCH.items() if v is layers[0]._twell_layer.split_scratch)
     del layers, m
     gc.collect()
     assert key not in dispatch._SCRATCH
+
+
+def test_decode_buffers_per_layer_when_not_shared(monkeypatch):
+    from twell import dispatch
+
+    monkeypatch.setattr(dispatch, "SHARE_DECODE_BUFFERS", False)
+    torch.manual_seed(8)
+    layers = [SparseGatedMLP(40, 100).eval() for _ in range(2)]
+    x = torch.randn(8, 40)
+    with torch.no_grad():
+        for m in layers:
+            m.kernel_mode = "decode"
+            assert rel_err(m(x), _dense(m, x)) < 1e-5 and m._twell_layer.last_decode_kernels == "split"
+    assert layers[0]._twell_layer.split_scratch is not layers[1]._twell_layer.split_scratch
 
 
 def test_per_layer_compile_shares_one_graph():

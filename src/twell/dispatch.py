@@ -68,7 +68,7 @@ from .checks import triton_interpreting
 
 __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION", "FUSED_WIDE_M",
            "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M",
-           "EAGER_PREFILL_MIN_M", "DECODE_SPLIT", "SPLIT_MIN_M", "SPLIT_MAX_FIRES", "SPLIT_MAX_ROW_FIRES", "MODES"]
+           "EAGER_PREFILL_MIN_M", "DECODE_SPLIT", "SHARE_DECODE_BUFFERS", "SPLIT_MIN_M", "SPLIT_MAX_FIRES", "SPLIT_MAX_ROW_FIRES", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
@@ -95,8 +95,10 @@ FUSED_WIDE_MAX_UNION = 0.10
 # dtype: _shared_scratch): calls on one stream run in order. One per layer had cost the 2b shape's
 # 38 layers 22.5 MiB, which put its decoding peak above dense's (tenth session). So calls that
 # take the decode kernels from two streams at once (two CUDA graphs replayed concurrently on one
-# device) must not share a device: they would mix their sums.
+# device, two models served from threads with their own streams) would mix their sums: set
+# SHARE_DECODE_BUFFERS = False before their first calls to give each layer its own set again.
 DECODE_SCRATCH = True
+SHARE_DECODE_BUFFERS = True
 # The split decode kernels (twell.kernels.decode_split) instead of the fused kernel, from
 # SPLIT_MIN_M to their SPLIT_MAX_M (64) tokens while the batch's expected fires (its tokens times
 # the root mean square of the layer's active units per token) are at most SPLIT_MAX_FIRES. In CUDA graphs on the H200
@@ -506,6 +508,10 @@ class LayerState:
             return None
         return sc
 
+    def _owner(self) -> Optional[int]:
+        # whose decode buffers: every layer's (None) or, with SHARE_DECODE_BUFFERS off, this one's
+        return None if SHARE_DECODE_BUFFERS else id(self)
+
     def _make_scratch(self, x: torch.Tensor, f: int) -> None:
         # The decode kernels' kept buffers for x's d, dtype and device, shared with the other
         # layers of the device (see DECODE_SCRATCH): the accumulator (CUDA; 64 rows when the split
@@ -518,14 +524,15 @@ class LayerState:
             from .kernels.decode_fused import SCRATCH_ROWS, DecodeScratch
 
             rows = _split_max_m() if DECODE_SPLIT else SCRATCH_ROWS
-            self.scratch = _shared_scratch(("acc", x.device, d, rows), lambda: DecodeScratch(d, x.device, rows=rows))
+            self.scratch = _shared_scratch(("acc", x.device, d, rows, self._owner()),
+                                           lambda: DecodeScratch(d, x.device, rows=rows))
         if DECODE_SPLIT and self.split_scratch is None and f < _split_max_f() and (x.is_cuda or triton_interpreting()):
             from .kernels.decode_split import SPLIT_MAX_M, SplitScratch
 
             sc = self.scratch
             acc = sc.acc if sc is not None and sc.acc.shape == (SPLIT_MAX_M, d) and sc.acc.device == x.device else None
-            self.split_scratch = _shared_scratch(("list", x.device, d, f, x.dtype, None if acc is None else acc.data_ptr()),
-                                                 lambda: SplitScratch(d, f, x.dtype, x.device, acc=acc))
+            key = ("list", x.device, d, f, x.dtype, None if acc is None else acc.data_ptr(), self._owner())
+            self.split_scratch = _shared_scratch(key, lambda: SplitScratch(d, f, x.dtype, x.device, acc=acc))
 
     def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu

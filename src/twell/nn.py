@@ -22,6 +22,7 @@ inference kernels read a unit's down column as one row, with no second copy of t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -58,9 +59,24 @@ def _param(linear: nn.Module, name: str = "weight") -> Optional[torch.Tensor]:
     """``linear.<name>`` (``weight`` or ``bias``) read from the module's parameter dict:
     ``nn.Module.__getattr__`` costs about a microsecond a lookup, and a one-token eager call makes
     four (a visible share of its host time). One that is not a plain parameter (a
-    parametrization, a wrapper's property) is read as an attribute."""
+    parametrization) or that the module's class defines itself (a property over the stored
+    parameter) is read as an attribute."""
     params = linear._parameters
-    return params[name] if name in params else getattr(linear, name)
+    if name in params and not _class_defines(type(linear), name):
+        return params[name]
+    return getattr(linear, name)
+
+
+@functools.lru_cache(maxsize=None)
+def _class_defines(cls: type, name: str) -> bool:
+    return hasattr(cls, name)
+
+
+def _hooked(projections: Iterable[nn.Module]) -> bool:
+    """Whether a projection has forward hooks of its own. ``weight_norm``, ``spectral_norm`` and
+    pruning recompute the weight in a pre-hook; twell's kernel paths never call the projections,
+    so such calls take the dense math, which does."""
+    return any(p._forward_pre_hooks or p._forward_hooks for p in projections)
 
 
 class _SparseFFN(nn.Module):
@@ -189,7 +205,7 @@ class _SparseFFN(nn.Module):
     def _inference_ok(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """True when this call may take the inference path (:mod:`twell.dispatch`): fp16/bf16 on
         CUDA (or any dtype under the Triton interpreter with a kernel path forced, for tests), no
-        bias, no autocast, and no gradient needed (grad mode off, or in eval mode with neither
+        bias, no forward hooks on the projections, no autocast, and no gradient needed (grad mode off, or in eval mode with neither
         the input nor a weight requiring grad). ``w``: ``down_proj.weight``."""
         if x.is_cuda:
             if x.dtype not in _HALF:
@@ -200,7 +216,9 @@ class _SparseFFN(nn.Module):
             return False
         if torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type):
             return False  # autocast recasts the matmuls; the dense path follows its rules
-        return w.dtype == x.dtype and _param(self._modules["down_proj"], "bias") is None
+        projections = self._modules
+        return (w.dtype == x.dtype and _param(projections["down_proj"], "bias") is None
+                and not _hooked(projections.values()))
 
     def _weights_require_grad(self) -> bool:
         raise NotImplementedError
@@ -210,9 +228,9 @@ class _SparseFFN(nn.Module):
     def _train_choice(self, x: torch.Tensor) -> Optional[tuple[str, int]]:
         """``(path, width)`` of a call that wants gradients and may take the training kernels
         (CUDA, or the Triton interpreter with ``train_kernels`` "sparse" or "dense" for tests; no
-        bias; fp32/fp16/bf16 after autocast; not while ``torch.compile`` traces); None: the plain
-        dense math, no choice made."""
-        if not torch.is_grad_enabled() or self.down_proj.bias is not None:
+        bias; fp32/fp16/bf16 after autocast; not while ``torch.compile`` traces; no forward hooks on
+        the projections); None: the plain dense math, no choice made."""
+        if not torch.is_grad_enabled() or self.down_proj.bias is not None or _hooked(self._modules.values()):
             return None
         if torch.compiler.is_compiling():
             return None  # the training ops are not custom ops yet: compiled training runs the dense math

@@ -177,8 +177,9 @@ def _fire_updown_kernel(
 
 
 class SplitScratch:
-    """What a :func:`ffn_decode_split` call keeps between calls, for one layer and one stream at a
-    time, left zeroed (the accumulator) and empty (the list) by every call.
+    """What a :func:`ffn_decode_split` call keeps between calls, for any number of layers of one
+    shape (:mod:`twell.dispatch` shares one per device) and one stream at a time, left zeroed (the
+    accumulator) and empty (the list) by every call.
 
     Attributes: ``acc [64, d]`` fp32 (shared with a :class:`twell.kernels.decode_fused.DecodeScratch`
     of 64 rows when given); ``entries [capacity]`` int32, the list (``u * 64 + m``);
@@ -206,8 +207,9 @@ class SplitScratch:
             self.count = torch.zeros(2, dtype=torch.int32, device=device)
 
     def fires(self) -> torch.Tensor:
-        """The last call's number of fires (``[]`` int32 on the scratch's device; reading it on
-        the host waits for the GPU). Those past the list's capacity took the slower path."""
+        """The last call's number of fires, of whichever layer sharing the buffers ran last (``[]``
+        int32 on the scratch's device; reading it on the host waits for the GPU). Those past the
+        list's capacity took the slower path."""
         return self.count[1]
 
     def reset(self) -> None:
