@@ -76,7 +76,10 @@ def _hooked(projections: Iterable[nn.Module]) -> bool:
     """Whether a projection has forward hooks of its own. ``weight_norm``, ``spectral_norm`` and
     pruning recompute the weight in a pre-hook; twell's kernel paths never call the projections,
     so such calls take the dense math, which does."""
-    return any(p._forward_pre_hooks or p._forward_hooks for p in projections)
+    for p in projections:  # a loop, not any(generator): this runs in every inference call
+        if p._forward_pre_hooks or p._forward_hooks:
+            return True
+    return False
 
 
 class _SparseFFN(nn.Module):
