@@ -66,9 +66,9 @@ import torch.nn.functional as F
 
 from .checks import triton_interpreting
 
-__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION", "FUSED_WIDE_M",
-           "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M",
-           "EAGER_PREFILL_MIN_M", "DECODE_SPLIT", "SHARE_DECODE_BUFFERS", "SPLIT_MIN_M", "SPLIT_MAX_FIRES", "SPLIT_MAX_ROW_FIRES", "MODES"]
+__all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION",
+           "FUSED_WIDE_M", "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M", "EAGER_PREFILL_MIN_M", "DECODE_SPLIT",
+           "SHARE_DECODE_BUFFERS", "SPLIT_MIN_M", "SPLIT_MAX_FIRES", "SPLIT_MAX_ROW_FIRES", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
@@ -101,17 +101,18 @@ DECODE_SCRATCH = True
 SHARE_DECODE_BUFFERS = True
 # The split decode kernels (twell.kernels.decode_split) instead of the fused kernel, from
 # SPLIT_MIN_M to their SPLIT_MAX_M (64) tokens while the batch's expected fires (its tokens times
-# the root mean square of the layer's active units per token) are at most SPLIT_MAX_FIRES. In CUDA graphs on the H200
-# (benchmarks/NOTES_decode.md, tenth session; bf16, d 2048, f 5632, L2 flushed) they took about
-# 17 to 21 us plus 4 to 5 ns per fire: 18 to 20 us at 8 and 16 tokens for k 8 to 56 (the fused
-# kernel 28.5 to 29.5, dense 40 to 41), 35.4 us at 64 tokens and k 56 (3584 fires; dense 42.6);
-# at one token 17.8 against the fused CUDA-core kernel's 15.1. At 4096 fires the time is about
-# 0.9 of dense's. Heavy tokens cost more: at 64 tokens with a few tokens of about a thousand
-# active units (3649 fires, mean 57 per token) they took 51.4 us against dense's 43.0 (fires
-# adding into one accumulator row queue there), so the rule counts fires by the root mean
-# square of the active units per token when a probe measured it. From how many tokens (benchmarks/decode_split_small_m.py, the module in graphs,
-# k 8 to 56, two rounds): at 2 tokens 19.0 to 19.6 us against the fused kernel's 16.9 to 17.8, at
-# 3 tokens 19.1 to 19.8 against 19.7 to 20.7, at 4 tokens 19.1 to 20.0 against 21.7 to 22.8.
+# the root mean square of the layer's active units per token) are at most SPLIT_MAX_FIRES. In
+# CUDA graphs on the H200 (benchmarks/NOTES_decode.md, tenth session; bf16, d 2048, f 5632, L2
+# flushed) they took about 17 to 21 us plus 4 to 5 ns per fire: 18 to 20 us at 8 and 16 tokens
+# for k 8 to 56 (the fused kernel 28.5 to 29.5, dense 40 to 41), 35.4 us at 64 tokens and k 56
+# (3584 fires; dense 42.6); at one token 17.8 against the fused CUDA-core kernel's 15.1. At 4096
+# fires the time is about 0.9 of dense's. Heavy tokens cost more: at 64 tokens with a few tokens
+# of about a thousand active units (3649 fires, mean 57 per token) they took 51.4 us against
+# dense's 43.0 (fires adding into one accumulator row queue there), so the rule counts fires by
+# the root mean square of the active units per token when a probe measured it. From how many
+# tokens (benchmarks/decode_split_small_m.py, the module in graphs, k 8 to 56, two rounds): at 2
+# tokens 19.0 to 19.6 us against the fused kernel's 16.9 to 17.8, at 3 tokens 19.1 to 19.8
+# against 19.7 to 20.7, at 4 tokens 19.1 to 20.0 against 21.7 to 22.8.
 # DECODE_SPLIT False: the fused kernel everywhere (as before the tenth session).
 DECODE_SPLIT = True
 SPLIT_MIN_M = 3

@@ -208,8 +208,9 @@ class _SparseFFN(nn.Module):
     def _inference_ok(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """True when this call may take the inference path (:mod:`twell.dispatch`): fp16/bf16 on
         CUDA (or any dtype under the Triton interpreter with a kernel path forced, for tests), no
-        bias, no forward hooks on the projections, no autocast, and no gradient needed (grad mode off, or in eval mode with neither
-        the input nor a weight requiring grad). ``w``: ``down_proj.weight``."""
+        bias, no forward hooks on the projections, no autocast, and no gradient needed (grad mode
+        off, or in eval mode with neither the input nor a weight requiring grad). ``w``:
+        ``down_proj.weight``."""
         if x.is_cuda:
             if x.dtype not in _HALF:
                 return False
