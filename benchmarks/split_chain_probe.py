@@ -1,0 +1,88 @@
+"""Launch shapes of the split decode kernels, timed as a model runs them (issue 9).
+
+    OUT=DIR python benchmarks/split_chain_probe.py
+
+The split kernels' shapes (``twell.kernels.decode_split.SPLIT_CONFIG``) were chosen with L2
+zeroed before each replay (benchmarks/NOTES_decode.md, tenth session). Timed instead in a chain
+of LAYERS layers with their own weights in one CUDA graph (``cold_weights_probe.py``'s
+``stack``), other shapes may win. For each shape, k in {8, 29, 56} even and M in {4, 8, 16, 32,
+64}: the module with its decode kernels forced, microseconds per layer; dense beside it. Writes
+OUT/split_chain_probe.json; prints a table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+import twell.kernels.decode_split as split
+from twell.bench.runtime import _pair, _warm
+from twell.bench.synthetic import make_ffn
+from cold_weights_probe import LAYERS, replay_us
+
+OUT = os.environ.get("OUT", "/tmp")
+C = split.SplitConfig
+SHAPES = {
+    "shipped 64x128 w4 s6 P1056": C(64, 128, 4, 6, 1056, 4096, 4),
+    "BU32 w4 s6": C(32, 128, 4, 6, 1056, 4096, 4),
+    "BU32 w2 s6": C(32, 128, 2, 6, 1056, 4096, 4),
+    "BU16 w2 s6": C(16, 128, 2, 6, 1056, 4096, 4),
+    "BU32 BK256 w4 s4": C(32, 256, 4, 4, 1056, 4096, 4),
+    "BU64 BK256 w8 s4": C(64, 256, 8, 4, 1056, 4096, 4),
+    "BU64 w8 s6": C(64, 128, 8, 6, 1056, 4096, 4),
+    "P528": C(64, 128, 4, 6, 528, 4096, 4),
+    "P2112": C(64, 128, 4, 6, 2112, 4096, 4),
+    "updown w8": C(64, 128, 4, 6, 1056, 4096, 8),
+    "updown w2": C(64, 128, 4, 6, 1056, 4096, 2),
+    "BU32 w4 s6 P2112": C(32, 128, 4, 6, 2112, 4096, 4),
+}
+
+
+def main() -> None:
+    records = []
+    shipped = split.SPLIT_CONFIG
+    for k in (8, 29, 56):
+        s = make_ffn(4096, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=k + 23)
+        pairs = [_pair(s) for _ in range(LAYERS)]
+        dense = [p[0] for p in pairs]
+        twell = [p[1] for p in pairs]
+        for M in (4, 8, 16, 32, 64):
+            x = s.x[:M].contiguous()
+            rec = dict(M=M, k=k, layers=LAYERS)
+            with torch.no_grad():
+                for t in twell:
+                    _warm(t, x)
+                    t.kernel_mode = "decode"
+                rec["dense_us"] = replay_us(lambda: [m(x) for m in dense], "none", per=LAYERS)
+                ref = dense[0](x).float()
+                for name, cfg in SHAPES.items():
+                    split.SPLIT_CONFIG = cfg
+                    try:
+                        rec[name] = replay_us(lambda: [m(x) for m in twell], "none", per=LAYERS)
+                        err = float((twell[0](x).float() - ref).norm() / ref.norm())
+                        rec[name + " err"] = err
+                        rec[name + " kernels"] = twell[0]._twell_layer.last_decode_kernels
+                    except Exception as e:  # noqa: BLE001 - a shape that does not compile: keep going
+                        rec[name] = None
+                        rec[name + " error"] = repr(e)[:200]
+                    finally:
+                        split.SPLIT_CONFIG = shipped
+                for t in twell:
+                    t.kernel_mode = "auto"
+            records.append(rec)
+            best = min((n for n in SHAPES if rec[n] is not None), key=lambda n: rec[n])
+            row = " ".join(f"{rec[n]:5.1f}" if rec[n] is not None else "  -  " for n in SHAPES)
+            print(f"k {k:2d} M {M:2d} dense {rec['dense_us']:5.1f} | {row} | best {best} x{rec['dense_us'] / rec[best]:.2f} "
+                  f"(shipped x{rec['dense_us'] / rec[next(iter(SHAPES))]:.2f})", flush=True)
+        del s, pairs, dense, twell
+        torch.cuda.empty_cache()
+    print("columns:", " | ".join(SHAPES))
+    with open(os.path.join(OUT, "split_chain_probe.json"), "w") as fh:
+        json.dump({"meta": dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, layers=LAYERS,
+                                shapes={n: c._asdict() for n, c in SHAPES.items()}), "records": records}, fh, indent=1)
+
+
+if __name__ == "__main__":
+    main()
