@@ -232,11 +232,13 @@ class SplitConfig(NamedTuple):
     updown_warps: int
 
 
-# benchmarks/decode_gate_probe.py --split --fire (tenth session, call 1): 1056 programs of 4 warps
-# with d in one step were the fastest or within 0.5 us of it from 1 to 64 tokens (528 and 2112
-# programs also tried); the gate's shape the fastest stand-alone gate of the ninth session
-# (13.3 to 13.6 us at 8 tokens).
-SPLIT_CONFIG = SplitConfig(64, 128, 4, 6, 1056, 4096, 4)
+# benchmarks/decode_gate_probe.py --split --fire (tenth session, call 1): 1056 programs with d in
+# one step were the fastest or within 0.5 us of it from 1 to 64 tokens (528 and 2112 programs
+# also tried); the gate's shape the fastest stand-alone gate of the ninth session (13.3 to 13.6
+# us at 8 tokens). benchmarks/split_chain_probe.py (twelfth session; eight layers back to back
+# in one graph, as a model runs them; 12 shapes): the up/down programs with 8 warps instead of 4
+# were the fastest in 14 of 15 records from 4 to 64 tokens, 0.1 to 0.5 us (1% to 3%) faster.
+SPLIT_CONFIG = SplitConfig(64, 128, 4, 6, 1056, 4096, 8)
 
 
 @functools.cache
