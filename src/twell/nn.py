@@ -60,7 +60,10 @@ def _param(linear: nn.Module, name: str = "weight") -> Optional[torch.Tensor]:
     ``nn.Module.__getattr__`` costs about a microsecond a lookup, and a one-token eager call makes
     four (a visible share of its host time). One that is not a plain parameter (a
     parametrization) or that the module's class defines itself (a property over the stored
-    parameter) is read as an attribute."""
+    parameter) is read as an attribute, and so is every one under ``torch.compile``, whose tracer
+    reads module attributes natively (and warns about the cache below)."""
+    if torch.compiler.is_compiling():
+        return getattr(linear, name)
     params = linear._parameters
     if name in params and not _class_defines(type(linear), name):
         return params[name]
