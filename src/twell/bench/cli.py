@@ -437,11 +437,19 @@ def _runtime_bench(args, tag: str, log, t0: float) -> None:
             json.dump({"mlp": records, "model": model}, fh, indent=1)
         write_results(records, os.path.splitext(path)[0] + "_mlp.json")
         os.remove(os.path.splitext(path)[0] + "_mlp.json")
-        plot_batch(records, os.path.splitext(path)[0] + ".png", "M", ("speedup", "decode_speedup"), "tokens per call M")
+        plot_batch(records, os.path.splitext(path)[0] + ".png", "M", ("speedup", "decode_speedup", "speedup_flushed"),
+                   "tokens per call M")
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")
 
 
-def plot_batch(records: list[dict], path_png: str, xkey: str, fields: tuple[str, str], xlabel: str) -> None:
+_TITLES = {
+    "speedup": "speedup (eight layers back to back in a graph)",
+    "decode_speedup": "decode kernels forced (eight layers)",
+    "speedup_flushed": "speedup (one layer, L2 zeroed before each replay)",
+}
+
+
+def plot_batch(records: list[dict], path_png: str, xkey: str, fields: tuple[str, ...], xlabel: str) -> None:
     """Speedup over dense against ``xkey`` (log-log), one line per (k, distribution); one panel per field."""
     import matplotlib
 
@@ -460,7 +468,7 @@ def plot_batch(records: list[dict], path_png: str, xkey: str, fields: tuple[str,
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
-        ax.set_title(field.replace("_", " "), fontsize=10)
+        ax.set_title(_TITLES.get(field, field.replace("_", " ")) if "chain_layers" in rs[0] else field.replace("_", " "), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("speedup over the dense PyTorch MLP (dense = 1)")
     axes[0].legend(fontsize=7)

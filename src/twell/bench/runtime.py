@@ -17,7 +17,7 @@ from torch import nn
 
 from .inference import errors, machine_info, reference_fp32
 from .synthetic import make_ffn
-from .timing import alternating, eager_ms, graph_ms, host_us, interleaved_ms
+from .timing import alternating, chain_graph_ms, eager_ms, graph_ms, host_us, interleaved_ms
 
 __all__ = ["DenseMLP", "batch_grid", "compile_compare", "decode_grid"]
 
@@ -187,32 +187,51 @@ def compile_compare(M: int = 16384, layers: int = 4, k: int = 29, log: Callable[
     return out
 
 
-def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed"), log: Callable[[str], None] = print) -> list[dict]:
-    """Issue 9's MLP records: both sides captured in CUDA graphs (twell with default settings
-    after eager warm-up calls, and with the decode kernels forced)."""
+CHAIN_LAYERS = 8
+
+
+def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed"), layers: int = CHAIN_LAYERS,
+                log: Callable[[str], None] = print) -> list[dict]:
+    """Issue 9's MLP records, both sides in CUDA graphs: twell with default settings (after eager
+    warm-up calls) and with the decode kernels forced, against dense.
+
+    ``*_graph_us`` (and ``speedup``) time ``layers`` layers with their own copies of the weights
+    back to back in one graph, per layer (:func:`twell.bench.timing.chain_graph_ms`): each
+    layer's weights cold in L2 because the other layers' reads evicted them, as in a model's
+    decoding step. ``*_flushed_us`` (and ``speedup_flushed``) time one layer's graph with L2
+    zeroed before each replay (``triton.testing.do_bench``; the grids before the twelfth
+    session), which leaves dirty lines a cold read must write back first."""
     info = machine_info()
     out = []
     for k in ks:
         for dist in dists:
             s = make_ffn(4096, D, F, k, dist, dtype=torch.bfloat16, device="cuda", seed=k + 23)
-            dense, twell = _pair(s)
+            pairs = [_pair(s) for _ in range(layers)]
+            denses, twells = [p[0] for p in pairs], [p[1] for p in pairs]
+            dense, twell = pairs[0]
             for M in Ms:
                 x = s.x[:M].contiguous()
                 with torch.no_grad():
-                    _warm(twell, x)
-                    rec = dict(M=M, k=k, distribution=dist, d=D, f=F)
+                    for t in twells:
+                        _warm(t, x)
+                    rec = dict(M=M, k=k, distribution=dist, d=D, f=F, chain_layers=layers)
                     union = int(((x.float() @ s.w_gate.float().T) > 0).any(dim=0).sum())
                     rec["union"] = union
-                    rec["dense_graph_us"] = 1e3 * graph_ms(lambda: dense(x))
-                    rec["twell_graph_us"] = 1e3 * graph_ms(lambda: twell(x))
+                    rec["dense_graph_us"] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in denses])
+                    rec["twell_graph_us"] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in twells])
+                    rec["dense_flushed_us"] = 1e3 * graph_ms(lambda: dense(x))
+                    rec["twell_flushed_us"] = 1e3 * graph_ms(lambda: twell(x))
                     rec["path"] = twell.last_path
                     rec["decode_kernels"] = twell._twell_layer.last_decode_kernels if twell.last_path == "decode" else None
-                    twell.kernel_mode = "decode"
-                    rec["decode_graph_us"] = 1e3 * graph_ms(lambda: twell(x))
+                    for t in twells:
+                        t.kernel_mode = "decode"
+                    rec["decode_graph_us"] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in twells])
+                    rec["decode_flushed_us"] = 1e3 * graph_ms(lambda: twell(x))
                     rec["forced_decode_kernels"] = twell._twell_layer.last_decode_kernels
                     ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
                     rec["decode_rel_err"], rec["decode_max_row_err"] = errors(twell(x), ref)
-                    twell.kernel_mode = "auto"
+                    for t in twells:
+                        t.kernel_mode = "auto"
                     rec["rel_err"], rec["max_row_err"] = errors(twell(x), ref)
                     rec["dense_rel_err"], rec["dense_max_row_err"] = errors(dense(x), ref)
                 # bytes the decode path must read: the whole gate, and an up row and a down column per active unit
@@ -220,11 +239,14 @@ def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed")
                 rec["GBps"] = need / (rec["decode_graph_us"] * 1e3)
                 rec["speedup"] = rec["dense_graph_us"] / rec["twell_graph_us"]
                 rec["decode_speedup"] = rec["dense_graph_us"] / rec["decode_graph_us"]
+                rec["speedup_flushed"] = rec["dense_flushed_us"] / rec["twell_flushed_us"]
+                rec["decode_speedup_flushed"] = rec["dense_flushed_us"] / rec["decode_flushed_us"]
                 rec.update(info)
                 out.append(rec)
                 log(f"M={M:4d} k={k:3d} {dist:6s} union {union:5d} dense {rec['dense_graph_us']:6.1f} us twell {rec['twell_graph_us']:6.1f} "
                     f"x{rec['speedup']:.2f} ({rec['path']}) decode forced {rec['decode_graph_us']:6.1f} x{rec['decode_speedup']:.2f} "
-                    f"{rec['GBps']:.0f} GB/s err {rec['rel_err']:.1e} row {rec['max_row_err']:.1e}/{rec['dense_max_row_err']:.1e}")
-            del s, dense, twell
+                    f"| flushed {rec['dense_flushed_us']:5.1f} / {rec['twell_flushed_us']:5.1f} x{rec['speedup_flushed']:.2f} "
+                    f"| {rec['GBps']:.0f} GB/s err {rec['rel_err']:.1e} row {rec['max_row_err']:.1e}/{rec['dense_max_row_err']:.1e}")
+            del s, pairs, denses, twells, dense, twell
             torch.cuda.empty_cache()
     return out

@@ -6,6 +6,12 @@
   is what a user's eager loop sees.
 - :func:`graph_ms`: the same call captured once in a CUDA graph (after warm-up on a side stream,
   as ``torch.cuda.graph`` wants) and its replays timed the same way: the GPU time alone.
+- :func:`chain_graph_ms`: several layers with their own weights captured back to back in one CUDA
+  graph, the time per layer, no flush: each layer's weights were evicted from L2 by the other
+  layers' reads, as in a model. (The flush above zeroes a 256 MB buffer, which leaves L2 full of
+  dirty lines that a cold read must first write back: on the H200 that made a 23 MB gate product
+  take 13.8 us where it takes 8.7 us in a chain of eight layers; see benchmarks/NOTES_decode.md,
+  twelfth session.)
 - :func:`host_us`: CPU time to issue one call, from the wall time of issuing a burst of calls
   without synchronising (short enough that the launch queue never fills and blocks).
 - :func:`peak_bytes`: the largest ``torch.cuda.max_memory_allocated`` over one call.
@@ -25,7 +31,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["eager_ms", "graph_ms", "host_us", "peak_bytes", "reset_peak", "capture", "alternating", "interleaved_ms"]
+__all__ = ["eager_ms", "graph_ms", "chain_graph_ms", "host_us", "peak_bytes", "reset_peak", "capture", "alternating", "interleaved_ms"]
 
 
 def reset_peak() -> None:
@@ -71,6 +77,24 @@ def graph_ms(fn: Callable[[], object], rep: int = 100, warmup: int = 3) -> float
     graph = capture(fn, warmup)
     try:
         return eager_ms(graph.replay, rep=rep)
+    finally:
+        del graph
+
+
+def chain_graph_ms(fns: "list[Callable[[], object]]", reps: int = 100, warmup: int = 5) -> float:
+    """Median milliseconds per callable of replays of all ``fns`` captured in turn in one CUDA
+    graph (one per layer, each with its own weights), replayed back to back without a flush."""
+    graph = capture(lambda: [fn() for fn in fns])
+    try:
+        for _ in range(warmup):
+            graph.replay()
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in events) / len(fns)
     finally:
         del graph
 
