@@ -35,7 +35,9 @@ Measured (H200, bf16, d 2048, f 5632, CUDA graphs, L2 flushed; benchmarks/NOTES_
 session): 18 to 20 us at 8 and 16 tokens for k 8 to 56 (dense 40 to 41 us, the fused kernel 28.5
 to 29.5), 20 to 27 us at 32 tokens and 23 to 35 us at 64; the time grows with the number of fires
 (about 4 to 5 ns each) over a gate of 17 to 21 us. At one token the fused CUDA-core kernel is
-faster (15 against 18 us). The dispatcher (:mod:`twell.dispatch`) takes these kernels from
+faster (15 against 18 us). Timed as a model runs them (eight layers back to back in one graph,
+no flush; twelfth session): 13.5 to 17 us at 4 to 16 tokens and 19 to 31 us at 64, against
+dense's 31 to 35. The dispatcher (:mod:`twell.dispatch`) takes these kernels from
 ``SPLIT_MIN_M`` to 64 tokens while the expected number of fires is at most ``SPLIT_MAX_FIRES``.
 """
 
