@@ -4,7 +4,7 @@
 # Usage (on the GPU machine, repository root):
 #   bash benchmarks/run_session_h200.sh OUTDIR STEP...
 # Steps: tests (every GPU test; TESTS=paths to narrow), coldprobe (benchmarks/cold_weights_probe.py, COLDPROBE_M tokens), splitprobe
-# (benchmarks/split_chain_probe.py), gateupprobe (benchmarks/gate_up_probe.py), memprobe (benchmarks/decode_memory_probe.py),
+# (benchmarks/split_chain_probe.py), memprobe (benchmarks/decode_memory_probe.py),
 # gemvprobe (benchmarks/decode_gemv_probe.py), gateprobe (benchmarks/decode_gate_probe.py), hostprobe (benchmarks/host_probe.py at HOST_M tokens, default 1 16 4096), smallm
 # (benchmarks/prefill_small_m_probe.py), decode, decodefused (decode with DECODE_SPLIT off), splitsmallm
 # (benchmarks/decode_split_small_m.py), downlayout (benchmarks/dense_down_layout_probe.py),
@@ -34,7 +34,6 @@ for step in "$@"; do
     gateprobe) cmd=(timeout "${GATEPROBE_S:-240}" $PY benchmarks/decode_gate_probe.py "$dir" ${GATEPROBE_ARGS:-}) ;;
     coldprobe) cmd=(env OUT="$dir" timeout "${COLDPROBE_S:-240}" $PY benchmarks/cold_weights_probe.py ${COLDPROBE_M:-}) ;;
     splitprobe) cmd=(env OUT="$dir" timeout "${SPLITPROBE_S:-240}" $PY benchmarks/split_chain_probe.py) ;;
-    gateupprobe) cmd=(env OUT="$dir" timeout "${GATEUPPROBE_S:-200}" $PY benchmarks/gate_up_probe.py) ;;
     smallm)   cmd=(timeout "${SMALLM_S:-120}" $PY benchmarks/prefill_small_m_probe.py "$dir") ;;
     gridM)    cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60 --M ${GRID_M:-4096 16384}) ;;
     decode)   cmd=(timeout "${DECODE_S:-150}" $PY -m twell.bench.cli decode --out "$dir") ;;
