@@ -25,18 +25,17 @@ from cold_weights_probe import LAYERS, replay_us
 OUT = os.environ.get("OUT", "/tmp")
 C = split.SplitConfig
 SHAPES = {
-    "shipped 64x128 w4 s6 P1056": C(64, 128, 4, 6, 1056, 4096, 4),
-    "BU32 w4 s6": C(32, 128, 4, 6, 1056, 4096, 4),
-    "BU32 w2 s6": C(32, 128, 2, 6, 1056, 4096, 4),
-    "BU16 w2 s6": C(16, 128, 2, 6, 1056, 4096, 4),
-    "BU32 BK256 w4 s4": C(32, 256, 4, 4, 1056, 4096, 4),
-    "BU64 BK256 w8 s4": C(64, 256, 8, 4, 1056, 4096, 4),
-    "BU64 w8 s6": C(64, 128, 8, 6, 1056, 4096, 4),
-    "P528": C(64, 128, 4, 6, 528, 4096, 4),
-    "P2112": C(64, 128, 4, 6, 2112, 4096, 4),
-    "updown w8": C(64, 128, 4, 6, 1056, 4096, 8),
-    "updown w2": C(64, 128, 4, 6, 1056, 4096, 2),
-    "BU32 w4 s6 P2112": C(32, 128, 4, 6, 2112, 4096, 4),
+    "shipped": split.SPLIT_CONFIG,
+    # call 2 of the twelfth session (the shipped shape then had 4-warp up/down programs)
+    "updown w4": C(64, 128, 4, 6, 1056, 4096, 4),
+    # call 6: around the 8-warp up/down programs shipped after call 2
+    "w8 P2112": C(64, 128, 4, 6, 2112, 4096, 8),
+    "w8 P1584": C(64, 128, 4, 6, 1584, 4096, 8),
+    "w8 P792": C(64, 128, 4, 6, 792, 4096, 8),
+    "w16 P1056": C(64, 128, 4, 6, 1056, 4096, 16),
+    "w16 P528": C(64, 128, 4, 6, 528, 4096, 16),
+    "gate s4": C(64, 128, 4, 4, 1056, 4096, 8),
+    "gate s8": C(64, 128, 4, 8, 1056, 4096, 8),
 }
 
 
