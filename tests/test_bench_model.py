@@ -145,3 +145,46 @@ def test_interleaved_timing_alternates_call_by_call():
     a, b = interleaved_ms([work("a", 0.001), work("b", 0.003)], calls=15, warmup=2)
     assert order == ["a", "b"] * 17
     assert 0.9 < a < 2.5 and b / a > 1.8
+
+
+def test_chain_graph_ms_times_all_layers_per_replay_and_divides(monkeypatch):
+    """chain_graph_ms captures every callable in turn in one graph, replays the whole chain, and
+    reports the median replay time per callable (CUDA pieces replaced by stand-ins: the CPU has
+    no graphs or events)."""
+    import twell.bench.timing as timing
+
+    order = []
+    captured = []
+
+    class FakeGraph:
+        def __init__(self, fn):
+            self.fn = fn
+
+        def replay(self):
+            order.append("replay")
+            self.fn()
+
+    def fake_capture(fn, warmup=3):
+        captured.append(fn)
+        return FakeGraph(fn)
+
+    times = iter([8.0, 4.0, 4.0, 6.0, 100.0])  # the median of these five replays is 6 ms
+
+    class FakeEvent:
+        def __init__(self, enable_timing=False):
+            pass
+
+        def record(self):
+            pass
+
+        def elapsed_time(self, end):
+            return next(times)
+
+    monkeypatch.setattr(timing, "capture", fake_capture)
+    monkeypatch.setattr(timing.torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(timing.torch.cuda, "synchronize", lambda: None)
+    fns = [lambda i=i: order.append(i) for i in range(4)]
+    ms = timing.chain_graph_ms(fns, reps=5, warmup=2)
+    assert len(captured) == 1  # one graph for the chain
+    assert order == ["replay", 0, 1, 2, 3] * 7  # 2 warm-up replays and 5 timed ones, each the whole chain
+    assert ms == pytest.approx(6.0 / 4)
