@@ -5,6 +5,13 @@ both commits and compare. Needs the Triton the GPU machine has (3.6.0), e.g. in 
 
     python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch numpy
     /tmp/t36/bin/python benchmarks/sm90_ptx.py
+
+The kernels are compiled without the divisibility facts Triton's launcher adds at run time
+(pointers and integer arguments divisible by 16), so the PTX is not the one that runs: without
+them `_fire_updown_kernel` loads its rows with scalar 16-bit loads and adds with scalar atomics,
+with them (as launched, d 2048) with 16-byte loads and `atom.add.v4.f32` (twelfth session). The
+hashes compare two commits' kernels under the same settings; they do not describe the code
+that runs.
 """
 
 from __future__ import annotations
