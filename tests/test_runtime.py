@@ -459,6 +459,22 @@ def test_compile_fullgraph_runs_the_kernels(mode):
     assert rel_err(y, _dense(m, x)) < 1e-5
 
 
+def test_compile_traces_the_module_without_warnings():
+    """Dynamo traces SparseGatedMLP.forward, its weight lookup included, without a warning (an
+    lru_cache in that lookup made Dynamo warn of possible silent incorrectness)."""
+    import warnings
+
+    torch._dynamo.reset()
+    m = SparseGatedMLP(16, 40).eval()
+    x = torch.randn(3, 16)
+    with warnings.catch_warnings(record=True) as caught, torch.no_grad():
+        warnings.simplefilter("always")
+        y = torch.compile(m, backend="eager", fullgraph=True)(x)
+    assert not [w for w in caught if "dynamo" in str(w.filename).lower() or "lru_cache" in str(w.message)], \
+        [str(w.message)[:200] for w in caught]
+    assert rel_err(y, _dense(m, x)) < 1e-5
+
+
 def test_custom_op_passes_opcheck():
     from twell import library  # noqa: F401
 

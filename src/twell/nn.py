@@ -22,7 +22,6 @@ inference kernels read a unit's down column as one row, with no second copy of t
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -60,19 +59,24 @@ def _param(linear: nn.Module, name: str = "weight") -> Optional[torch.Tensor]:
     ``nn.Module.__getattr__`` costs about a microsecond a lookup, and a one-token eager call makes
     four (a visible share of its host time). One that is not a plain parameter (a
     parametrization) or that the module's class defines itself (a property over the stored
-    parameter) is read as an attribute, and so is every one under ``torch.compile``, whose tracer
-    reads module attributes natively (and warns about the cache below)."""
-    if torch.compiler.is_compiling():
-        return getattr(linear, name)
+    parameter) is read as an attribute."""
     params = linear._parameters
     if name in params and not _class_defines(type(linear), name):
         return params[name]
     return getattr(linear, name)
 
 
-@functools.lru_cache(maxsize=None)
+_CLASS_DEFINES: dict = {}
+
+
 def _class_defines(cls: type, name: str) -> bool:
-    return hasattr(cls, name)
+    # a plain dict, not functools.lru_cache: torch.compile traces through this function and
+    # warns about an lru_cache's wrapper (seen on the H200, twelfth session)
+    key = (cls, name)
+    known = _CLASS_DEFINES.get(key)
+    if known is None:
+        known = _CLASS_DEFINES[key] = hasattr(cls, name)
+    return known
 
 
 def _hooked(projections: Iterable[nn.Module]) -> bool:
