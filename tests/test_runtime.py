@@ -442,6 +442,106 @@ def test_projection_with_a_weight_property_or_hooks():
     assert rel_err(y.detach(), R.gated_mlp(x.double(), m.gate_proj.weight.double(), m.up_proj.weight.double(),
                                            m.down_proj.weight.double())) < 1e-5
 
+# --- the dispatcher's boundaries (mutants that survived the tests above, twelfth session) -------
+
+
+def test_union_thresholds_are_inclusive(monkeypatch):
+    """Decode is taken while the expected share of active units is *at most* the threshold:
+    FUSED_MAX_UNION up to FUSED_WIDE_M tokens, FUSED_WIDE_MAX_UNION above."""
+    from twell import dispatch
+
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
+    s = SparseGatedMLP(8, 16)._twell_layer
+    s.union_rate = dispatch.FUSED_MAX_UNION  # at one token the share is exactly the threshold
+    assert s.union_share(1, 5632) == dispatch.FUSED_MAX_UNION
+    assert s.choose(1, 5632, "auto", None, True) == "decode"
+    share = {"u": dispatch.FUSED_WIDE_MAX_UNION}
+    monkeypatch.setattr(s, "union_share", lambda M, f: share["u"])
+    M = dispatch.FUSED_WIDE_M + 1
+    assert s.choose(M, 5632, "auto", None, True) == "decode"
+    share["u"] = dispatch.FUSED_WIDE_MAX_UNION * 1.01
+    assert s.choose(M, 5632, "auto", None, True) == "dense"
+
+
+def test_prefill_hysteresis():
+    """On the kernels, a layer keeps them up to HYSTERESIS past the threshold; off them, it takes
+    them again only below the threshold itself."""
+    s = SparseGatedMLP(8, 16)._twell_layer
+    f, M = 1000, 1 << 30  # the tail term vanishes; limit 0.0102 f = 10.2 units, 10.71 on the kernels
+    limit = LayerState.DEFAULT_MAX_DENSITY * f
+    between = limit * (1 + LayerState.HYSTERESIS) / 2  # past the limit, within the hysteresis
+    steps = [(between, "dense"), (limit * 0.98, "prefill"), (between, "prefill"),
+             (limit * LayerState.HYSTERESIS * 1.02, "dense"), (between, "dense")]
+    for est, want in steps:
+        s.estimate = (est, 0.0)
+        assert s.choose(M, f, "auto", None, False) == want, (est, want)
+
+
+def test_prefill_cost_counts_the_longest_row():
+    """cost = base + TAIL_WEIGHT * longest row / M: a short batch with one long row stays dense."""
+    s = SparseGatedMLP(8, 16)._twell_layer
+    s.estimate = (29.0, 60.0)
+    assert s.cost(8192) == pytest.approx(29.0 + LayerState.TAIL_WEIGHT * 60.0 / 8192)
+    s.estimate = (29.0, 0.0)
+    assert s.choose(8192, 5632, "auto", None, False) == "prefill"
+    s.estimate = (29.0, 400.0)  # 41.5 units per token of tail at 8192 tokens: 70.5, past 57.4 * 1.05
+    assert s.choose(8192, 5632, "auto", None, False) == "dense"
+
+
+def test_dense_branch_product_pass_by_capture(monkeypatch):
+    """The dense branch multiplies relu(g) * u with PyTorch's two ops up to SMALL_M tokens outside
+    a capture, and with the one-pass Triton kernel above GRAPH_SMALL_M inside one (same result;
+    only which runs differs)."""
+    import twell.kernels.elementwise as E
+
+    m = SparseGatedMLP(24, 37).eval()
+    s = m._twell_layer
+    calls = []
+    real = E.relu_mul_
+    monkeypatch.setattr(E, "relu_mul_", lambda u, a: calls.append(a.shape[0]) or real(u, a))
+    M = LayerState.GRAPH_SMALL_M + 37
+    assert M <= LayerState.SMALL_M
+    x = torch.randn(M, 24)
+    w = (m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight)
+    with torch.no_grad():
+        y_eager = s._dense(m, x, *w, False, False, capturing=False)
+        assert calls == []
+        y_graph = s._dense(m, x, *w, False, False, capturing=True)
+        assert calls == [M]
+    assert torch.equal(y_eager, y_graph)
+
+
+def test_forward_post_hook_on_a_projection_takes_the_dense_math():
+    """A forward hook (not only a pre-hook) on a projection sends the call to the dense math,
+    which calls the projections and so runs the hook."""
+    torch.manual_seed(5)
+    m = SparseGatedMLP(16, 40).eval()
+    m.kernel_mode = "decode"
+    m.up_proj.register_forward_hook(lambda mod, inp, out: 3 * out)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        y = m(x)
+    assert m._twell_layer.last_path is None
+    want = (torch.relu(x @ m.gate_proj.weight.T) * (3 * (x @ m.up_proj.weight.T))) @ m.down_proj.weight.T
+    assert rel_err(y, want) < 1e-5
+
+
+def test_split_buffers_only_for_their_units():
+    """The split decode kernels' list is made for one f: a call with another f gets no buffers
+    (and so the union rule, here dense), never a list sized for other units."""
+    m = SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "decode"
+    s = m._twell_layer
+    with torch.no_grad():
+        m(torch.randn(8, 40))
+    assert s.split_scratch is not None and s.split_scratch.f == 100
+    s.k_est, s.union_rate = 0.5, None
+    x = torch.randn(64, 40)
+    assert s._split_for(x, 64, 100) is s.split_scratch
+    assert s._split_for(x, 64, 72) is None
+    assert s.choose(64, 72, "auto", None, True, x) == "dense"
+
+
 # --- torch.compile and the custom op (interpreter) ---------------------------------------------
 
 
