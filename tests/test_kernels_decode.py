@@ -511,3 +511,52 @@ def test_decode_split_gpu_dtypes_gated_and_statistics(dtype, M):
     tol = 1e-4 if dtype == torch.float32 else 1e-2
     _check_gpu_variants(lambda *a, **kw: ffn_decode_split(*a, scratch=scratch, **kw), x, wg, wu, wd, tol,
                         lambda: bool(torch.all(scratch.acc == 0)) and int(scratch.count[0]) == 0)
+
+
+def _rounding_case(d: int):
+    """fp16, one token, whose exact output depends on every rounding the dense path does (written
+    after a mutation run of the twelfth session: dropping any of them passed every other test,
+    which run in fp32 or compare within a tolerance that a missing rounding improves on).
+
+    - Units 0 and 1 (gate 3): up = 1 + 3 * 2^-13, which fp16 rounds to 1, and up = -1; both add
+      into column 0, so y[0] is 0 only if up is rounded before h = gate * up.
+    - Units 2 and 3 (gate 5): up = 1 + 2^-10 and -1; h = 5 + 5 * 2^-10 rounds to 5 + 2^-8 in fp16,
+      so y[1] is 2^-8 only if h is rounded before the down product.
+    - Unit 4: its gate is 2^-26, positive in fp32 but 0 in fp16: it must not fire.
+    Every other unit's gate is -1."""
+    f = 16
+    x = torch.zeros(1, d)
+    wg, wu, wdt = torch.zeros(f, d), torch.zeros(f, d), torch.zeros(f, d)
+    x[0, :4] = torch.tensor([1.0, 3 * 2**-13, 2**-10, 2**-13])
+    wg[:, 0] = -1.0
+    wg[0, 0], wu[0, 0], wu[0, 1], wdt[0, 0] = 3.0, 1.0, 1.0, 1.0
+    wg[1, 0], wu[1, 0], wdt[1, 0] = 3.0, -1.0, 1.0
+    wg[2, 0], wu[2, 0], wu[2, 2], wdt[2, 1] = 5.0, 1.0, 1.0, 1.0
+    wg[3, 0], wu[3, 0], wdt[3, 1] = 5.0, -1.0, 1.0
+    wg[4, 0], wg[4, 3], wu[4, 0], wdt[4, 2] = 0.0, 2**-13, 1.0, 1.0
+    half = lambda t: t.to(torch.float16)  # noqa: E731
+    expect = torch.zeros(1, d, dtype=torch.float16)
+    expect[0, 1] = 2**-8
+    return half(x), half(wg), half(wu), half(wdt), expect, torch.tensor([1, 1, 1, 1] + [0] * (f - 4), dtype=torch.int32)
+
+
+@pytest.mark.parametrize("path", ["split_one_step", "split_steps", "split_past_capacity", "fused_dot", "fused_gemv"])
+def test_decode_kernels_round_as_the_dense_path(path):
+    from twell.kernels.decode_fused import decode_fused_launch
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+
+    d = 16
+    x, wg, wu, wdt, expect, expect_counts = _rounding_case(d)
+    uc = torch.full((16,), -7, dtype=torch.int32)
+    nnz = torch.zeros(1, dtype=torch.int32)
+    if path.startswith("split"):
+        capacity = 1 if path == "split_past_capacity" else 64
+        BD = 64 if path == "split_one_step" else 8  # one step of d, or steps of 8 columns
+        scratch = SplitScratch(d, 16, torch.float16, "cpu", capacity=capacity)
+        y = decode_split_launch(x, wg, wdt, wu, uc, nnz, scratch=scratch, config=SplitConfig(16, 16, 4, 1, 3, BD, 4))[0]
+    elif path == "fused_dot":
+        y = decode_fused_launch(x, wg, wdt, wu, uc, nnz, config=(16, 16, 16, 4, 1))[0]
+    else:
+        y = decode_fused_launch(x, wg, wdt, wu, uc, nnz, config=GemvConfig(4, 16, 2, 1))[0]
+    assert torch.equal(y, expect), y[0, :3].tolist()
+    assert torch.equal(uc, expect_counts) and int(nnz[0]) == 4, (uc.tolist(), nnz.tolist())
