@@ -213,3 +213,21 @@ def test_gate_pack_fused_fp32_is_full_precision():
     want = ref[r, cols]
     err = ((out.values[r, t, s].double() - want).norm() / want.norm()).item()
     assert r.numel() > 1000 and err < 1e-5, err
+
+
+def test_fused_gate_pack_decides_activity_on_the_rounded_gate():
+    """The fused gate's epilogue takes a unit as active when its gate *rounded to the storage
+    dtype* is positive, as the dense path's relu of the fp16 product does: 2^-13 * 2^-13 = 2^-26
+    is positive in fp32 and 0 in fp16 (a mutant testing the fp32 accumulator survived every other
+    test, twelfth session)."""
+    x = torch.zeros(5, 16, dtype=torch.float16)
+    w = torch.zeros(40, 16, dtype=torch.float16)
+    x[:, 0] = 2.0**-13
+    w[:, 0] = 2.0**-13
+    w[::3, 1] = 1.0  # and some ordinary entries
+    x[:, 1] = 1.0
+    out = gate_pack_fused(x, w, tile=16, compression=4, block_m=16, block_k=16, num_warps=4, num_stages=1)
+    ref = pack_twell(torch.relu(x.float() @ w.float().T).half(), 16, 4)
+    assert torch.equal(out.counts, ref.counts), (out.counts, ref.counts)
+    used = (torch.arange(out.slots) < out.counts.unsqueeze(-1)) & ~out.overflowed().unsqueeze(-1)
+    assert torch.equal(out.cols[used], ref.cols[used]) and torch.equal(out.values[used], ref.values[used])
