@@ -633,3 +633,40 @@ def test_hot_units_take_the_dense_columns(gated, monkeypatch):
     assert HOT in hot.tolist() and 0 < hot.numel() < 75 and int(info[1]) == hot.numel()
     compare((x, wg, wu, wd) if gated else (x, wg, wd), 12, torch.float32, gated=gated)
     assert int((counts > 12).sum()) > 0  # heavy rows too: both dense contributions meet
+
+
+def test_hot_unit_cutoff_is_strict():
+    """A unit is hot when it holds *more than* max(HOT_MIN, HOT_FACTOR x mean) slots: one at
+    exactly the limit stays on the per-unit kernel (a mutant with >= survived every other test,
+    twelfth session: both paths give the same gradients)."""
+    f = 100
+    per_unit = torch.zeros(f, dtype=torch.int64)
+    per_unit[0], per_unit[1] = T.HOT_MIN, T.HOT_MIN + 1  # the limit is HOT_MIN here
+    _, _, hot, info = T._heavy_and_hot(torch.zeros(4, dtype=torch.int32), 16, per_unit, f)
+    assert hot.nonzero().flatten().tolist() == [1]
+    assert info.tolist() == [0, 1, T.HOT_MIN + 1]
+
+
+@pytest.mark.parametrize("block_d", [None, 32])
+def test_row_backward_adds_the_l1_term_in_fp32(block_d):
+    """bf16 inputs and an L1 weight c far below half a bf16 step of dy . w_down^T: per slot,
+    du(c) - du(0) = c sign(h) g and da(c) - da(0) = c sign(h) u, which holds only if dh is kept in
+    fp32 until it is multiplied (rounding dh to bf16 first survived every other test: unbiased
+    over many tokens)."""
+    from twell.kernels.train_ffn import ffn_rows_backward, ffn_rows_forward
+
+    c = 5e-6  # about 1e-4 of |dy . w_down^T|: under half a bf16 step, far above an fp32 one
+    x, wg, wu, wd = (t.bfloat16() for t in make_case(16, 40, 75, seed=3, adversarial=False))
+    dy = (torch.randn(16, 40, generator=torch.Generator().manual_seed(0)) / 16).bfloat16()
+    cols, g, counts = pack_rows(x @ wg.T, 75)
+    wdt = wd.t().contiguous()
+    _, u, _ = ffn_rows_forward(x, cols, g, counts, wdt, wu, block_d=block_d)
+    with_c, without = (ffn_rows_backward(dy, cols, g, u, counts, wdt, wu, wg, torch.tensor([cc]), block_d=block_d)
+                       for cc in (c, 0.0))
+    used = torch.arange(75) < counts.long().unsqueeze(1)
+    assert used.sum() > 20
+    h = g.float() * u.float()
+    for i, v in ((1, g.float()), (2, u.float())):
+        diff = (with_c[i] - without[i])[used]
+        want = (c * torch.sign(h) * v)[used]
+        assert (diff - want).abs().max() <= 2e-2 * want.abs().max(), i
