@@ -32,15 +32,16 @@ import torch
 
 from twell.bench.runtime import _pair, _warm
 from twell.bench.synthetic import make_ffn
-from twell.bench.timing import capture
+from twell.bench.timing import capture, chain_graph_ms
 
 OUT = os.environ.get("OUT", "/tmp")
 LAYERS = int(os.environ.get("LAYERS", "8"))
 REPS = 100
 
 
-def replay_us(fn, flush: str, per: int = 1) -> float:
-    """Median microseconds per layer of replays of ``fn`` captured once, L2 treated per ``flush``."""
+def replay_us(fn, flush: str) -> float:
+    """Median microseconds of replays of ``fn`` captured once, L2 zeroed (``"dirty"``) or evicted
+    by a read (``"clean"``) before each. (The chain needs no flush: ``chain_graph_ms``.)"""
     graph = capture(fn)
     buf = torch.ones(64 << 20, dtype=torch.float32, device="cuda")  # 256 MB
     total = torch.empty((), device="cuda")
@@ -56,7 +57,7 @@ def replay_us(fn, flush: str, per: int = 1) -> float:
         graph.replay()
         end.record()
     torch.cuda.synchronize()
-    out = statistics.median(s.elapsed_time(e) for s, e in events) * 1e3 / per
+    out = statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
     del graph, buf
     return out
 
@@ -82,17 +83,15 @@ def main() -> None:
                         for t in twell:
                             t.kernel_mode = "decode" if side == "decode" else "auto"
                         one = lambda m=mods[0]: m(x)  # noqa: E731
-                        many = lambda ms=mods: [m(x) for m in ms]  # noqa: E731
                         rec[f"{side}_dirty_us"] = replay_us(one, "dirty")
                         rec[f"{side}_clean_us"] = replay_us(one, "clean")
-                        rec[f"{side}_stack_us"] = replay_us(many, "none", per=LAYERS)
+                        rec[f"{side}_stack_us"] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in mods])
                         if side != "dense":
                             rec[f"{side}_path"] = twell[0].last_path
                             rec[f"{side}_kernels"] = twell[0]._twell_layer.last_decode_kernels
                     gate = lambda: dense[0].gate_proj(x)  # noqa: E731
-                    gates = lambda: [m.gate_proj(x) for m in dense]  # noqa: E731
                     rec["gate_dirty_us"], rec["gate_clean_us"] = replay_us(gate, "dirty"), replay_us(gate, "clean")
-                    rec["gate_stack_us"] = replay_us(gates, "none", per=LAYERS)
+                    rec["gate_stack_us"] = 1e3 * chain_graph_ms([lambda m=m: m.gate_proj(x) for m in dense])
                     ref = dense[0](x).float()
                     rec["decode_rel_vs_dense"] = float((twell[0](x).float() - ref).norm() / ref.norm())
                     for t in twell:

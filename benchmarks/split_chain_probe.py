@@ -4,8 +4,8 @@
 
 The split kernels' shapes (``twell.kernels.decode_split.SPLIT_CONFIG``) were chosen with L2
 zeroed before each replay (benchmarks/NOTES_decode.md, tenth session). Timed instead in a chain
-of LAYERS layers with their own weights in one CUDA graph (``cold_weights_probe.py``'s
-``stack``), other shapes may win. For each shape, k in {8, 29, 56} even and M in {4, 8, 16, 32,
+of LAYERS layers with their own weights in one CUDA graph (``twell.bench.timing.chain_graph_ms``,
+as ``twell bench decode`` times them), other shapes may win. For each shape, k in {8, 29, 56} even and M in {4, 8, 16, 32,
 64}: the module with its decode kernels forced, microseconds per layer; dense beside it. Writes
 OUT/split_chain_probe.json; prints a table.
 """
@@ -20,7 +20,9 @@ import torch
 import twell.kernels.decode_split as split
 from twell.bench.runtime import _pair, _warm
 from twell.bench.synthetic import make_ffn
-from cold_weights_probe import LAYERS, replay_us
+from twell.bench.timing import chain_graph_ms
+
+LAYERS = 8
 
 OUT = os.environ.get("OUT", "/tmp")
 C = split.SplitConfig
@@ -54,12 +56,12 @@ def main() -> None:
                 for t in twell:
                     _warm(t, x)
                     t.kernel_mode = "decode"
-                rec["dense_us"] = replay_us(lambda: [m(x) for m in dense], "none", per=LAYERS)
+                rec["dense_us"] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in dense])
                 ref = dense[0](x).float()
                 for name, cfg in SHAPES.items():
                     split.SPLIT_CONFIG = cfg
                     try:
-                        rec[name] = replay_us(lambda: [m(x) for m in twell], "none", per=LAYERS)
+                        rec[name] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in twell])
                         err = float((twell[0](x).float() - ref).norm() / ref.norm())
                         rec[name + " err"] = err
                         rec[name + " kernels"] = twell[0]._twell_layer.last_decode_kernels
