@@ -42,6 +42,7 @@ import json
 import os
 import sys
 import time
+from typing import Optional
 
 __all__ = ["bench_main", "write_results", "plot_speedup"]
 
@@ -438,19 +439,21 @@ def _runtime_bench(args, tag: str, log, t0: float) -> None:
         write_results(records, os.path.splitext(path)[0] + "_mlp.json")
         os.remove(os.path.splitext(path)[0] + "_mlp.json")
         plot_batch(records, os.path.splitext(path)[0] + ".png", "M", ("speedup", "decode_speedup", "speedup_flushed"),
-                   "tokens per call M")
+                   "tokens per call M", titles=_DECODE_TITLES)
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")
 
 
-_TITLES = {
+_DECODE_TITLES = {
     "speedup": "speedup (eight layers back to back in a graph)",
     "decode_speedup": "decode kernels forced (eight layers)",
     "speedup_flushed": "speedup (one layer, L2 zeroed before each replay)",
 }
 
 
-def plot_batch(records: list[dict], path_png: str, xkey: str, fields: tuple[str, ...], xlabel: str) -> None:
-    """Speedup over dense against ``xkey`` (log-log), one line per (k, distribution); one panel per field."""
+def plot_batch(records: list[dict], path_png: str, xkey: str, fields: tuple[str, ...], xlabel: str,
+               titles: Optional[dict] = None) -> None:
+    """Speedup over dense against ``xkey`` (log-log), one line per (k, distribution); one panel per
+    field, titled by ``titles`` (default: the field's name)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -468,7 +471,7 @@ def plot_batch(records: list[dict], path_png: str, xkey: str, fields: tuple[str,
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel(xlabel)
-        ax.set_title(_TITLES.get(field, field.replace("_", " ")) if "chain_layers" in rs[0] else field.replace("_", " "), fontsize=10)
+        ax.set_title((titles or {}).get(field, field.replace("_", " ")), fontsize=10)
         ax.grid(True, which="both", alpha=0.3)
     axes[0].set_ylabel("speedup over the dense PyTorch MLP (dense = 1)")
     axes[0].legend(fontsize=7)
