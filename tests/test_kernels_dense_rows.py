@@ -91,9 +91,15 @@ def test_relu_keeps_nan_and_bad_input_is_refused():
     a[3, 4] = float("nan")
     h, l1, counts, row_counts = dense_rows_forward(a, u)
     assert torch.isnan(h[3, 4]) and torch.isnan(l1[3]) and not torch.isnan(l1[torch.arange(5) != 3]).any()
-    assert int(counts[4]) == int((a[:, 4] > 0).sum())  # NaN is not active
-    assert int(row_counts[3]) == int((a[3] > 0).sum())
+    # NaN is active (relu keeps it: twell.kernels._activity), in both counts
+    assert int(counts[4]) == int((a[:, 4] > 0).sum()) + 1
+    assert int(row_counts[3]) == int((a[3] > 0).sum()) + 1
     c = torch.zeros(1, device=DEV)
+    # relu's gradient passes at a NaN pre-activation, as torch.relu's does: da = dh u there
+    du, da, _ = dense_rows_backward(dz.clone(), a, u, c)
+    assert float(da[3, 4]) == float(dz[3, 4] * u[3, 4]) and not torch.isnan(da).any()
+    dh, _, _ = dense_rows_backward(dz.clone(), a, None, c)
+    assert float(dh[3, 4]) == float(dz[3, 4])
     with pytest.raises(ValueError, match="must match"):
         dense_rows_forward(a, u[:, :8].contiguous())
     with pytest.raises(ValueError, match="contiguous"):

@@ -231,3 +231,40 @@ def test_fused_gate_pack_decides_activity_on_the_rounded_gate():
     assert torch.equal(out.counts, ref.counts), (out.counts, ref.counts)
     used = (torch.arange(out.slots) < out.counts.unsqueeze(-1)) & ~out.overflowed().unsqueeze(-1)
     assert torch.equal(out.cols[used], ref.cols[used]) and torch.equal(out.values[used], ref.values[used])
+
+
+def assert_same_twell_nan(out, ref):
+    """assert_same_twell, where stored values may be NaN (equal when both are)."""
+    assert torch.equal(out.counts, ref.counts)
+    used = torch.arange(out.slots, device=out.counts.device) < out.counts.unsqueeze(-1)
+    used &= ~out.overflowed().unsqueeze(-1)
+    assert torch.equal(out.cols[used], ref.cols[used])
+    assert torch.allclose(out.values[used], ref.values[used], rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("method", ["scan", "bits", "fused", "persistent"])
+def test_a_nan_gate_fires(method):
+    """relu keeps a NaN, so every pack stores a NaN gate as an entry (dense turns it into a NaN
+    output): a NaN unit for every token, within the slots; a NaN token row (all gates NaN),
+    which overflows its tiles; -0.0 and 0.0 do not fire."""
+    g = torch.Generator().manual_seed(5)
+    M, d, f, tile = 9, 24, 74, 32  # last tile: 10 columns, more than its 8 slots
+    x = torch.randint(-2, 3, (M, d), generator=g).float()
+    w = torch.randint(-2, 3, (f, d), generator=g).float()
+    w[:, 0] = -16.0
+    x[:, 0] = 1.0  # mostly negative gates: short rows
+    w[5, 1] = float("nan")  # unit 5: NaN for every token
+    x[3, 2] = float("nan")  # token 3: NaN for every unit
+    if method in ("scan", "bits"):
+        a = x @ w.T
+        a[0, 10], a[0, 11] = -0.0, 0.0
+        out = pack_relu(a, tile, 4, method=method)
+    else:
+        a = x @ w.T
+        fn = gate_pack_fused if method == "fused" else gate_pack_persistent
+        out = fn(x, w, tile=tile, compression=4, block_m=16, block_k=16, num_warps=4, num_stages=1)
+    ref = pack_twell(torch.relu(a), tile, 4)
+    assert_same_twell_nan(out, ref)
+    over = out.overflowed()
+    assert bool(over[3].all()) and not bool(over[torch.arange(M) != 3].any())
+    assert int(out.counts[0, 0]) >= 1  # unit 5, stored

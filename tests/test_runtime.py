@@ -187,8 +187,8 @@ def test_union_measured_by_a_small_dense_probe_steers_decode(monkeypatch):
 def test_dense_probe_counts_the_pattern(M, triton_pass, monkeypatch):
     """The dense path's probe (taken in its own dtype, see LayerState._dense) reports each row's
     active units and, up to 64 tokens, the number of units active for some token of the batch,
-    as the pattern a > 0 gives them (NaN-free inputs with exact zeros and negative values), after
-    relu(a) * u as two in-place PyTorch ops or as the Triton pass."""
+    as the pattern a > 0 gives them (exact zeros and negative values not firing, a NaN gate
+    firing), after relu(a) * u as two in-place PyTorch ops or as the Triton pass."""
     torch.manual_seed(M)
     m = SparseGatedMLP(24, 37).eval().to(torch.bfloat16)
     s = m._twell_layer
@@ -197,13 +197,14 @@ def test_dense_probe_counts_the_pattern(M, triton_pass, monkeypatch):
     x = torch.randn(M, 24, dtype=torch.bfloat16)
     x[:, :3] = 0.0
     m.gate_proj.weight.data[:5] = 0.0  # exact zeros in a: not firing
+    m.gate_proj.weight.data[6, 3] = float("nan")  # a NaN gate in every row: firing, as in the kernels
     got = {}
     monkeypatch.setattr(s, "_publish_rows", lambda per_row, over, union=None, union_m=0: got.update(
         per_row=per_row, union=union, union_m=union_m))
     with torch.no_grad():
         y = s._dense(m, x, m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight, False, True)
-    pattern = (x @ m.gate_proj.weight.T) > 0
-    assert rel_err(y, _dense(m, x)) < 1e-2
+    pattern = ~((x @ m.gate_proj.weight.T) <= 0)  # > 0 or NaN
+    assert torch.isnan(y).all()
     assert torch.equal(got["per_row"], pattern.sum(1).float())
     if M <= 64:
         assert got["union_m"] == M and float(got["union"]) == pytest.approx(float(pattern.any(0).sum()) / 37)
@@ -542,21 +543,47 @@ def test_split_buffers_only_for_their_units():
     assert s.choose(64, 72, "auto", None, True, x) == "dense"
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (twelfth session): the kernels' activity tests are `a > 0`, so a "
-                   "NaN gate never fires and a NaN in the input gives a finite output; dense gives NaN")
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_a_nan_input_row_comes_out_nan_on_the_kernel_paths(mode):
-    """Dense propagates a NaN of the input to its whole output row; the kernel paths should too
-    (strict xfail: passes, and so fails the suite, once they do)."""
-    torch.manual_seed(0)
-    m = SparseGatedMLP(16, 40).eval()
+# Every kernel path, by what the dispatcher ran: (kernel_mode, tokens, last_decode_kernels)
+NAN_PATHS = [("prefill", 6, None), ("decode", 1, "fused"), ("decode", 5, "split"), ("decode", 70, "three-launch")]
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("mode,M,kernels", NAN_PATHS, ids=lambda v: str(v))
+def test_nan_comes_out_where_dense_puts_it(mode, M, kernels, gated):
+    """A NaN gate fires (relu keeps it), as in dense: a NaN in one token's input gives that
+    token a NaN row (every gate of the row NaN: more active units than any slot or list holds,
+    so the exact paths), the other rows dense's values; a NaN in one unit's gate weights (a NaN
+    gate for every token, within the slots: the common path) gives NaN everywhere."""
+    torch.manual_seed(M)
+    cls = SparseGatedMLP if gated else SparseMLP
+    m = cls(16, 40).eval()
     m.kernel_mode = mode
-    x = torch.randn(4, 16)
-    x[1, 3] = float("nan")
+    first = m.gate_proj if gated else m.up_proj
+    with torch.no_grad():
+        first.weight.mul_(0.5).sub_(0.1)  # about a third of the units fire: short rows
+    x = torch.randn(M, 16)
+    bad = min(1, M - 1)
+    x[bad, 3] = float("nan")
     with torch.no_grad():
         y = m(x)
     assert m.last_path == mode
-    assert torch.isnan(y[1]).all() and not torch.isnan(y[[0, 2, 3]]).any()
+    if kernels is not None:
+        assert m._twell_layer.last_decode_kernels == kernels
+    assert torch.isnan(y[bad]).all()
+    rest = torch.ones(M, dtype=torch.bool)
+    rest[bad] = False
+    assert not torch.isnan(y[rest]).any()
+    if gated:
+        ref = (torch.relu(x @ m.gate_proj.weight.T) * (x @ m.up_proj.weight.T)) @ m.down_proj.weight.T
+    else:
+        ref = torch.relu(x @ m.up_proj.weight.T) @ m.down_proj.weight.T
+    assert rel_err(y[rest], ref[rest]) < 1e-5
+    x[bad, 3] = 0.0
+    with torch.no_grad():
+        first.weight[7] = float("nan")
+        y = m(x)
+    assert m.last_path == mode
+    assert torch.isnan(y).all()
 
 
 # --- torch.compile and the custom op (interpreter) ---------------------------------------------
@@ -1000,3 +1027,31 @@ def test_small_eager_calls_measure_the_union_and_make_the_decode_accumulator():
     # 64 rows: the split kernels' accumulator too (dispatch.DECODE_SPLIT), with their list beside it
     assert s.scratch is not None and s.scratch.acc.shape == (64, 2048) and bool(torch.all(s.scratch.acc == 0))
     assert s.split_scratch is not None and s.split_scratch.acc is s.scratch.acc
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode,M,kernels", [("prefill", 4096, None), ("decode", 1, "fused"), ("decode", 16, "split"),
+                                            ("decode", 64, "split"), ("decode", 100, "three-launch")])
+def test_gpu_nan_comes_out_where_dense_puts_it(mode, M, kernels):
+    """bf16 at the real shape (k 29): a NaN in one token's input gives that token a NaN row and
+    the others dense's values; a NaN in one unit's gate weights gives NaN everywhere (the
+    hardware's unordered compare, `setp.gtu`, on every kernel path)."""
+    stack, xs = _gpu_stack(layers=1)
+    m = stack[0]
+    m.kernel_mode = mode
+    x = xs[:M].clone()
+    x[M // 2, 5] = float("nan")
+    with torch.no_grad():
+        y = m(x)
+    assert m.last_path == mode
+    if kernels is not None:
+        assert m._twell_layer.last_decode_kernels == kernels
+    rest = torch.ones(M, dtype=torch.bool, device="cuda")
+    rest[M // 2] = False
+    assert torch.isnan(y[M // 2]).all() and not torch.isnan(y[rest]).any()
+    assert rel_err(y[rest].float(), _dense(m, x)[rest].float()) < 1e-2
+    x[M // 2, 5] = 0.0
+    with torch.no_grad():
+        m.gate_proj.weight[77, 3] = float("nan")
+        y = m(x)
+    assert m.last_path == mode and torch.isnan(y).all()

@@ -670,3 +670,31 @@ def test_row_backward_adds_the_l1_term_in_fp32(block_d):
         diff = (with_c[i] - without[i])[used]
         want = (c * torch.sign(h) * v)[used]
         assert (diff - want).abs().max() <= 2e-2 * want.abs().max(), i
+
+
+@pytest.mark.parametrize("gated", [True, False])
+@pytest.mark.parametrize("op", ["sparse", "dense"])
+def test_nan_comes_out_where_dense_puts_it(op, gated, small_blocks):
+    """A NaN gate fires (relu keeps it), as in dense: a NaN in one token's input makes the row
+    heavy (every gate NaN) and its output NaN, the other rows dense's; a NaN in one unit's gate
+    weights (a light-row slot in every row) makes every output NaN. The counts count them."""
+    x, wg, wu, wd = (t.float() for t in make_case(13, 40, 75, seed=3, adversarial=False))
+    if op == "dense":
+        fn = (lambda *t: T.dense_gated_ffn(*t)) if gated else (lambda x, wg, wd: T.dense_ffn(x, wg, wd))
+    else:
+        fn = (lambda *t: sparse_gated_ffn(*t, 16)) if gated else (lambda x, wg, wd: sparse_ffn(x, wg, wd, 16))
+    args = (wg, wu, wd) if gated else (wg, wd)
+    x[4, 2] = float("nan")
+    out = fn(x, *args)
+    ref = dense_ffn(x, wg, wu if gated else None, wd)[0]
+    rest = torch.arange(13, device=x.device) != 4
+    assert torch.isnan(out.y[4]).all() and not torch.isnan(out.y[rest]).any()
+    assert rel_err(out.y[rest], ref[rest]) < TOL[torch.float32]
+    assert int(out.row_counts[4]) == 75
+    fired = ~((x @ wg.T) <= 0)  # > 0 or NaN: row 4 counts for every unit (the heavy rows' count)
+    assert torch.equal(out.unit_counts.long(), fired.sum(0))
+    x[4, 2] = 0.0
+    wg[9, 1] = float("nan")
+    out = fn(x, *args)
+    assert torch.isnan(out.y).all()
+    assert int(out.unit_counts[9]) == 13 and bool(torch.all(out.row_counts >= 1))

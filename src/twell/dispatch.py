@@ -578,7 +578,8 @@ class LayerState:
             # bool mask costs a byte an element and is summed through a float32 copy (4 more),
             # while a half-precision tensor is summed in float32 without one on CUDA (measured: a
             # bool mask raised the peak by 3 bytes an element at 256 and 1024 tokens)
-            fires = a[:4096].clamp_(min=0).sign_()  # 1 where a > 0 (the pattern), else 0; a is not used again
+            # 1 where relu(a) != 0 (a > 0, or NaN as the kernels count it), else 0; a is not used again
+            fires = a[:4096].clamp_(min=0).ne_(0)
             M = a.shape[0]
             union = fires.amax(dim=0).sum(dtype=torch.float32) / max(a.shape[1], 1) if M <= _fused_max_m() else None
             self._publish_rows(fires.sum(dim=1, dtype=torch.float32), None, union, M)

@@ -42,6 +42,7 @@ import triton
 import triton.language as tl
 
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
+from ._activity import fires
 from ._launch import on_device_of
 
 __all__ = ["ffn_decode", "decode_launch", "check_stat_buffers", "decode_config", "DECODE_CONFIGS"]
@@ -83,16 +84,16 @@ def _decode_up_kernel(
     umask = units < f
     a = tl.load(pre_ptr + rows.to(tl.int64)[:, None] * stride_pm + units[None, :], mask=rmask[:, None] & umask[None, :], other=0.0)
     a = a.to(tl.float32)
-    fires = a > 0
-    active = tl.max(fires.to(tl.int32), axis=0) > 0  # [BU]: fires for some token of the chunk
+    on = fires(a)
+    active = tl.max(on.to(tl.int32), axis=0) > 0  # [BU]: fires for some token of the chunk
     n_act = tl.sum(active.to(tl.int32), axis=0)
     blk = c * NB + b
     tl.store(cnt_ptr + blk, n_act)
     if TRACK:
-        tl.atomic_add(uc_ptr + units, tl.sum(fires.to(tl.int32), axis=0), mask=active)
-        tl.atomic_add(nnz_ptr + rows, tl.sum(fires.to(tl.int32), axis=1), mask=rmask)
+        tl.atomic_add(uc_ptr + units, tl.sum(on.to(tl.int32), axis=0), mask=active)
+        tl.atomic_add(nnz_ptr + rows, tl.sum(on.to(tl.int32), axis=1), mask=rmask)
     if n_act > 0:
-        g = tl.where(fires, a, 0.0)
+        g = tl.where(on, a, 0.0)
         if GATED:
             x_rows = x_ptr + rows.to(tl.int64)[:, None] * stride_xm
             u = _rows_times_units(x_rows, rmask, wu_ptr, stride_wu, units, active, d, BM, BU, BK, PREC)

@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._activity import fires as is_active
 from ._launch import on_device_of, pdl_ok
 from .decode import _rows_times_units, check_decode_args, check_stat_buffers
 
@@ -61,7 +62,7 @@ def _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr
     ``active [BU]`` (fires for some token), their number (stored as the block's count: the
     dispatcher's probe) and ``per_row [BM]`` (each token's active units in the block); when
     tracking, each unit's firing count (overwritten) and each token's (added across blocks)."""
-    fires = (a > 0) & rmask[:, None] & umask[None, :]
+    fires = is_active(a) & rmask[:, None] & umask[None, :]
     fires_i = fires.to(tl.int32)
     per_unit = tl.sum(fires_i, axis=0)
     active = per_unit > 0

@@ -18,8 +18,11 @@ Gated: ``g = relu(a)``, ``h = g u``. Non-gated: ``h = relu(a)``, and the backwar
 per ``|h|`` (a one-element fp32 tensor: no host sync). Math, with every product in fp32 and one
 rounding to the storage dtype per stored value (``relu`` keeps a NaN as torch.relu does)::
 
-    dh = dz + c sign(h)             du = dh g        da = dh u [a > 0]     (gated)
-    dh = (dz + c) [a > 0]                                                  (non-gated)
+    dh = dz + c sign(h)             du = dh g        da = dh u [a fires]   (gated)
+    dh = (dz + c) [a fires]                                                (non-gated)
+
+where ``a`` fires when ``a > 0`` or NaN (:mod:`._activity`; relu's gradient passes a NaN on, as
+PyTorch's does), and the per-unit and per-row counts count the same units.
 
 One program per ``BM`` rows walks f in ``BF``-column steps, so each row's |h| sum is its own
 (deterministic); the per-unit counts are integer atomics, skipped where a column step has none.
@@ -34,6 +37,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_tensor, triton_interpreting
+from ._activity import fires
 from ._launch import on_device_of
 
 __all__ = ["dense_rows_forward", "dense_rows_backward"]
@@ -65,7 +69,7 @@ def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, rc_ptr, M, F,
         h = h.to(h_ptr.dtype.element_ty)
         tl.store(h_ptr + base + cols[None, :], h, mask=ok)
         l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
-        active = (a > 0).to(tl.int32)
+        active = fires(a).to(tl.int32)
         per_row += tl.sum(active, axis=1)
         n = tl.sum(active, axis=0)
         tl.atomic_add(cnt_ptr + cols, n, mask=(cols < F) & (n > 0), sem="relaxed")
@@ -95,9 +99,9 @@ def _backward_kernel(dz_ptr, a_ptr, u_ptr, da_ptr, h_ptr, c_ptr, M, F,
             # sign of the stored h, as dense autograd's torch.sign(h) sees it
             dh = dz + c * tl.where(hf > 0, 1.0, tl.where(hf < 0, -1.0, 0.0))
             tl.store(dz_ptr + at, (dh * g).to(dz_ptr.dtype.element_ty), mask=ok)
-            tl.store(da_ptr + at, tl.where(a > 0, dh * u, 0.0).to(da_ptr.dtype.element_ty), mask=ok)
+            tl.store(da_ptr + at, tl.where(fires(a), dh * u, 0.0).to(da_ptr.dtype.element_ty), mask=ok)
         else:
-            tl.store(dz_ptr + at, tl.where(a > 0, dz + c, 0.0).to(dz_ptr.dtype.element_ty), mask=ok)
+            tl.store(dz_ptr + at, tl.where(fires(a), dz + c, 0.0).to(dz_ptr.dtype.element_ty), mask=ok)
 
 
 def _check(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
@@ -139,7 +143,7 @@ def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torc
     M, f = a.shape
     if not (a.is_cuda or triton_interpreting()):
         h = torch.relu(a) if u is None else torch.relu(a) * u
-        active = a > 0
+        active = ~(a <= 0)  # a > 0 or NaN: what the kernel counts
         return (h, h.abs().sum(1, dtype=torch.float32), active.sum(0, dtype=torch.int64),
                 active.sum(1, dtype=torch.int32))
     h = torch.empty_like(a)
@@ -197,11 +201,11 @@ def _backward_torch(dz, a, u, c):
     """:func:`dense_rows_backward` in PyTorch ops, for CPU tensors without the Triton interpreter."""
     c = c.reshape(()).to(torch.float32)
     if u is None:
-        dz.copy_(torch.where(a > 0, dz.float() + c, 0.0))
+        dz.copy_(torch.where(~(a <= 0), dz.float() + c, 0.0))  # relu's gradient passes NaN on
         return dz, None, None
     g = torch.relu(a)
     h = g * u
     dh = dz.float() + torch.sign(h).float() * c
-    da = torch.where(a > 0, dh * u.float(), 0.0).to(a.dtype)
+    da = torch.where(~(a <= 0), dh * u.float(), 0.0).to(a.dtype)
     dz.copy_(dh * g.float())
     return dz, da, h

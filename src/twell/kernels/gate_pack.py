@@ -42,6 +42,7 @@ import triton.language as tl
 
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
+from ._activity import fires
 from ._launch import on_device_of
 
 __all__ = ["pack_relu", "gate_pack_fused", "gate_pack_persistent", "empty_twell"]
@@ -86,7 +87,7 @@ def _pack_relu_kernel(
         gcol = t * TILE + c0 + cin
         mask = rmask[:, None] & ((c0 + cin) < width)[None, :]
         a = tl.load(a_ptr + rows[:, None] * stride_am + gcol[None, :], mask=mask, other=0.0)
-        nz = (a > 0) & mask
+        nz = fires(a) & mask
         n_c = tl.sum(nz.to(tl.int32), axis=1)
         # an overflowing (row, tile) keeps no entries: consumers recompute it anyway
         n_write = tl.where(run + n_c > SLOTS, 0, n_c)
@@ -156,7 +157,7 @@ def _pack_relu_bits_kernel(
         col3 = c0 + wib[None, :, None] * 32 + lane[None, None, :]
         m3 = rmask[:, None, None] & (col3 < width)
         a = tl.load(a_row[:, None, None] + col3, mask=m3, other=0.0)
-        nz = (a > 0) & m3
+        nz = fires(a) & m3
         words = tl.reduce(tl.where(nz, 1 << lane[None, None, :], 0), 2, _bit_or)  # [BM, WPB]
         run += tl.sum(_popcount(words), axis=1)
         w_here = c0 // 32 + wib
@@ -295,7 +296,7 @@ def _gate_pack_kernel(
         acc = tl.dot(xa, wb, acc, input_precision=PREC)
     a = acc.to(val_ptr.dtype.element_ty)
     mask = rmask[:, None] & cmask[None, :]
-    nz = (a > 0) & mask
+    nz = fires(a) & mask
     nzi = nz.to(tl.int32)
     pos = tl.cumsum(nzi, axis=1) - 1
     keep = nz & (pos < SLOTS)
@@ -404,7 +405,7 @@ def _gate_pack_persistent_kernel(
         a = acc.to(val_ptr.dtype.element_ty)
         mask = rmask[:, None] & cmask[None, :]
         if PACK:  # the epilogue of _gate_pack_kernel, with int32 offsets within the block
-            nz = (a > 0) & mask
+            nz = fires(a) & mask
             nzi = nz.to(tl.int32)
             pos = tl.cumsum(nzi, axis=1) - 1
             keep = nz & (pos < SLOTS)

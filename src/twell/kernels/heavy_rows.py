@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows, triton_interpreting
+from ._activity import fires
 from ._launch import on_device_of
 from .dense_rows import _relu
 
@@ -80,7 +81,7 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
         # |h| of this column block, one slot per (block, row): summed over blocks by the caller
         # in a fixed order (no float atomics: the L1 term comes out the same on every run)
         tl.store(l1_ptr + pid_n.to(tl.int64) * M + r, tl.sum(tl.abs(h.to(tl.float32)), axis=1), mask=valid)
-        active = ((a > 0) & ok).to(tl.int32)
+        active = (fires(a) & ok).to(tl.int32)
         per_col = tl.sum(active, axis=0)
         tl.atomic_add(cnt_ptr + cols, per_col, mask=cmask & (per_col > 0), sem="relaxed")
 

@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
+from ._activity import fires
 from ._launch import on_device_of
 
 __all__ = [
@@ -130,7 +131,7 @@ def _pack_rows_kernel(
         a = tl.load(a_ptr + rows[:, None] * stride_am + col[None, :], mask=mask, other=0.0)
         # strict: relu'(0) = 0, a zero gate is not active. Compared in fp32: the Triton interpreter
         # compares bf16 as its raw bits (every negative value counted positive).
-        nz = (a.to(tl.float32) > 0) & mask
+        nz = fires(a) & mask
         nzi = nz.to(tl.int32)
         slot = run[:, None] + tl.cumsum(nzi, axis=1) - 1
         keep = nz & (slot < W)

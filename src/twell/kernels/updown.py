@@ -37,6 +37,7 @@ import triton.language as tl
 
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
 from ..format import TwELL, twell_slots
+from ._activity import fires
 from ._launch import on_device_of
 
 __all__ = ["ffn_from_twell", "OverflowCounters"]
@@ -145,7 +146,7 @@ def _ffn_from_twell_kernel(
                         a = tl.sum(wg.to(tl.float32) * x[None, :], axis=1)
                         # round like the stored gate values would be
                         a = a.to(val_ptr.dtype.element_ty).to(tl.float32)
-                    active = umask & (a > 0)
+                    active = umask & fires(a)
                     wmask = active[:, None] & dmask[None, :]
                     if GATED:
                         wu = tl.load(wu_ptr + unit[:, None] * stride_wu + offs_d[None, :], mask=wmask, other=0.0)
