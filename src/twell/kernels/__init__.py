@@ -21,6 +21,9 @@
 - :mod:`.heavy_rows`: the training forward of the rows heavier than the ELL width, over a row list
   whose length stays on the GPU (no host synchronisation).
 
+Every kernel decides activity with :func:`._activity.fires` (``a > 0``, or ``a`` NaN: where
+``relu(a)`` is not zero), so a NaN gate gives the NaN the dense MLP gives.
+
 The launchers validate their arguments, accept any ``M``, ``d`` and ``f``, and launch on the
 caller's current CUDA stream (Triton's default). They keep no state between calls.
 """
