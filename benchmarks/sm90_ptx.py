@@ -109,11 +109,23 @@ def main() -> None:
             for rows in (16, 64):
                 for track, gated in ((True, True), (False, True), (False, False)):
                     ns = stages(rows, size)
-                    variants.append((f"fire_gate {dtype[1:]} r{rows} t{track:d} g{gated:d}", decode_split._fire_gate_kernel,
-                                     dict(x_ptr=dtype, wf_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, entry_ptr="*i32", gate_ptr=dtype,
-                                          count_ptr="*i32", acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32"),
-                                     dict(ROWS=rows, BU=c.BU, BK=c.BK, TOK=T, GATED=gated, TRACK=track, PREC=prec, GDC=True),
-                                     c.num_warps, ns))
+                    descs = (False,)
+                    types = dict(x_ptr=dtype, wf_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, entry_ptr="*i32", gate_ptr=dtype,
+                                 count_ptr="*i32", acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32")
+                    if "DESC" in decode_split._fire_gate_kernel.arg_names:  # from 2026-12-02 s13
+                        descs = (False, True)
+                    for desc in descs:
+                        extra, tys = ({"DESC": desc}, dict(types)) if len(descs) == 2 else ({}, types)
+                        if extra:
+                            el = dtype[1:]
+                            tys.update(x_desc=f"tensordesc<{el}[{rows},{c.BK}]>", w_desc=f"tensordesc<{el}[{c.BU},{c.BK}]>")
+                            if not desc:
+                                tys.update(x_desc=dtype, w_desc=dtype)
+                        variants.append((f"fire_gate {dtype[1:]} r{rows} t{track:d} g{gated:d}" + (f" desc{desc:d}" if extra else ""),
+                                         decode_split._fire_gate_kernel, tys,
+                                         dict(ROWS=rows, BU=c.BU, BK=c.BK, TOK=T, GATED=gated, TRACK=track, PREC=prec, GDC=True,
+                                              **extra),
+                                         c.num_warps, ns))
             for gated in (True, False):
                 for one in (True, False):
                     variants.append((f"fire_updown {dtype[1:]} g{gated:d} one{one:d}", decode_split._fire_updown_kernel,

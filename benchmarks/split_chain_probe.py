@@ -26,24 +26,21 @@ LAYERS = 8
 
 OUT = os.environ.get("OUT", "/tmp")
 C = split.SplitConfig
+# name: (config, GATE_DESC_MIN_ROWS)
 SHAPES = {
-    "shipped": split.SPLIT_CONFIG,
-    # call 2 of the twelfth session (the shipped shape then had 4-warp up/down programs)
-    "updown w4": C(64, 128, 4, 6, 1056, 4096, 4),
-    # call 6: around the 8-warp up/down programs shipped after call 2
-    "w8 P2112": C(64, 128, 4, 6, 2112, 4096, 8),
-    "w8 P1584": C(64, 128, 4, 6, 1584, 4096, 8),
-    "w8 P792": C(64, 128, 4, 6, 792, 4096, 8),
-    "w16 P1056": C(64, 128, 4, 6, 1056, 4096, 16),
-    "w16 P528": C(64, 128, 4, 6, 528, 4096, 16),
-    "gate s4": C(64, 128, 4, 4, 1056, 4096, 8),
-    "gate s8": C(64, 128, 4, 8, 1056, 4096, 8),
+    "shipped": (split.SPLIT_CONFIG, split.GATE_DESC_MIN_ROWS),
+    # thirteenth session: the gate's loads through tensor descriptors (shipped) or pointers (before)
+    "pointer gate": (split.SPLIT_CONFIG, 1 << 30),
+    "desc s4": (C(64, 128, 4, 4, 1056, 4096, 8), 16),
+    "desc w8": (C(64, 128, 8, 6, 1056, 4096, 8), 16),
+    "desc BK64 s8": (C(64, 64, 4, 8, 1056, 4096, 8), 16),
+    "desc BU128 s4": (C(128, 128, 4, 4, 1056, 4096, 8), 16),
 }
 
 
 def main() -> None:
     records = []
-    shipped = split.SPLIT_CONFIG
+    shipped = split.SPLIT_CONFIG, split.GATE_DESC_MIN_ROWS
     for k in (8, 29, 56):
         s = make_ffn(4096, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=k + 23)
         pairs = [_pair(s) for _ in range(LAYERS)]
@@ -58,8 +55,8 @@ def main() -> None:
                     t.kernel_mode = "decode"
                 rec["dense_us"] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in dense])
                 ref = dense[0](x).float()
-                for name, cfg in SHAPES.items():
-                    split.SPLIT_CONFIG = cfg
+                for name, (cfg, min_rows) in SHAPES.items():
+                    split.SPLIT_CONFIG, split.GATE_DESC_MIN_ROWS = cfg, min_rows
                     try:
                         rec[name] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in twell])
                         err = float((twell[0](x).float() - ref).norm() / ref.norm())
@@ -69,7 +66,7 @@ def main() -> None:
                         rec[name] = None
                         rec[name + " error"] = repr(e)[:200]
                     finally:
-                        split.SPLIT_CONFIG = shipped
+                        split.SPLIT_CONFIG, split.GATE_DESC_MIN_ROWS = shipped
                 for t in twell:
                     t.kernel_mode = "auto"
             records.append(rec)
@@ -82,7 +79,7 @@ def main() -> None:
     print("columns:", " | ".join(SHAPES))
     with open(os.path.join(OUT, "split_chain_probe.json"), "w") as fh:
         json.dump({"meta": dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, layers=LAYERS,
-                                shapes={n: c._asdict() for n, c in SHAPES.items()}), "records": records}, fh, indent=1)
+                                shapes={n: dict(c._asdict(), desc_min_rows=r) for n, (c, r) in SHAPES.items()}), "records": records}, fh, indent=1)
 
 
 if __name__ == "__main__":

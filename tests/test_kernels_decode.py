@@ -395,6 +395,45 @@ def test_decode_split_matches_reference(M, d, f, config, capacity, gated):
         assert torch.all(entries[capacity:] == -5) and torch.all(gates[capacity:] == 7.0), call
 
 
+@pytest.mark.parametrize("M,d,f,config", [(16, 40, 100, (16, 16, 4, 1, 3, 16, 4)), (40, 24, 37, (16, 16, 4, 2, 7, 32, 4)),
+                                           (5, 72, 70, (32, 32, 4, 1, 5, 32, 2))], ids=case_id)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_decode_split_gate_loads_descriptors_or_pointers(M, d, f, config, dtype, monkeypatch):
+    """The gate reads x and w_first through tensor descriptors where their rows allow it (from
+    GATE_DESC_MIN_ROWS tokens), through pointers otherwise: both give the reference's y and the
+    same pattern; descriptors are made only on the descriptor path, never for a misaligned x."""
+    from triton.tools import tensor_descriptor
+
+    from twell.kernels import decode_split
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+
+    made = []
+    real = tensor_descriptor.TensorDescriptor.from_tensor
+    monkeypatch.setattr(tensor_descriptor.TensorDescriptor, "from_tensor",
+                        staticmethod(lambda t, block: made.append(tuple(block)) or real(t, block)))
+    x, wg, wu, wd = gate_case(M, d, f, dtype, seed=M + d)
+    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+    pattern = (x.float() @ wg.float().T) > 0
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    rows = max(16, 1 << (M - 1).bit_length())
+    for min_rows, want in ((1, [(rows, config[1]), (config[0], config[1])]), (rows + 1, [])):
+        monkeypatch.setattr(decode_split, "GATE_DESC_MIN_ROWS", min_rows)
+        made.clear()
+        scratch = SplitScratch(d, f, dtype, "cpu")
+        uc, nnz = torch.zeros(f, dtype=torch.int32), torch.zeros(M, dtype=torch.int32)
+        y = decode_split_launch(x, wg, wd.T.contiguous(), wu, uc, nnz, scratch=scratch, config=SplitConfig(*config))[0]
+        assert made == want
+        assert rel_err(y, ref) < tol and torch.equal(nnz.long(), pattern.sum(1)) and torch.equal(uc.long(), pattern.sum(0))
+    # a row stride that descriptors cannot take (not a multiple of 16 bytes): pointer loads
+    monkeypatch.setattr(decode_split, "GATE_DESC_MIN_ROWS", 1)
+    made.clear()
+    wide = torch.zeros(M, d + 1, dtype=dtype)
+    wide[:, :d] = x
+    y = decode_split_launch(wide[:, :d], wg, wd.T.contiguous(), wu, None, None, scratch=SplitScratch(d, f, dtype, "cpu"),
+                            config=SplitConfig(*config))[0]
+    assert made == [] and rel_err(y, ref) < tol
+
+
 def test_decode_split_fp16_no_active_unit_and_a_failed_call():
     """fp16 against the reference; a batch with no active unit gives exact zeros; a call that
     fails after the gate launch, or after the up/down launch has added into the accumulator,
