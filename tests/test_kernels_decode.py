@@ -434,6 +434,27 @@ def test_decode_split_gate_loads_descriptors_or_pointers(M, d, f, config, dtype,
     assert made == [] and rel_err(y, ref) < tol
 
 
+@pytest.mark.parametrize("capacity", [8192, 3])
+def test_decode_split_nan_gate_fires_listed_or_past_the_list(capacity):
+    """A NaN gate fires (relu keeps it): a token whose input has a NaN gets a NaN row, through
+    the list or, past its capacity, through the gate program's own exact path; the other tokens
+    get the reference's rows and the counts count the NaN token's units."""
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+
+    M, d, f = 6, 24, 37
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=11)
+    x[2, 5] = float("nan")
+    uc, nnz = torch.zeros(f, dtype=torch.int32), torch.zeros(M, dtype=torch.int32)
+    scratch = SplitScratch(d, f, torch.float32, "cpu", capacity=capacity)
+    y = decode_split_launch(x, wg, wd.T.contiguous(), wu, uc, nnz, scratch=scratch, config=SplitConfig(16, 16, 4, 1, 3, 32, 4))[0]
+    rest = torch.arange(M) != 2
+    ref = R.gated_mlp(x[rest].double(), wg.double(), wu.double(), wd.double())
+    assert torch.isnan(y[2]).all() and rel_err(y[rest], ref) < 1e-5
+    fired = ~((x @ wg.T) <= 0)
+    assert int(nnz[2]) == f and torch.equal(nnz.long(), fired.sum(1)) and torch.equal(uc.long(), fired.sum(0))
+    assert int(scratch.fires()) == int(fired.sum()) and (capacity > int(fired.sum())) == (capacity == 8192)
+
+
 def test_decode_split_fp16_no_active_unit_and_a_failed_call():
     """fp16 against the reference; a batch with no active unit gives exact zeros; a call that
     fails after the gate launch, or after the up/down launch has added into the accumulator,
@@ -579,10 +600,14 @@ def _rounding_case(d: int):
     return half(x), half(wg), half(wu), half(wdt), expect, torch.tensor([1, 1, 1, 1] + [0] * (f - 4), dtype=torch.int32)
 
 
-@pytest.mark.parametrize("path", ["split_one_step", "split_steps", "split_past_capacity", "fused_dot", "fused_gemv"])
-def test_decode_kernels_round_as_the_dense_path(path):
+@pytest.mark.parametrize("path", ["split_one_step", "split_steps", "split_past_capacity", "split_desc", "fused_dot", "fused_gemv"])
+def test_decode_kernels_round_as_the_dense_path(path, monkeypatch):
+    from twell.kernels import decode_split
     from twell.kernels.decode_fused import decode_fused_launch
     from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+
+    if path == "split_desc":  # the gate's tensor-descriptor loads must round as the pointer loads do
+        monkeypatch.setattr(decode_split, "GATE_DESC_MIN_ROWS", 1)
 
     d = 16
     x, wg, wu, wdt, expect, expect_counts = _rounding_case(d)

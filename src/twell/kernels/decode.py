@@ -9,7 +9,7 @@ of the batch. Three steps:
    GEMV fused with step 2 measured 3 times slower on the H200: benchmarks/NOTES_decode.md).
 2. ``_decode_up_kernel``, one program per (``BU`` units, ``BM`` tokens)::
 
-       active[u] = any over the BM tokens of pre[m, u] > 0
+       active[u] = any over the BM tokens of pre[m, u] > 0 (or NaN: relu keeps it)
        gated:      h[m, u] = relu(pre[m, u]) * (x[m] . w_up[u])   for active units only
        non-gated:  h[m, u] = relu(pre[m, u])
 

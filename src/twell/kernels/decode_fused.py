@@ -6,7 +6,7 @@ M = 1, k = 29 the three sum to 26.8 us against a 5.4 us byte floor (benchmarks/N
 Here one program per block of ``BU`` units does all of it::
 
     a[m, u]  = x[m] . w_first[u]                       the block's gate rows, read whole
-    active   = units with a > 0 for some token           (the rest are never read again)
+    active   = units that fire (a > 0 or NaN) for some token  (the rest are never read again)
     h[m, u]  = relu(a) * (x[m] . w_up[u])  for active u  (non-gated: relu(a))
     acc[m]  += sum over active u of h[m, u] w_down_t[u]  fp32 atomic adds into a zeroed buffer
                                                           (rows m with an active unit in the block)
@@ -58,7 +58,7 @@ SCRATCH_ROWS = 16  # rows of a DecodeScratch: larger calls take a fresh zeroed b
 
 @triton.jit
 def _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK: tl.constexpr):
-    """From the block's rounded gate ``a [BM, BU]``: ``fires`` (a > 0 on valid rows and units),
+    """From the block's rounded gate ``a [BM, BU]``: ``fires`` (a > 0 or NaN, on valid rows and units),
     ``active [BU]`` (fires for some token), their number (stored as the block's count: the
     dispatcher's probe) and ``per_row [BM]`` (each token's active units in the block); when
     tracking, each unit's firing count (overwritten) and each token's (added across blocks)."""

@@ -10,8 +10,9 @@ each with one round of loads per fire::
 
     1. _fire_gate_kernel, one program per BU units, the batch's tokens as one tile:
            a^T[u, m] = w_first[u] . x[m]       tensor cores; rounded to x's dtype as the dense
-                                                path's product is
-           every fire (a[m, u] > 0)             appended to a list by one atomic ticket per block:
+                                                path's product is; x and w_first read by tensor
+                                                descriptors (TMA) from 33 tokens, by pointers below
+           every fire (a[m, u] > 0 or NaN)      appended to a list by one atomic ticket per block:
                                                 entry u * 64 + m, and relu(a) beside it
            fires past the list's capacity       done by this program itself, as the fused kernel
                                                 does a block (tensor cores): exact, slower
@@ -182,7 +183,7 @@ def _fire_updown_kernel(
         e = tl.load(entry_ptr + i)
         u = (e // TOK).to(tl.int64)
         m = (e % TOK).to(tl.int64)
-        h = tl.load(gate_ptr + i).to(tl.float32)  # relu(a[m, u]) > 0
+        h = tl.load(gate_ptr + i).to(tl.float32)  # relu(a[m, u]): > 0, or NaN
         acc_row = acc_ptr + m * d
         if ONE_STEP:  # d in one step: the up row, the x row and the down row in one round of loads
             cmask = cs < d
@@ -280,15 +281,16 @@ def _shared_memory(index: int) -> int:
         return 99 * 1024
 
 
-_FEWER_STAGES: dict = {}  # (device, dtype, rows) -> stages, where the estimate below failed
+_FEWER_STAGES: dict = {}  # (device, dtype, rows, descriptor loads) -> stages, where the estimate below failed
 
 
-def _gate_stages(x: torch.Tensor, rows: int, cfg: SplitConfig, BK: int) -> int:
+def _gate_stages(x: torch.Tensor, rows: int, cfg: SplitConfig, BK: int, desc: bool = False) -> int:
     """The gate's pipeline stages: the config's, fewer where they would not fit in the device's
-    shared memory (fp32 inputs, 64-token tiles, GPUs before Hopper)."""
+    shared memory (fp32 inputs, 64-token tiles, GPUs before Hopper); ``desc``: the gate's loads
+    by tensor descriptors (a failure remembered for one load path does not pin the other)."""
     if not x.is_cuda:
         return 1
-    known = _FEWER_STAGES.get((x.device, x.dtype, rows))
+    known = _FEWER_STAGES.get((x.device, x.dtype, rows, desc))
     if known is not None:
         return known
     per_stage = (cfg.BU + rows) * BK * x.element_size()
@@ -321,12 +323,12 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
     BD = min(cfg.BD, dpow)
     w_up_ = w_up if w_up is not None else w_first
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
-    stages = _gate_stages(x, rows, cfg, BK)
     gated = w_up is not None
     weights = (w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0))
     lists = (scratch.entries, scratch.gates, scratch.count, scratch.acc)
     stats = (counts, unit_counts if track else counts, row_nnz if track else counts)
     desc = rows >= GATE_DESC_MIN_ROWS and _descriptor_ok(x) and _descriptor_ok(w_first)
+    stages = _gate_stages(x, rows, cfg, BK, desc)
     if desc:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -346,7 +348,7 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
                     # wrong takes one stage, remembered for its later calls
                     if attempt or stages == 1:
                         raise
-                    stages = _FEWER_STAGES[(x.device, x.dtype, rows)] = 1
+                    stages = _FEWER_STAGES[(x.device, x.dtype, rows, desc)] = 1
             _fire_updown_kernel[(cfg.P,)](
                 x, x.stride(0), *weights[2:], *lists, d, scratch.capacity, cfg.P,
                 BD=BD, ONE_STEP=BD >= d, TOK=SPLIT_MAX_M, GATED=gated, GDC=gdc,

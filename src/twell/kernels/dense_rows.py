@@ -135,7 +135,7 @@ def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torc
 
     Returns:
         ``(h [M, f] in a's dtype, l1_rows [M] fp32 = sum_j |h_ij|, unit_counts [f] int64 =
-        tokens with a_ij > 0, row_counts [M] int32 = units with a_ij > 0)``.
+        tokens where a_ij fires (> 0 or NaN), row_counts [M] int32 = units that fire)``.
     """
     _check("a", a, a)
     if u is not None:

@@ -134,7 +134,7 @@ def _pack_relu_bits_kernel(
 ):
     # Two phases per (BM rows, tile):
     #   1. stream the tile once, turning each run of 32 columns into one bit word (bit b set
-    #      when column 32 w + b is > 0), stored to a small scratch, and each non-zero word into
+    #      when column 32 w + b fires: > 0 or NaN), stored to a small scratch, and each non-zero word into
     #      one bit of a summary kept in registers (NS words cover TILE columns);
     #   2. pull entries in column order: the lowest set bit of the current word, and when the
     #      word is spent, the next non-zero word through the summary's lowest set bit. Each

@@ -159,7 +159,7 @@ def heavy_rows_forward(
 
     Returns:
         ``(l1_rows [M] fp32, unit_counts [f] int32)``: the listed rows' sum of ``|h|`` (zero for
-        the other rows) and how many listed rows each unit is active in (``a > 0``).
+        the other rows) and how many listed rows each unit is active in (``a > 0`` or NaN).
     """
     check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
     check_tensor(a, "a", dim=2, dtypes=KERNEL_DTYPES)

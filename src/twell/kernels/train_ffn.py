@@ -129,8 +129,7 @@ def _pack_rows_kernel(
         col = c0 + cin
         mask = rmask[:, None] & (col < f)[None, :]
         a = tl.load(a_ptr + rows[:, None] * stride_am + col[None, :], mask=mask, other=0.0)
-        # strict: relu'(0) = 0, a zero gate is not active. Compared in fp32: the Triton interpreter
-        # compares bf16 as its raw bits (every negative value counted positive).
+        # a zero gate is not active (relu'(0) = 0), a NaN one is (relu keeps it): _activity.fires
         nz = fires(a) & mask
         nzi = nz.to(tl.int32)
         slot = run[:, None] + tl.cumsum(nzi, axis=1) - 1
