@@ -38,6 +38,7 @@ def test_twell_round_trip(shape, pattern, density, tile_compression, dtype, seed
     M, f = shape
     tile, C = tile_compression
     h = sparse_hidden(M, f, pattern, density, seed, dtype)
+    h[:, ::2] *= -1  # gated hidden values have both signs
     t = pack_twell(h, tile=tile, compression=C)
     t.validate()
     n_tiles = math.ceil(f / tile)
@@ -45,8 +46,14 @@ def test_twell_round_trip(shape, pattern, density, tile_compression, dtype, seed
     # counts are the true counts per (row, tile), also for overflowed tiles
     padded = torch.nn.functional.pad(h, (0, n_tiles * tile - f))
     assert torch.equal(t.counts, (padded.view(M, n_tiles, tile) != 0).sum(-1).int())
-    assert torch.equal(t.nnz_per_row(), (h != 0).sum(1))
-    assert torch.equal(unpack_twell(t), h)
+    assert t.nnz_per_row().dtype == torch.int64 and torch.equal(t.nnz_per_row(), (h != 0).sum(1))
+    # the slots of every tile hold its entries in ascending column order (overflowed tiles too:
+    # their first slots)
+    used = torch.arange(t.slots) < t.counts.clamp(max=t.slots).unsqueeze(-1)
+    cols = t.cols.long()
+    assert bool(((cols[..., 1:] > cols[..., :-1]) | ~used[..., 1:]).all())
+    out = unpack_twell(t)
+    assert out.is_contiguous() and torch.equal(out, h)
 
 
 def test_twell_slots_hold_entries_in_column_order():
@@ -107,6 +114,9 @@ def test_twell_bad_input():
 
 def test_twell_slots():
     assert twell_slots(256, 8) == 31 and twell_slots(256, 2) == 127 and twell_slots(16, 4) == 3
+    # the widest tile int16 columns can index, accepted
+    assert twell_slots(32768, 8) == 4095
+    assert torch.equal(unpack_twell(pack_twell(torch.ones(1, 8), tile=32768, compression=8)), torch.ones(1, 8))
 
 
 def test_twell_validate_catches_inconsistency():
@@ -117,6 +127,13 @@ def test_twell_validate_catches_inconsistency():
         bad.validate()
     bad = TwELL(t.values, t.cols, t.counts, 40, t.tile, t.compression, t.overflow_index, t.overflow_values)
     with pytest.raises(ValueError, match="tiles cannot hold"):
+        bad.validate()
+    h = torch.zeros(2, 32)
+    h[1, :16] = 1.0  # row 1's first tile overflows
+    t = pack_twell(h, tile=16, compression=8)
+    t.validate()
+    bad = TwELL(t.values, t.cols, t.counts, t.f, t.tile, t.compression, t.overflow_index + 1, t.overflow_values)
+    with pytest.raises(ValueError, match="overflow_index"):
         bad.validate()
 
 
@@ -135,6 +152,7 @@ def test_twell_validate_catches_inconsistency():
 def test_hybrid_round_trip_and_transpose(shape, pattern, density, width, dtype, seed):
     M, f = shape
     h = sparse_hidden(M, f, pattern, density, seed, dtype)
+    h[:, ::2] *= -1  # gated hidden values have both signs
     hy = pack_hybrid(h, width=width)
     hy.validate()
     nnz = (h != 0).sum(1)
@@ -147,7 +165,8 @@ def test_hybrid_round_trip_and_transpose(shape, pattern, density, width, dtype, 
     ht.validate()
     assert ht.shape == (f, M)
     assert torch.equal(unpack_hybrid(ht), h.T)
-    assert torch.equal(unpack_hybrid(ht.transpose(width=3)), h)
+    back = ht.transpose(width=3)
+    assert back.width == 3 and torch.equal(unpack_hybrid(back), h)
 
 
 def test_hybrid_many_heavy_rows_are_all_kept():

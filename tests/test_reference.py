@@ -60,6 +60,16 @@ def test_overflow_needs_the_gate_when_values_are_missing():
         ref.gated_mlp_from_twell(x, t, wu, wd)
 
 
+def test_fill_overflow_keeps_the_values_dtype():
+    """Recomputed tiles are stored in the TwELL's own dtype, whatever x's and the gate's."""
+    x, wg, _, _ = make_mlp(4, 8, 32, seed=0, heavy=True)
+    t = pack_twell(torch.relu(x @ wg.T).float(), 16, 8)
+    assert t.overflowed().any()
+    t.overflow_index = t.overflow_values = None
+    filled = ref.fill_overflow(t, x, wg)
+    assert filled.overflow_values.dtype == torch.float32
+
+
 def test_gate_tiles_recomputes_partial_last_tile():
     x, wg, _, _ = make_mlp(3, 5, 20, seed=1)
     tiles = ref.gate_tiles(x, wg, torch.tensor([0, 2]), torch.tensor([1, 0]), tile=16)
@@ -94,7 +104,7 @@ def test_gated_backward_equals_autograd(case, width, l1):
     assert rel_err(ref.gated_mlp_from_hybrid(x, g, wu, wd), ref.gated_mlp(x, wg, wu, wd)) < 1e-12
     grads = ref.gated_mlp_backward(x, g, wg, wu, wd, dy, l1_coef=l1)
     for name, got, leaf in zip(("dx", "dw_gate", "dw_up", "dw_down"), grads, leaves):
-        assert got.shape == leaf.shape, name
+        assert got.shape == leaf.shape and got.is_contiguous(), name
         assert rel_err(got, leaf.grad) < 1e-10, name
 
 
@@ -109,7 +119,7 @@ def test_mlp_backward_equals_autograd(case, width, l1):
     (((h @ wdl.T) * dy).sum() + l1 * h.abs().sum()).backward()
     grads = ref.mlp_backward(x, pack_hybrid(torch.relu(x @ wu.T), width=width), wu, wd, dy, l1_coef=l1)
     for got, leaf in zip(grads, (xl, wul, wdl)):
-        assert rel_err(got, leaf.grad) < 1e-10
+        assert got.is_contiguous() and rel_err(got, leaf.grad) < 1e-10
 
 
 def test_l1_penalty_sums_over_units_and_averages_over_tokens():
