@@ -12,6 +12,7 @@ from transformers import (
 )
 
 from sparsity import rel_err
+import twell
 from twell import SparseGatedMLP, sparsify
 
 TINY = dict(
@@ -112,3 +113,53 @@ def test_cli_help(capsys):
     main([])
     out = capsys.readouterr().out
     assert all(cmd in out for cmd in ("train", "eval", "bench", "convert"))
+
+
+def test_sparsify_puts_the_statistics_on_the_weights_device():
+    model = LlamaForCausalLM(LlamaConfig(**TINY)).to("meta")
+    sparsify(model)
+    for m in twell.sparse_modules(model):
+        assert m.fire_counts.device.type == "meta" and m.tokens_seen.device.type == "meta"
+
+
+def test_a_second_sparsify_keeps_the_modules():
+    torch.manual_seed(0)
+    model = sparsify(LlamaForCausalLM(LlamaConfig(**TINY)))
+    mlp = model.model.layers[0].mlp
+    sparsify(model)
+    assert model.model.layers[0].mlp is mlp
+
+
+class _MLP(torch.nn.Module):
+    def __init__(self, gate, up, down):
+        super().__init__()
+        self.gate_proj, self.up_proj, self.down_proj = gate, up, down
+
+
+def test_sparsify_refuses_mixed_biases_and_wrong_shapes():
+    lin = torch.nn.Linear
+    mixed = torch.nn.Sequential()
+    mixed.add_module("mlp", _MLP(lin(8, 16), lin(8, 16), lin(16, 8, bias=False)))
+    with pytest.raises(ValueError, match="biases or none"):
+        sparsify(mixed)
+    wrong = torch.nn.Sequential()
+    wrong.add_module("mlp", _MLP(lin(8, 16, bias=False), lin(8, 16, bias=False), lin(16, 4, bias=False)))
+    with pytest.raises(ValueError, match=r"expected \[f, d\]"):
+        sparsify(wrong)
+
+
+def test_sparsify_leaves_the_config_when_asked():
+    model = LlamaForCausalLM(LlamaConfig(hidden_act="silu", **TINY))
+    sparsify(model, set_config_activation=False)
+    assert model.config.hidden_act == "silu"
+
+
+def test_convert_honours_dtype(tmp_path):
+    from twell.hf import convert
+
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(Qwen2Config(**TINY)).double().save_pretrained(tmp_path / "src")
+    model = convert(str(tmp_path / "src"), str(tmp_path / "dst"), dtype="bfloat16")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    back = Qwen2ForCausalLM.from_pretrained(tmp_path / "dst", dtype="auto")
+    assert back.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16

@@ -162,3 +162,29 @@ def test_dispatcher_hysteresis():
     assert choose() == "dense"
     p.estimate = (limit * 1.03, 0.0)
     assert choose() == "dense"
+
+
+def test_a_unit_that_fired_once_is_not_dead():
+    m = SparseGatedMLP(2, 3)
+    with torch.no_grad():
+        m.gate_proj.weight.copy_(torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0]]))
+    m(torch.tensor([[1.0, 1.0]]))  # units 0 and 2 fire once, unit 1 never
+    assert m.fire_counts.tolist() == [1, 0, 1]
+    assert m.dead_units().tolist() == [False, True, False]
+
+
+def test_the_inference_path_clears_the_l1_term():
+    """A training call leaves ``l1``; an inference call (here a forced kernel path) clears it, so
+    that no stale term from an earlier batch reaches a loss."""
+    m = SparseGatedMLP(16, 40)
+    m(torch.randn(4, 16))
+    assert m.l1 is not None
+    m.eval().kernel_mode = "decode"
+    with torch.no_grad():
+        m(torch.randn(2, 16))
+    assert m.last_path == "decode" and m.l1 is None
+
+
+def test_repr_names_the_sizes():
+    assert "hidden_size=8, intermediate_size=16, gate=relu" in repr(SparseGatedMLP(8, 16))
+    assert "hidden_size=8, intermediate_size=16, act=relu" in repr(SparseMLP(8, 16))

@@ -936,6 +936,8 @@ def err():
     with torch.no_grad():
         return float((model(x) - (torch.relu(x @ g.T) * (x @ u.T)) @ d.T).abs().max())
 model.eval(); mlp.kernel_mode = "decode"
+w = mlp.down_proj.weight
+print("STRIDES", tuple(w.stride()), tuple(w.to_local().stride()))
 e1 = err()
 model.train(); model(torch.randn(8, 32)).square().sum().backward(); opt.step(); opt.zero_grad(); model.eval()
 print("ERRORS", e1, err())
@@ -957,6 +959,8 @@ def test_fsdp2_eval_after_a_step_reads_the_current_weights():
     assert out.returncode == 0, out.stderr[-2000:]
     e1, e2 = (float(v) for v in out.stdout.split("ERRORS")[1].split())
     assert e1 < 1e-5 and e2 < 1e-5, (e1, e2)
+    # eval() left the DTensor and its local shard in the Hugging Face layout ([d, f] rows)
+    assert out.stdout.split("STRIDES")[1].split("\n")[0].strip() == "(64, 1) (64, 1)", out.stdout
 
 
 def test_eval_layout_leaves_weights_that_view_a_larger_buffer():
