@@ -698,3 +698,38 @@ def test_nan_comes_out_where_dense_puts_it(op, gated, small_blocks):
     out = fn(x, *args)
     assert torch.isnan(out.y).all()
     assert int(out.unit_counts[9]) == 13 and bool(torch.all(out.row_counts >= 1))
+
+
+
+# --- host-side bookkeeping (a mutation round: these had survived) ------------------------------
+
+
+def test_choose_width_floor_and_saved_bytes_counts_bytes_of_saved_tensors_only():
+    assert choose_width(5.0, active_max=0) == 16
+    assert saved_bytes(torch.mm, torch.randn(4, 5), torch.randn(5, 3)) == 0  # inputs are not counted
+    assert saved_bytes(torch.exp, torch.ones(10)) == 40  # exp saves its float32 result: bytes, not elements
+
+
+def test_width_above_f_is_clamped():
+    g = torch.Generator().manual_seed(0)
+    x, wg, wu = torch.randn(3, 24, generator=g), torch.randn(21, 24, generator=g), torch.randn(21, 24, generator=g)
+    wd = torch.randn(24, 21, generator=g)
+    leaves = [t.to(DEV).requires_grad_() for t in (x, wg, wu, wd)]
+    shapes = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: shapes.append(tuple(t.shape)) or t, lambda t: t):
+        sparse_gated_ffn(*leaves, 200)
+    assert (3, 200) not in shapes and (3, 21) in shapes
+
+
+def test_a_frozen_w_up_gets_no_gradient_product(monkeypatch):
+    seen = []
+    real = T._dense_rows_backward
+    monkeypatch.setattr(T, "_dense_rows_backward", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    g = torch.Generator().manual_seed(0)
+    x, wg, wu = torch.randn(6, 8, generator=g), torch.randn(12, 8, generator=g), torch.randn(12, 8, generator=g)
+    wd = torch.randn(8, 12, generator=g)
+    xl, wgl, wdl = (t.to(DEV).requires_grad_() for t in (x, wg, wd))
+    out = T.dense_gated_ffn(xl, wgl, wu.to(DEV), wdl)
+    (out.y.sum() + out.l1).backward()
+    _, (dw_up, dw_gate, dw_down) = seen[0]
+    assert dw_up is None and dw_gate is not None and dw_down is not None

@@ -7,7 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from twell import SparseGatedMLP, SparseMLP
-from twell.train_path import TrainPath, use_sparse
+from twell.train_path import HEAVY_SHARE_MAX, MAX_DENSITY, TrainPath, use_sparse
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
@@ -276,3 +276,45 @@ def test_gpu_cuda_graph_capture_trains_dense_or_says_why():
     with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             m(x)
+
+
+# --- boundaries and cadence of the path choice (a mutation round: these had survived) -----------
+
+
+class _Landed:
+    """Stands in for the copy's CUDA event: the measurement has landed."""
+
+    def query(self):
+        return True
+
+
+def _measured(host):
+    tp = TrainPath()
+    tp._host, tp._event = torch.tensor(host), _Landed()
+    return tp
+
+
+def test_use_sparse_boundaries_are_inclusive():
+    assert use_sparse(MAX_DENSITY * 5000, 5000)  # exactly at the density bar: sparse
+    assert use_sparse(29, 5632, heavy_share=HEAVY_SHARE_MAX)  # exactly at the heavy-share bar
+
+
+def test_probe_cadence_after_a_measurement():
+    tp = _measured([29.0, 40.0, 0.0])
+    tp.choose("auto", 5632)  # call 1 reads the measurement
+    taken = []
+    for _ in range(2 * tp.PROBE_EVERY):
+        tp.choose("auto", 5632)
+        taken.append(tp.want_probe())
+    assert [i + 2 for i, t in enumerate(taken) if t] == [1 + tp.PROBE_EVERY, 1 + 2 * tp.PROBE_EVERY]
+
+
+def test_width_comes_from_the_mean_and_max_density_reaches_the_choice():
+    assert _measured([29.0, 40.0, 0.0]).choose("auto", 5632) == ("sparse", 64)  # not narrowed by the max
+    assert _measured([60.0, 180.0, 0.0]).choose("auto", 5632, max_density=0.06)[0] == "sparse"
+
+
+def test_a_capture_reads_no_measurement():
+    tp = _measured([29.0, 40.0, 0.0])
+    assert tp.choose("auto", 5632, capturing=True) == ("dense", 16)
+    assert tp.k_mean is None and tp._event is not None and tp._calls == 0
