@@ -53,8 +53,8 @@ import triton.language as tl
 
 from ._launch import on_device_of, pdl_ok
 from .decode import check_decode_args, check_stat_buffers
-from .gate_pack import _descriptor_ok
 from .decode_fused import _block_activity, _up_down_block, launch_write_out
+from .gate_pack import _descriptor_ok
 
 __all__ = ["ffn_decode_split", "decode_split_launch", "SplitScratch", "SplitConfig", "SPLIT_CONFIG", "SPLIT_MAX_M",
            "SPLIT_CAPACITY"]
@@ -86,8 +86,7 @@ def _gate_tile_desc(x_desc, w_desc, u0, d, out_ty: tl.constexpr, ROWS: tl.conste
     """:func:`_gate_tile` with tensor-descriptor (TMA) loads: the x block ``[ROWS, BK]`` and the
     weight block ``[BU, BK]`` from units ``u0``; loads past the edges of x (tokens past M) and of
     w (units past f, columns past d) read zeros, so the loop needs no masks. Tokens as the dot's
-    rows, as in the persistent gate that measured 9.3 us at 64 tokens against 12.6 for the
-    pointer loads (thirteenth session)."""
+    rows, as in gate_pack's persistent matmul. Used from GATE_DESC_MIN_ROWS tokens (see there)."""
     acc = tl.zeros([ROWS, BU], dtype=tl.float32)
     for k0 in range(0, d, BK):
         xa = x_desc.load([0, k0])
