@@ -28,25 +28,42 @@ OUT = os.environ.get("OUT", "/tmp")
 C = split.SplitConfig
 # name: (config, GATE_DESC_MIN_ROWS)
 SHAPES = {
-    "shipped": (split.SPLIT_CONFIG, split.GATE_DESC_MIN_ROWS),
+    "shipped": (None, split.GATE_DESC_MIN_ROWS),  # None: SPLIT_CONFIG, SPLIT_DESC_CONFIG as shipped
     # thirteenth session: the gate's loads through tensor descriptors (shipped) or pointers (before)
     "pointer gate": (split.SPLIT_CONFIG, 1 << 30),
     "desc s4": (C(64, 128, 4, 4, 1056, 4096, 8), 16),
     "desc w8": (C(64, 128, 8, 6, 1056, 4096, 8), 16),
     "desc BK64 s8": (C(64, 64, 4, 8, 1056, 4096, 8), 16),
     "desc BU128 s4": (C(128, 128, 4, 4, 1056, 4096, 8), 16),
+    # fourteenth session: 32-unit gate programs with descriptors (tokens as the dot's rows, so
+    # the wgmma tile is 64 x 32): 176 programs, more SMs streaming the gate
+    "desc BU32 s6": (C(32, 128, 4, 6, 1056, 4096, 8), 64),
+    "desc BU32 s4": (C(32, 128, 4, 4, 1056, 4096, 8), 64),
+    "desc BU32 BK256 s3": (C(32, 256, 4, 3, 1056, 4096, 8), 64),
+    "desc BU32 w8 s6": (C(32, 128, 8, 6, 1056, 4096, 8), 64),
+    "desc32 BU32 s6": (C(32, 128, 4, 6, 1056, 4096, 8), 32),
+    "desc BU32 s3": (C(32, 128, 4, 3, 1056, 4096, 8), 64),
+    "desc BU32 s2": (C(32, 128, 4, 2, 1056, 4096, 8), 64),
+    "desc BU32 BK64 s6": (C(32, 64, 4, 6, 1056, 4096, 8), 64),
+    "desc BU32 BK64 s4": (C(32, 64, 4, 4, 1056, 4096, 8), 64),
+    "desc BU16 s4": (C(16, 128, 4, 4, 1056, 4096, 8), 64),
+    "desc BU64 s3": (C(64, 128, 4, 3, 1056, 4096, 8), 64),
 }
+# SHAPES=name,name... and MS=m,m... (environment) run a subset
+if os.environ.get("SHAPES"):
+    SHAPES = {n: SHAPES[n] for n in os.environ["SHAPES"].split(",")}
+MS = tuple(int(m) for m in os.environ.get("MS", "4,8,16,32,64").split(","))
 
 
 def main() -> None:
     records = []
-    shipped = split.SPLIT_CONFIG, split.GATE_DESC_MIN_ROWS
+    shipped = split.SPLIT_CONFIG, split.SPLIT_DESC_CONFIG, split.GATE_DESC_MIN_ROWS
     for k in (8, 29, 56):
         s = make_ffn(4096, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=k + 23)
         pairs = [_pair(s) for _ in range(LAYERS)]
         dense = [p[0] for p in pairs]
         twell = [p[1] for p in pairs]
-        for M in (4, 8, 16, 32, 64):
+        for M in MS:
             x = s.x[:M].contiguous()
             rec = dict(M=M, k=k, layers=LAYERS)
             with torch.no_grad():
@@ -56,7 +73,9 @@ def main() -> None:
                 rec["dense_us"] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in dense])
                 ref = dense[0](x).float()
                 for name, (cfg, min_rows) in SHAPES.items():
-                    split.SPLIT_CONFIG, split.GATE_DESC_MIN_ROWS = cfg, min_rows
+                    if cfg is not None:
+                        split.SPLIT_CONFIG = split.SPLIT_DESC_CONFIG = cfg
+                    split.GATE_DESC_MIN_ROWS = min_rows
                     try:
                         rec[name] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in twell])
                         err = float((twell[0](x).float() - ref).norm() / ref.norm())
@@ -66,7 +85,7 @@ def main() -> None:
                         rec[name] = None
                         rec[name + " error"] = repr(e)[:200]
                     finally:
-                        split.SPLIT_CONFIG, split.GATE_DESC_MIN_ROWS = shipped
+                        split.SPLIT_CONFIG, split.SPLIT_DESC_CONFIG, split.GATE_DESC_MIN_ROWS = shipped
                 for t in twell:
                     t.kernel_mode = "auto"
             records.append(rec)
@@ -79,7 +98,8 @@ def main() -> None:
     print("columns:", " | ".join(SHAPES))
     with open(os.path.join(OUT, "split_chain_probe.json"), "w") as fh:
         json.dump({"meta": dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, layers=LAYERS,
-                                shapes={n: dict(c._asdict(), desc_min_rows=r) for n, (c, r) in SHAPES.items()}), "records": records}, fh, indent=1)
+                                shapes={n: dict(c._asdict() if c else dict(pointer=split.SPLIT_CONFIG._asdict(), desc=split.SPLIT_DESC_CONFIG._asdict()),
+                                                 desc_min_rows=r) for n, (c, r) in SHAPES.items()}), "records": records}, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -345,12 +345,14 @@ def test_decode_fused_scratch_is_left_zeroed_and_reused(gated, config):
 # smaller than d and f (every loop runs more than once, partial last blocks; BD < d: the up/down
 # walks d in steps); fewer programs than fires (each walks several); one program; more programs
 # than fires; 32- and 64-token tiles; lists too short for the batch's fires (the gate does the
-# rest itself), down to one entry, and one entry short (capacity -1: the fires less one)
+# rest itself), down to one entry, and one entry short (capacity -1: the fires less one); the
+# default shapes on 16-token tiles (pointer loads) and on a 64-token tile (descriptor loads,
+# SPLIT_DESC_CONFIG)
 SPLIT_CASES = [(1, 40, 100, (16, 16, 4, 1, 3, 16, 4), 8192), (7, 72, 70, (32, 32, 4, 1, 5, 32, 2), 8192),
                (16, 24, 37, (16, 16, 4, 1, 1, 16, 4), 8192), (5, 33, 45, (16, 64, 4, 1, 200, 64, 4), 8192),
                (16, 40, 100, None, 8192), (40, 24, 37, (16, 16, 4, 1, 7, 32, 4), 8192), (64, 33, 50, (16, 16, 4, 1, 9, 64, 4), 8192),
                (7, 72, 70, (32, 32, 4, 1, 5, 32, 2), 37), (64, 33, 50, (16, 16, 4, 1, 9, 16, 4), 100), (3, 40, 100, None, 1),
-               (16, 24, 37, (16, 16, 4, 1, 5, 16, 4), -1)]
+               (16, 24, 37, (16, 16, 4, 1, 5, 16, 4), -1), (50, 40, 100, None, 8192)]
 
 
 @pytest.mark.parametrize("M,d,f,config,capacity", SPLIT_CASES, ids=case_id)
@@ -361,7 +363,7 @@ def test_decode_split_matches_reference(M, d, f, config, capacity, gated):
     point at real units and NaN gate values (a slot a call did not fill must never be read); the
     statistics, the block counts and the number of fires against the pattern. The list sits in
     larger buffers whose tails must stay untouched (no write past its capacity)."""
-    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch, gate_loads
 
     cfg = SplitConfig(*config) if config else None
     x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + d + f + 2)
@@ -386,7 +388,7 @@ def test_decode_split_matches_reference(M, d, f, config, capacity, gated):
         assert y.shape == (M, d) and y.dtype == torch.float32 and rel_err(y, ref) < 1e-5, call
         pattern = (xi @ wg.T) > 0
         assert torch.equal(uc.long(), pattern.sum(0)) and torch.equal(nnz.long(), pattern.sum(1))
-        BU = (cfg or __import__("twell.kernels.decode_split", fromlist=["SPLIT_CONFIG"]).SPLIT_CONFIG).BU
+        BU = (cfg or gate_loads(xi, wg)[1]).BU
         nb = -(-f // BU)
         expect = torch.nn.functional.pad(pattern.any(0), (0, nb * BU - f)).view(nb, BU).sum(1)
         assert chunk == M and torch.equal(counts.long(), expect)

@@ -125,6 +125,42 @@ def test_stats_can_be_turned_off_and_empty_batches_work():
     assert y.shape == (0, 8) and mlp.stats.tokens == 0
 
 
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_eval_drops_empty_stat_buffers(cls):
+    """A module switched to eval mode before it recorded anything keeps no statistics buffers
+    (a served model's memory); they come back zeroed when a call records statistics or in
+    training mode, and eval keeps them once they hold counts (or when asked to track)."""
+    torch.manual_seed(12)
+    m = cls(8, 16).double()
+    names = {n for n, _ in m.named_buffers()}
+    assert names == {"fire_counts", "tokens_seen"}
+    m.eval()
+    assert m.fire_counts is None and m.tokens_seen is None and not list(m.named_buffers())
+    assert m.dead_units().tolist() == [True] * 16  # nothing seen: every unit
+    x = torch.randn(5, 8, dtype=torch.float64)
+    m(x)  # not tracked in eval mode: still nothing
+    assert m.fire_counts is None and m.state_dict().keys() == cls(8, 16).state_dict().keys()
+    m.track_stats = True
+    m(x)
+    first = m.gate_proj(x) if cls is SparseGatedMLP else m.up_proj(x)
+    assert m.fire_counts.dtype == torch.int64 and torch.equal(m.fire_counts, (first > 0).sum(0)) and int(m.tokens_seen) == 5
+    m.track_stats = None
+    m.eval()  # counts recorded: kept
+    assert int(m.tokens_seen) == 5
+    m.reset_fire_counts()
+    m.eval()  # emptied by the reset: dropped again
+    assert m.fire_counts is None
+    m.train()
+    assert torch.equal(m.fire_counts, torch.zeros(16, dtype=torch.int64)) and int(m.tokens_seen) == 0
+    m.train()  # an empty window kept as it is
+    m(x)
+    assert int(m.tokens_seen) == 5
+    m.reset_fire_counts()
+    m.track_stats = True
+    m.eval()  # asked to track in eval mode: kept, though empty
+    assert m.fire_counts is not None
+
+
 @pytest.mark.parametrize("module", [SparseGatedMLP(8, 16), SparseMLP(8, 16)])
 def test_bad_inputs(module):
     with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):

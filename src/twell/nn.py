@@ -9,7 +9,10 @@ Both modules keep ``nn.Linear`` weights under the Hugging Face names and layouts
   loss is ``cross_entropy + lambda * mean over layers of l1``: see :func:`l1_loss`.
 - ``stats``: :class:`SparsityStats` of the call (active units per token, per-unit firings).
 - ``fire_counts`` / ``tokens_seen``: firings per unit accumulated since
-  :meth:`reset_fire_counts`, for dead-unit tracking (:meth:`dead_units`).
+  :meth:`reset_fire_counts`, for dead-unit tracking (:meth:`dead_units`). A module switched to
+  eval mode before it recorded anything drops them (None: a served model keeps no buffers for
+  statistics it does not take); they come back, zeroed, at the first call that records
+  statistics or on return to training mode.
 
 Statistics are kept in training mode; in eval mode only when ``track_stats = True`` (serving
 should not pay for counts nobody reads). None of these forces a host synchronisation: they are
@@ -113,6 +116,7 @@ class _SparseFFN(nn.Module):
         self.train_max_density: Optional[float] = None
         self.l1: Optional[torch.Tensor] = None
         self.stats: Optional[SparsityStats] = None
+        self._stats_recorded = False  # since the last reset (see _keep_stat_buffers)
         f = self.intermediate_size
         self.register_buffer("fire_counts", torch.zeros(f, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
@@ -173,7 +177,20 @@ class _SparseFFN(nn.Module):
         second copy of the weights; back in training mode it is made contiguous again."""
         super().train(mode)
         self._set_kernel_layout(not mode)
+        self._keep_stat_buffers(mode or self.track_stats is True)
         return self
+
+    def _keep_stat_buffers(self, keep: bool) -> None:
+        """``fire_counts`` / ``tokens_seen`` made (zeros) where ``keep`` and missing; dropped where
+        not ``keep`` and nothing was recorded since the last reset (on the meta device kept, for
+        whoever materialises the module)."""
+        counts = self.fire_counts
+        if keep and counts is None:
+            w = self._first_projection().weight
+            self.fire_counts = torch.zeros(self.intermediate_size, dtype=torch.int64, device=w.device)
+            self.tokens_seen = torch.zeros((), dtype=torch.int64, device=w.device)
+        elif not keep and counts is not None and counts.device.type != "meta" and not self.__dict__.get("_stats_recorded"):
+            self.fire_counts = self.tokens_seen = None
 
     @torch.no_grad()
     def _set_kernel_layout(self, kernel: bool) -> None:
@@ -334,16 +351,24 @@ class _SparseFFN(nn.Module):
             unit_counts=unit_counts,
             tokens=M,
         )
+        if self.fire_counts is None:  # dropped in eval mode (see _keep_stat_buffers)
+            self.fire_counts = torch.zeros(self.intermediate_size, dtype=torch.int64, device=dev)
+            self.tokens_seen = torch.zeros((), dtype=torch.int64, device=dev)
         self.fire_counts += unit_counts
         self.tokens_seen += M
+        self._stats_recorded = True
 
     def reset_fire_counts(self) -> None:
         """Start a new window for dead-unit tracking."""
-        self.fire_counts.zero_()
-        self.tokens_seen.zero_()
+        if self.fire_counts is not None:
+            self.fire_counts.zero_()
+            self.tokens_seen.zero_()
+        self._stats_recorded = False
 
     def dead_units(self) -> torch.Tensor:
         """``[f]`` bool: units that did not fire for any token since the last reset."""
+        if self.fire_counts is None:  # nothing recorded: every unit
+            return torch.ones(self.intermediate_size, dtype=torch.bool, device=self._first_projection().weight.device)
         return self.fire_counts == 0
 
     @torch.no_grad()

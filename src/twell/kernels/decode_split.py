@@ -56,8 +56,8 @@ from .decode import check_decode_args, check_stat_buffers
 from .decode_fused import _block_activity, _up_down_block, launch_write_out
 from .gate_pack import _descriptor_ok
 
-__all__ = ["ffn_decode_split", "decode_split_launch", "SplitScratch", "SplitConfig", "SPLIT_CONFIG", "SPLIT_MAX_M",
-           "SPLIT_CAPACITY"]
+__all__ = ["ffn_decode_split", "decode_split_launch", "gate_loads", "SplitScratch", "SplitConfig", "SPLIT_CONFIG",
+           "SPLIT_DESC_CONFIG", "SPLIT_MAX_M", "SPLIT_CAPACITY"]
 
 SPLIT_MAX_M = 64  # tokens per call: the gate's token tile, and the token field of a list entry
 SPLIT_CAPACITY = 8192  # list entries of a SplitScratch unless asked (48 KB in bf16)
@@ -269,6 +269,22 @@ SPLIT_CONFIG = SplitConfig(64, 128, 4, 6, 1056, 4096, 8)
 # 64-token tile 0.6 to 0.8 us faster with descriptors (k 29: 23.1 against 23.9 us), the 16-token
 # tile 0.6 to 0.8 us slower (k 29: 15.5 against 14.8).
 GATE_DESC_MIN_ROWS = 64
+# The shape of a call whose gate reads by descriptors (see above) when no config is given.
+# Fourteenth session, same chain (split_chain_probe.py, 64 tokens, k 8 / 29 / 56): 32 units per
+# gate program with 4 stages (176 programs, two of them fit an SM's shared memory) took 17.2 /
+# 22.2 / 29.2 us against 17.8 / 22.8 / 29.6 for SPLIT_CONFIG's 64 units and 6 stages; 32 units
+# with 6, 3 or 2 stages, 64 columns a step, 8 warps, 16 units, or 64 units with 3 stages were
+# slower (17.9 to 36.0 us at k 29).
+SPLIT_DESC_CONFIG = SplitConfig(32, 128, 4, 4, 1056, 4096, 8)
+
+
+def gate_loads(x: torch.Tensor, w_first: torch.Tensor) -> tuple:
+    """``(desc, config)`` for a call on ``x [M, d]``: whether the gate reads by tensor descriptors
+    (a token tile of at least GATE_DESC_MIN_ROWS, rows both can take), and the shape used when
+    the caller gives none (SPLIT_DESC_CONFIG with descriptors, else SPLIT_CONFIG)."""
+    rows = max(16, triton.next_power_of_2(x.shape[0]))
+    desc = rows >= GATE_DESC_MIN_ROWS and _descriptor_ok(x) and _descriptor_ok(w_first)
+    return desc, (SPLIT_DESC_CONFIG if desc else SPLIT_CONFIG)
 
 
 @functools.cache
@@ -311,13 +327,14 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
         raise ValueError(f"the split decode kernels take at most {SPLIT_MAX_M} tokens per call, got {M}")
     if M == 0 or d == 0 or f == 0:
         return torch.zeros(M, d, dtype=x.dtype, device=x.device), torch.zeros(0, dtype=torch.int32, device=x.device), max(M, 1)
-    cfg = config or SPLIT_CONFIG
+    rows = max(16, triton.next_power_of_2(M))
+    desc, cfg = gate_loads(x, w_first)
+    cfg = config or cfg
     NB = triton.cdiv(f, cfg.BU)
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
     track = unit_counts is not None
     gdc = pdl_ok(x)
     dpow = max(16, triton.next_power_of_2(d))
-    rows = max(16, triton.next_power_of_2(M))
     BK = min(cfg.BK, dpow)
     BD = min(cfg.BD, dpow)
     w_up_ = w_up if w_up is not None else w_first
@@ -326,7 +343,6 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
     weights = (w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0))
     lists = (scratch.entries, scratch.gates, scratch.count, scratch.acc)
     stats = (counts, unit_counts if track else counts, row_nnz if track else counts)
-    desc = rows >= GATE_DESC_MIN_ROWS and _descriptor_ok(x) and _descriptor_ok(w_first)
     stages = _gate_stages(x, rows, cfg, BK, desc)
     if desc:
         from triton.tools.tensor_descriptor import TensorDescriptor
@@ -391,7 +407,8 @@ def ffn_decode_split(
         unit_counts: optional ``[f]`` int32, overwritten with the tokens each unit fired for;
             row_nnz: optional ``[M]`` int32 zeros, given the active units of each token (both
             or neither).
-        config: a :class:`SplitConfig`; None: :data:`SPLIT_CONFIG`.
+        config: a :class:`SplitConfig`; None: :data:`SPLIT_DESC_CONFIG` where the gate reads by
+            tensor descriptors (from :data:`GATE_DESC_MIN_ROWS` tokens), else :data:`SPLIT_CONFIG`.
 
     Returns:
         ``y [M, d]`` in x's dtype.
