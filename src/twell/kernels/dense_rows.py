@@ -37,18 +37,12 @@ import triton
 import triton.language as tl
 
 from ..checks import check_tensor, triton_interpreting
-from ._activity import fires
+from ._activity import fires, relu
 from ._launch import on_device_of
 
 __all__ = ["dense_rows_forward", "dense_rows_backward"]
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
-
-
-@triton.jit
-def _relu(a):
-    # where, not max(a, 0): a NaN pre-activation stays NaN, as torch.relu keeps it
-    return tl.where(a > 0, a, tl.where(a != a, a, 0.0))
 
 
 @triton.jit
@@ -63,7 +57,7 @@ def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, rc_ptr, M, F,
         cols = f0 + tl.arange(0, BF)
         ok = row_ok[:, None] & (cols < F)[None, :]
         a = tl.load(a_ptr + base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        h = _relu(a)
+        h = relu(a)
         if GATED:
             h = h * tl.load(u_ptr + base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         h = h.to(h_ptr.dtype.element_ty)
@@ -91,7 +85,7 @@ def _backward_kernel(dz_ptr, a_ptr, u_ptr, da_ptr, h_ptr, c_ptr, M, F,
         dz = tl.load(dz_ptr + at, mask=ok, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + at, mask=ok, other=0.0).to(tl.float32)
         if GATED:
-            g = _relu(a)
+            g = relu(a)
             u = tl.load(u_ptr + at, mask=ok, other=0.0).to(tl.float32)
             h = (g * u).to(h_ptr.dtype.element_ty)
             tl.store(h_ptr + at, h, mask=ok)

@@ -14,6 +14,7 @@ import triton
 import triton.language as tl
 
 from ..checks import check_tensor, triton_interpreting
+from ._activity import relu
 from ._launch import on_device_of
 
 __all__ = ["relu_mul_"]
@@ -25,8 +26,7 @@ def _relu_mul_kernel(u_ptr, g_ptr, n, BLOCK: tl.constexpr):
     mask = offs < n
     g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # where, not max(g, 0) * u: a NaN gate must stay NaN as torch.relu keeps it
-    h = tl.where(g > 0, g, tl.where(g != g, g, 0.0)) * u
+    h = relu(g) * u  # a NaN gate stays NaN, as torch.relu keeps it
     tl.store(u_ptr + offs, h.to(u_ptr.dtype.element_ty), mask=mask)
 
 

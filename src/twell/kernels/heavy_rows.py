@@ -28,9 +28,8 @@ import triton
 import triton.language as tl
 
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows, triton_interpreting
-from ._activity import fires
+from ._activity import fires, relu
 from ._launch import on_device_of
-from .dense_rows import _relu
 
 __all__ = ["heavy_rows_forward"]
 
@@ -65,7 +64,7 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
         ok = valid[:, None] & cmask[None, :]
         at = a_ptr + r[:, None] * stride_a + cols[None, :]
         a = tl.load(at, mask=ok, other=0.0).to(tl.float32)
-        h = _relu(a)
+        h = relu(a)
         if GATED:
             acc = tl.zeros([BM, BN], dtype=tl.float32)
             for k0 in range(0, d, BK):
