@@ -363,7 +363,8 @@ def test_decode_split_matches_reference(M, d, f, config, capacity, gated):
     point at real units and NaN gate values (a slot a call did not fill must never be read); the
     statistics, the block counts and the number of fires against the pattern. The list sits in
     larger buffers whose tails must stay untouched (no write past its capacity)."""
-    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch, gate_loads
+    from twell.kernels import decode_split as S
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
 
     cfg = SplitConfig(*config) if config else None
     x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + d + f + 2)
@@ -388,7 +389,8 @@ def test_decode_split_matches_reference(M, d, f, config, capacity, gated):
         assert y.shape == (M, d) and y.dtype == torch.float32 and rel_err(y, ref) < 1e-5, call
         pattern = (xi @ wg.T) > 0
         assert torch.equal(uc.long(), pattern.sum(0)) and torch.equal(nnz.long(), pattern.sum(1))
-        BU = (cfg or gate_loads(xi, wg)[1]).BU
+        # the default shape: by descriptors on a 64-token tile (SPLIT_DESC_CONFIG), else SPLIT_CONFIG
+        BU = (cfg or (S.SPLIT_DESC_CONFIG if M > 32 else S.SPLIT_CONFIG)).BU
         nb = -(-f // BU)
         expect = torch.nn.functional.pad(pattern.any(0), (0, nb * BU - f)).view(nb, BU).sum(1)
         assert chunk == M and torch.equal(counts.long(), expect)
@@ -517,6 +519,80 @@ def test_decode_split_validation():
             ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=bad)
     with pytest.raises(TypeError):
         ffn_decode_split(x.double(), wg, wd.T.contiguous(), w_up=wu, scratch=sc)
+
+
+# --- host-side choices of the decode launchers (mutants that survived the tests above, fourteenth
+# session: each test below fails on a single-line change of decode_split.py / decode_fused.py) ---
+
+
+def test_gate_loads_from_the_descriptor_tile():
+    """Descriptors (and SPLIT_DESC_CONFIG) from a token tile of GATE_DESC_MIN_ROWS, pointers (and
+    SPLIT_CONFIG) below it or for a row stride descriptors cannot take."""
+    from twell.kernels.decode_split import GATE_DESC_MIN_ROWS, SPLIT_CONFIG, SPLIT_DESC_CONFIG, gate_loads
+
+    w = torch.zeros(100, 40)
+    assert gate_loads(torch.zeros(GATE_DESC_MIN_ROWS, 40), w) == (True, SPLIT_DESC_CONFIG)
+    assert gate_loads(torch.zeros(GATE_DESC_MIN_ROWS // 2 + 1, 40), w) == (True, SPLIT_DESC_CONFIG)  # same tile
+    assert gate_loads(torch.zeros(GATE_DESC_MIN_ROWS // 2, 40), w) == (False, SPLIT_CONFIG)
+    assert gate_loads(torch.zeros(GATE_DESC_MIN_ROWS, 41)[:, :40], w) == (False, SPLIT_CONFIG)
+
+
+def test_split_gate_stages_never_below_one(monkeypatch):
+    """A GPU whose shared memory holds no whole stage still gets one (the compiler decides)."""
+    from types import SimpleNamespace
+
+    from twell.kernels import decode_split as S
+
+    monkeypatch.setattr(S, "_shared_memory", lambda idx: 48 * 1024)
+    fake = SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=torch.float32, element_size=lambda: 4)
+    assert S._gate_stages(fake, 64, S.SPLIT_CONFIG, 128) == 1  # 64 KB a stage
+
+
+def test_split_scratch_on_another_device_is_refused():
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
+
+    x, wg, wu, wd = gate_case(4, 24, 37, torch.float32, seed=5)
+    with pytest.raises(ValueError, match="scratch must be"):
+        ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=SplitScratch(24, 37, torch.float32, "meta"))
+
+
+def test_fused_config_takes_the_smallest_fitting_gemv_shape():
+    from twell.kernels.decode_fused import GEMV_CONFIGS, GEMV_MAX_M, fused_config
+
+    for M in range(1, GEMV_MAX_M + 1):
+        assert fused_config(M) == GEMV_CONFIGS[min(k for k in GEMV_CONFIGS if k >= M)], M
+    assert fused_config(1) != fused_config(GEMV_MAX_M)
+
+
+def test_decode_fused_scratch_serves_its_full_rows_and_a_failed_call(monkeypatch):
+    """A DecodeScratch serves calls of as many tokens as its rows (two launches, the write-out
+    zeroing it); a call that fails after the kernel added into it leaves it zeroed, also when it
+    was made under torch.inference_mode and the failing call runs outside it."""
+    from twell.kernels import decode_fused
+    from twell.kernels.decode_fused import SCRATCH_ROWS, DecodeScratch, ffn_decode_fused
+
+    cfg = (16, 16, 16, 4, 1)
+    x, wg, wu, wd = gate_case(SCRATCH_ROWS, 40, 100, torch.float32, seed=12)
+    wdt = wd.T.contiguous()
+    with torch.inference_mode():
+        scratch = DecodeScratch(40, "cpu")
+    assert scratch.acc.shape[0] == SCRATCH_ROWS
+    real, used = decode_fused.launch_write_out, []
+    monkeypatch.setattr(decode_fused, "launch_write_out", lambda acc, M, *a, **k: used.append(acc is scratch.acc) or real(acc, M, *a, **k))
+    y = ffn_decode_fused(x, wg, wdt, w_up=wu, scratch=scratch, config=cfg)
+    assert used == [True] and torch.all(scratch.acc == 0)
+    assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 1e-5
+
+    def broken(*a, **k):
+        raise RuntimeError("launch failed")
+
+    monkeypatch.setattr(decode_fused, "launch_write_out", broken)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="launch failed"):
+        ffn_decode_fused(x, wg, wdt, w_up=wu, scratch=scratch, config=cfg)
+    assert torch.all(scratch.acc == 0)
+    monkeypatch.setattr(decode_fused, "launch_write_out", real)
+    assert torch.equal(ffn_decode_fused(x, wg, wdt, w_up=wu, scratch=scratch, config=cfg), y)
+
 
 
 @pytest.mark.gpu

@@ -591,6 +591,130 @@ def test_nan_comes_out_where_dense_puts_it(mode, M, kernels, gated):
     assert torch.isnan(y).all()
 
 
+# --- the dispatcher's boundaries, second round (mutants that survived the tests above, fourteenth
+# session: each test below fails on one or more single-line changes of twell/dispatch.py) -------
+
+
+class _ProbeDone:
+    def query(self):
+        return True
+
+
+def test_probe_spacing_no_estimate_and_one_in_flight():
+    """The first call of a spacing is probed (count 1 modulo PROBE_EVERY), every call is while no
+    estimate has arrived yet, and none while a probe is in flight."""
+    s = SparseGatedMLP(8, 16)._twell_layer
+    s.k_est, s._union_fit_m = 1.0, 64
+    assert s._want_probe("auto", False, PREFILL_MIN_M)  # the layer's first call
+    assert not s._want_probe("auto", False, PREFILL_MIN_M)
+    s.k_est = None  # the first probe's result has not come back
+    assert s._want_probe("auto", False, PREFILL_MIN_M) and s._want_probe("auto", False, 16)
+    s._event = object()  # one in flight (not polled here)
+    assert not s._want_probe("auto", False, PREFILL_MIN_M) and not s._want_probe("auto", False, 16)
+
+
+def test_prefill_threshold_is_inclusive():
+    """A cost exactly at the limit takes the kernels (and, on them, exactly at the hysteresis)."""
+    s = SparseGatedMLP(8, 16)._twell_layer
+    f, M = 1000, 1 << 30
+    s.estimate = (LayerState.DEFAULT_MAX_DENSITY * f, 0.0)
+    assert s.choose(M, f, "auto", None, False) == "prefill"
+    s.estimate = (LayerState.DEFAULT_MAX_DENSITY * f * LayerState.HYSTERESIS, 0.0)
+    assert s.choose(M, f, "auto", None, False) == "prefill"
+
+
+def test_poll_reads_each_slot_of_a_probe():
+    """A rows probe: k_est is the mean, k_rms the root mean square; a path without overflow puts
+    the rms in the overflow slot as a placeholder (row_stats), which is not overflow; the prefill
+    path's overflowed tiles per token cost min(tile, f) / 8 each. A decode probe then drops the
+    rows probe's rms, and a union measured on as many tokens as the last one replaces it."""
+    from twell.dispatch import row_stats
+
+    s = SparseGatedMLP(8, 16)._twell_layer
+    s._f, s._tile = 5632, 256
+    per_row = torch.tensor([10.0, 10.0, 10.0, 50.0])  # mean 20, rms 27.39, max 50
+    mean, rms = 20.0, float(per_row.square().mean().sqrt())
+    s._host, s._event, s._kind, s._union_m, s._no_overflow = row_stats(per_row), _ProbeDone(), "rows", 0, True
+    s._poll()
+    assert s.k_est == pytest.approx(mean) and s.k_rms == pytest.approx(rms)
+    assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean), 50.0))
+    s._host, s._event, s._no_overflow = row_stats(per_row, torch.tensor(0.5)), _ProbeDone(), False
+    s._poll()
+    assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean) + 0.5 * 256 / 8, 50.0))
+    s._host, s._event, s._kind = torch.tensor([0.05, 16.0, 0.05, 0.05]), _ProbeDone(), "union"
+    s._poll()
+    assert s.k_rms is None and s.k_est == pytest.approx(5632 * (1 - 0.95 ** (1 / 16)))
+    s._host, s._event = torch.tensor([0.08, 16.0, 0.08, 0.08]), _ProbeDone()
+    s._poll()
+    assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.08, rel=1e-6)
+
+
+def test_prefill_overflow_cost_uses_the_tile_within_f():
+    """A layer narrower than its TwELL tile (f 100, tile 128) counts an overflowed tile as f units."""
+    from twell.ops import default_tile
+
+    torch.manual_seed(9)
+    m = SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "prefill"
+    assert default_tile(100) > 100
+    with torch.no_grad():
+        m(torch.randn(6, 40))
+    s = m._twell_layer
+    assert m.last_path == "prefill"
+    s._host, s._event, s._kind, s._union_m, s._no_overflow = torch.tensor([10.0, 10.0, 20.0, 0.5]), _ProbeDone(), "rows", 0, False
+    s._poll()
+    assert s.estimate == pytest.approx((10.0 + 0.5 * 100 / 8, 20.0))
+
+
+def test_split_rule_bounds_are_inclusive():
+    """The split kernels take a batch of exactly SPLIT_MAX_FIRES expected fires, tokens of exactly
+    SPLIT_MAX_ROW_FIRES active units, and f up to (not including) their entry limit _MAX_F; the
+    dispatcher makes their buffers for the same f only."""
+    from twell import dispatch
+    from twell.kernels.decode_split import _MAX_F
+
+    s = SparseGatedMLP(8, 16)._twell_layer
+    s.k_est = dispatch.SPLIT_MAX_FIRES / 64  # 64 tokens: exactly SPLIT_MAX_FIRES fires
+    assert s._split_pays(64, 5632) and s.choose(64, 5632, "auto", None, True) == "decode"
+    s.k_est = float(dispatch.SPLIT_MAX_ROW_FIRES)  # 3 tokens: 3072 fires of 1024 per token
+    assert s._split_pays(3, 5632) and s.choose(3, 5632, "auto", None, True) == "decode"
+    s.k_est = None  # no measurement: split, within the units an entry can name
+    assert s._split_pays(8, _MAX_F - 1) and not s._split_pays(8, _MAX_F)
+    x = torch.zeros(8, 8)
+    s._make_scratch(x, _MAX_F)
+    assert s.split_scratch is None
+    s._make_scratch(x, _MAX_F - 1)  # (the list's size does not depend on f)
+    assert s.split_scratch is not None and s.split_scratch.f == _MAX_F - 1
+
+
+def test_decode_buffers_made_up_to_the_largest_decode_batch():
+    """An eager call of up to FUSED_MAX_M tokens (any path) makes the decode buffers a later
+    capture needs; a larger one does not."""
+    from twell.kernels.decode_fused import FUSED_MAX_M
+
+    for M, made in ((FUSED_MAX_M + 1, False), (FUSED_MAX_M, True)):
+        m = SparseGatedMLP(40, 100).eval()
+        m.kernel_mode = "dense"  # (on the CPU the module itself never calls run in this mode)
+        with torch.no_grad():
+            m._twell_layer.run(torch.randn(M, 40), m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight)
+        assert m.last_path == "dense" and (m._twell_layer.split_scratch is not None) == made, M
+
+
+def test_dense_probe_measures_the_union_up_to_the_largest_decode_batch(monkeypatch):
+    from twell.kernels.decode_fused import FUSED_MAX_M
+
+    torch.manual_seed(10)
+    m = SparseGatedMLP(24, 37).eval()
+    s = m._twell_layer
+    got = {}
+    monkeypatch.setattr(s, "_publish_rows", lambda per_row, over, union=None, union_m=0: got.update(union=union, union_m=union_m))
+    x = torch.randn(FUSED_MAX_M, 24)
+    with torch.no_grad():
+        s._dense(m, x, m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight, False, True)
+    pattern = (x @ m.gate_proj.weight.T) > 0
+    assert got["union_m"] == FUSED_MAX_M and float(got["union"]) == pytest.approx(float(pattern.any(0).float().mean()))
+
+
 # --- torch.compile and the custom op (interpreter) ---------------------------------------------
 
 
