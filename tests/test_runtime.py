@@ -131,24 +131,6 @@ def test_no_probe_and_no_poll_inside_a_capture():
     assert not s._want_probe("dense", capturing=False, M=4096)
 
 
-def test_estimate_from_a_decode_probe():
-    """A decode probe reports the share of units active in a chunk; the layer turns it back into
-    active units per token (units firing independently)."""
-    s = SparseGatedMLP(8, 16)._twell_layer
-    s._f = 5632
-
-    class Done:
-        def query(self):
-            return True
-
-    k, chunk = 29.0, 16
-    share = 1 - (1 - k / 5632) ** chunk
-    s._host, s._event, s._kind = torch.tensor([share, chunk, 0.0, 0.0]), Done(), "union"
-    s._poll()
-    assert s.k_est == pytest.approx(k, rel=1e-6) and s.estimate is None
-    assert s.union_share(16, 5632) == pytest.approx(share, rel=1e-6)
-
-
 def test_union_measured_by_a_small_dense_probe_steers_decode(monkeypatch):
     """A small dense call's probe also reports the share of units active for some token of its
     batch (in the overflow slot); the layer fits a per-token rate to it, which carries the
@@ -167,7 +149,7 @@ def test_union_measured_by_a_small_dense_probe_steers_decode(monkeypatch):
     f, M, k = 5632, 16, 120.0
     s = SparseGatedMLP(8, 16)._twell_layer
     s._f, s._union_m = f, 0
-    s._host, s._event, s._kind, s._no_overflow = torch.tensor([k, k, 2 * k, 0.0]), Done(), "rows", True
+    s._host, s._event, s._no_overflow = torch.tensor([k, k, 2 * k, 0.0]), Done(), True
     s._poll()
     assert s.union_rate is None and s.k_est == k and s.k_rms == k
     independent = s.union_share(M, f)
@@ -275,7 +257,7 @@ def test_first_small_batch_larger_than_any_measured_is_probed():
     s.k_est, s._f = 29.0, 5632
     s._calls = 5
     assert s._want_probe("auto", False, 4)  # none measured yet
-    s._host, s._event, s._kind, s._union_m, s._no_overflow = torch.tensor([29.0, 29.0, 40.0, 0.02]), Done(), "rows", 4, True
+    s._host, s._event, s._union_m, s._no_overflow = torch.tensor([29.0, 29.0, 40.0, 0.02]), Done(), 4, True
     s._poll()
     assert s._union_fit_m == 4 and s.union_share(4, 5632) == pytest.approx(0.02, rel=1e-6)
     assert not s._want_probe("auto", False, 4) and not s._want_probe("auto", False, 2)
@@ -284,8 +266,8 @@ def test_first_small_batch_larger_than_any_measured_is_probed():
     s._host, s._event, s._union_m = torch.tensor([29.0, 29.0, 29.0, 29.0 / 5632]), Done(), 1
     s._poll()
     assert s._union_fit_m == 4 and s.union_share(4, 5632) == pytest.approx(0.02, rel=1e-6)
-    # a 16-token decode-path probe ("union": share, chunk) replaces it
-    s._host, s._event, s._kind = torch.tensor([0.05, 16.0, 0.05, 0.05]), Done(), "union"
+    # a 16-token one replaces it
+    s._host, s._event, s._union_m = torch.tensor([29.0, 29.0, 40.0, 0.05]), Done(), 16
     s._poll()
     assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.05, rel=1e-6)
 
@@ -626,25 +608,31 @@ def test_prefill_threshold_is_inclusive():
 def test_poll_reads_each_slot_of_a_probe():
     """A rows probe: k_est is the mean, k_rms the root mean square; a path without overflow puts
     the rms in the overflow slot as a placeholder (row_stats), which is not overflow; the prefill
-    path's overflowed tiles per token cost min(tile, f) / 8 each. A decode probe then drops the
-    rows probe's rms, and a union measured on as many tokens as the last one replaces it."""
+    path's overflowed tiles per token cost min(tile, f) / 8 each. A small dense call's union share
+    (in the overflow slot) is fitted, and replaced by one measured on as many tokens or more."""
     from twell.dispatch import row_stats
 
     s = SparseGatedMLP(8, 16)._twell_layer
     s._f, s._tile = 5632, 256
     per_row = torch.tensor([10.0, 10.0, 10.0, 50.0])  # mean 20, rms 27.39, max 50
     mean, rms = 20.0, float(per_row.square().mean().sqrt())
-    s._host, s._event, s._kind, s._union_m, s._no_overflow = row_stats(per_row), _ProbeDone(), "rows", 0, True
+    s._host, s._event, s._union_m, s._no_overflow = row_stats(per_row), _ProbeDone(), 0, True
     s._poll()
     assert s.k_est == pytest.approx(mean) and s.k_rms == pytest.approx(rms)
     assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean), 50.0))
     s._host, s._event, s._no_overflow = row_stats(per_row, torch.tensor(0.5)), _ProbeDone(), False
     s._poll()
     assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean) + 0.5 * 256 / 8, 50.0))
-    s._host, s._event, s._kind = torch.tensor([0.05, 16.0, 0.05, 0.05]), _ProbeDone(), "union"
+    # a small dense call's probe: the union in the overflow slot, never read as overflow
+    s._host, s._event, s._union_m = row_stats(per_row, torch.tensor(0.05)), _ProbeDone(), 16
     s._poll()
-    assert s.k_rms is None and s.k_est == pytest.approx(5632 * (1 - 0.95 ** (1 / 16)))
-    s._host, s._event = torch.tensor([0.08, 16.0, 0.08, 0.08]), _ProbeDone()
+    assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean), 50.0))
+    assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.05, rel=1e-6)
+    # one of as many tokens replaces the fit, one of fewer does not
+    s._host, s._event = row_stats(per_row, torch.tensor(0.08)), _ProbeDone()
+    s._poll()
+    assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.08, rel=1e-6)
+    s._host, s._event, s._union_m = row_stats(per_row, torch.tensor(0.5)), _ProbeDone(), 8
     s._poll()
     assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.08, rel=1e-6)
 
@@ -661,7 +649,7 @@ def test_prefill_overflow_cost_uses_the_tile_within_f():
         m(torch.randn(6, 40))
     s = m._twell_layer
     assert m.last_path == "prefill"
-    s._host, s._event, s._kind, s._union_m, s._no_overflow = torch.tensor([10.0, 10.0, 20.0, 0.5]), _ProbeDone(), "rows", 0, False
+    s._host, s._event, s._union_m, s._no_overflow = torch.tensor([10.0, 10.0, 20.0, 0.5]), _ProbeDone(), 0, False
     s._poll()
     assert s.estimate == pytest.approx((10.0 + 0.5 * 100 / 8, 20.0))
 

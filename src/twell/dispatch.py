@@ -35,9 +35,9 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
 The sparsity estimate never costs a host synchronisation: every ``PROBE_EVERY`` calls (every
 ``PROBE_EVERY_SMALL`` calls of fewer than ``PREFILL_MIN_M`` tokens, whose eager path is dense
 whatever the estimate and whose host time is what a caller waits for; and at the first small call
-of a batch size larger than any measured before) a layer copies a few statistics of the call (row counts on the dense and prefill paths, the share
-of units active in the batch on the decode path and on dense calls of at most ``FUSED_MAX_M``
-tokens) to pinned host memory without blocking, and a later call reads them once their CUDA
+of a batch size larger than any measured before) a layer copies a few statistics of the call (row counts on the dense and prefill paths, and on
+dense calls of at most ``FUSED_MAX_M`` tokens the share of units active in the batch) to pinned
+host memory without blocking, and a later call reads them once their CUDA
 event has completed.
 
 Inside a CUDA graph capture (``torch.cuda.graph``, ``torch.compile(mode="reduce-overhead")``)
@@ -260,10 +260,9 @@ class LayerState:
         _LAYERS[self.key] = self
         self._module = weakref.ref(module)
         self.estimate: Optional[tuple[float, float]] = None  # prefill: (cost without the tail, max row)
-        self.k_est: Optional[float] = None  # mean active units per token, from any path's probe
-        # their root mean square over the tokens (from the probes that see rows; None after a
-        # decode probe): the split decode kernels' rule counts fires by it, since a heavy token's
-        # fires all add into one row of the accumulator and queue there
+        self.k_est: Optional[float] = None  # mean active units per token, from the last probe
+        # their root mean square over the tokens: the split decode kernels' rule counts fires by
+        # it, since a heavy token's fires all add into one row of the accumulator and queue there
         self.k_rms: Optional[float] = None
         # per-token firing rate that reproduces the measured share of units active for some token
         # of a small batch (skewed layers: below k_est / f); decode's choice uses it first
@@ -276,7 +275,6 @@ class LayerState:
         self._f = 1
         self._host: Optional[torch.Tensor] = None
         self._event = None
-        self._kind = ""
         self._no_overflow = False
         self._calls = 0
         self._on_kernels = False
@@ -305,18 +303,15 @@ class LayerState:
 
     def _poll(self) -> None:
         if self._event is not None and self._event.query():
+            # mean, rms, max of active units per row; overflowed tiles per row
             a, b, c, e = (float(v) for v in self._host.tolist())
-            if self._kind == "rows":  # mean, rms, max of active units per row; overflowed tiles per row
-                if self._union_m:  # a small dense call: e is the share of units active in its batch
-                    self._fit_union(e, self._union_m)
-                    e = 0.0
-                if self._no_overflow:
-                    e = 0.0
-                self.estimate = (a + self.RMS_WEIGHT * max(0.0, b - a) + e * self._tile / 8, c)
-                self.k_est, self.k_rms = a, b
-            else:  # "union": share of the units active in a chunk of b tokens
-                self.k_est, self.k_rms = self._f * _rate_of_union(a, b), None
-                self._fit_union(a, int(b))
+            if self._union_m:  # a small dense call: e is the share of units active in its batch
+                self._fit_union(e, self._union_m)
+                e = 0.0
+            if self._no_overflow:
+                e = 0.0
+            self.estimate = (a + self.RMS_WEIGHT * max(0.0, b - a) + e * self._tile / 8, c)
+            self.k_est, self.k_rms = a, b
             self._event = None
 
     def _fit_union(self, share: float, m: int) -> None:
@@ -391,7 +386,7 @@ class LayerState:
         every = self.PROBE_EVERY if M >= PREFILL_MIN_M else self.PROBE_EVERY_SMALL
         return self._calls % every == 1 or self.k_est is None or self._union_fit_m < M <= _fused_max_m()
 
-    def _publish(self, kind: str, values: torch.Tensor, no_overflow: bool = False) -> None:
+    def _publish(self, values: torch.Tensor, no_overflow: bool = False) -> None:
         """Copy ``values`` ([4] float32 on the GPU) to pinned host memory without blocking."""
         if not values.is_cuda:
             return
@@ -399,7 +394,6 @@ class LayerState:
         if self._host is None:
             self._host = torch.empty(4, dtype=torch.float32, pin_memory=True)
         self._host.copy_(values, non_blocking=True)
-        self._kind = kind
         self._event = torch.cuda.Event()
         self._event.record()
 
@@ -411,7 +405,7 @@ class LayerState:
         it takes the overflow slot)."""
         if per_row.numel():
             self._union_m = union_m if union is not None else 0
-            self._publish("rows", row_stats(per_row, over_per_token if union is None else union),
+            self._publish(row_stats(per_row, over_per_token if union is None else union),
                           no_overflow=over_per_token is None)
 
     # -- the paths ------------------------------------------------------------------------------
@@ -448,14 +442,15 @@ class LayerState:
                 path = "dense"
         self.last_path = path
         track = m._tracking()
-        probe = M > 0 and self._want_probe(mode, capturing, M)
         if path == "decode":
-            return self._decode(m, x, w_first, w_down_t, w_up, track, probe)
+            # no probe: "auto" decodes only inside a capture, where nothing is probed
+            return self._decode(m, x, w_first, w_down_t, w_up, track)
+        probe = M > 0 and self._want_probe(mode, capturing, M)
         if path == "prefill":
             return self._prefill(m, x, w_first, w_down_t, w_up, track, probe)
         return self._dense(m, x, w_first, w_down, w_up, track, probe, capturing)
 
-    def _decode(self, m, x, w_first, w_down_t, w_up, track, probe):
+    def _decode(self, m, x, w_first, w_down_t, w_up, track):
         from .kernels.decode import decode_launch
         from .kernels.decode_fused import FUSED_MAX_M, decode_fused_launch, fused_config
 
@@ -466,24 +461,19 @@ class LayerState:
         if split is not None:
             from .kernels.decode_split import decode_split_launch
 
-            y, counts, chunk = decode_split_launch(x, w_first, w_down_t, w_up, uc, nnz, scratch=split)
+            y = decode_split_launch(x, w_first, w_down_t, w_up, uc, nnz, scratch=split)[0]
             self.last_decode_kernels = "split"
         elif M <= FUSED_MAX_M:
             sc = self.scratch
             if sc is not None and (sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1]):
                 sc = None
-            y, counts, chunk = decode_fused_launch(x, w_first, w_down_t, w_up, uc, nnz, config=fused_config(M), scratch=sc)
+            y = decode_fused_launch(x, w_first, w_down_t, w_up, uc, nnz, config=fused_config(M), scratch=sc)[0]
             self.last_decode_kernels = "fused"
         else:
-            y, counts, chunk = decode_launch(x, w_first, w_down_t, w_up, uc, nnz, with_counts=True)
+            y = decode_launch(x, w_first, w_down_t, w_up, uc, nnz)
             self.last_decode_kernels = "three-launch"
         if track:
             m._record_counts(nnz, uc)
-        if probe and counts.numel():
-            # the share of units active per chunk of `chunk` tokens, averaged over the chunks
-            n_chunks = -(-M // chunk)
-            share = counts.sum(dtype=torch.float32) / (n_chunks * f)
-            self._publish("union", torch.stack([share, share.new_full((), min(M, chunk)), share, share]))
         return y
 
     def _split_pays(self, M: int, f: int) -> bool:
