@@ -115,6 +115,13 @@ def test_module_passes_its_knobs(monkeypatch):
     assert seen == dict(M=6, f=100, mode="prefill", max_density=0.123, capturing=False)
 
 
+class Done:
+    """A probe's CUDA event that has completed (for LayerState._poll without a GPU)."""
+
+    def query(self):
+        return True
+
+
 def test_no_probe_and_no_poll_inside_a_capture():
     s = SparseGatedMLP(8, 16)._twell_layer
 
@@ -142,13 +149,9 @@ def test_union_measured_by_a_small_dense_probe_steers_decode(monkeypatch):
 
     monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
 
-    class Done:
-        def query(self):
-            return True
-
     f, M, k = 5632, 16, 120.0
     s = SparseGatedMLP(8, 16)._twell_layer
-    s._f, s._union_m = f, 0
+    s._union_m = 0
     s._host, s._event, s._no_overflow = torch.tensor([k, k, 2 * k, 0.0]), Done(), True
     s._poll()
     assert s.union_rate is None and s.k_est == k and s.k_rms == k
@@ -249,12 +252,8 @@ def test_first_small_batch_larger_than_any_measured_is_probed():
     never replaces one measured on more."""
     from twell.kernels.decode_fused import FUSED_MAX_M
 
-    class Done:
-        def query(self):
-            return True
-
     s = SparseGatedMLP(8, 16)._twell_layer
-    s.k_est, s._f = 29.0, 5632
+    s.k_est = 29.0
     s._calls = 5
     assert s._want_probe("auto", False, 4)  # none measured yet
     s._host, s._event, s._union_m, s._no_overflow = torch.tensor([29.0, 29.0, 40.0, 0.02]), Done(), 4, True
@@ -577,11 +576,6 @@ def test_nan_comes_out_where_dense_puts_it(mode, M, kernels, gated):
 # session: each test below fails on one or more single-line changes of twell/dispatch.py) -------
 
 
-class _ProbeDone:
-    def query(self):
-        return True
-
-
 def test_probe_spacing_no_estimate_and_one_in_flight():
     """The first call of a spacing is probed (count 1 modulo PROBE_EVERY), every call is while no
     estimate has arrived yet, and none while a probe is in flight."""
@@ -613,26 +607,26 @@ def test_poll_reads_each_slot_of_a_probe():
     from twell.dispatch import row_stats
 
     s = SparseGatedMLP(8, 16)._twell_layer
-    s._f, s._tile = 5632, 256
+    s._tile = 256
     per_row = torch.tensor([10.0, 10.0, 10.0, 50.0])  # mean 20, rms 27.39, max 50
     mean, rms = 20.0, float(per_row.square().mean().sqrt())
-    s._host, s._event, s._union_m, s._no_overflow = row_stats(per_row), _ProbeDone(), 0, True
+    s._host, s._event, s._union_m, s._no_overflow = row_stats(per_row), Done(), 0, True
     s._poll()
     assert s.k_est == pytest.approx(mean) and s.k_rms == pytest.approx(rms)
     assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean), 50.0))
-    s._host, s._event, s._no_overflow = row_stats(per_row, torch.tensor(0.5)), _ProbeDone(), False
+    s._host, s._event, s._no_overflow = row_stats(per_row, torch.tensor(0.5)), Done(), False
     s._poll()
     assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean) + 0.5 * 256 / 8, 50.0))
     # a small dense call's probe: the union in the overflow slot, never read as overflow
-    s._host, s._event, s._union_m = row_stats(per_row, torch.tensor(0.05)), _ProbeDone(), 16
+    s._host, s._event, s._union_m = row_stats(per_row, torch.tensor(0.05)), Done(), 16
     s._poll()
     assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean), 50.0))
     assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.05, rel=1e-6)
     # one of as many tokens replaces the fit, one of fewer does not
-    s._host, s._event = row_stats(per_row, torch.tensor(0.08)), _ProbeDone()
+    s._host, s._event = row_stats(per_row, torch.tensor(0.08)), Done()
     s._poll()
     assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.08, rel=1e-6)
-    s._host, s._event, s._union_m = row_stats(per_row, torch.tensor(0.5)), _ProbeDone(), 8
+    s._host, s._event, s._union_m = row_stats(per_row, torch.tensor(0.5)), Done(), 8
     s._poll()
     assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.08, rel=1e-6)
 
@@ -649,7 +643,7 @@ def test_prefill_overflow_cost_uses_the_tile_within_f():
         m(torch.randn(6, 40))
     s = m._twell_layer
     assert m.last_path == "prefill"
-    s._host, s._event, s._union_m, s._no_overflow = torch.tensor([10.0, 10.0, 20.0, 0.5]), _ProbeDone(), 0, False
+    s._host, s._event, s._union_m, s._no_overflow = torch.tensor([10.0, 10.0, 20.0, 0.5]), Done(), 0, False
     s._poll()
     assert s.estimate == pytest.approx((10.0 + 0.5 * 100 / 8, 20.0))
 

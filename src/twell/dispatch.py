@@ -272,7 +272,6 @@ class LayerState:
         self.counters = None  # OverflowCounters of the prefill path, accumulated over calls
         self.last_path: Optional[str] = None
         self._tile = 256
-        self._f = 1
         self._host: Optional[torch.Tensor] = None
         self._event = None
         self._no_overflow = False
@@ -417,7 +416,6 @@ class LayerState:
         Records the module's statistics when it tracks them. Returns ``y [M, d]``."""
         m = self.module
         M, f = x.shape[0], w_first.shape[0]
-        self._f = f
         mode = m.kernel_mode
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path = self.choose(M, f, mode, m.kernel_max_density, capturing, x)

@@ -144,6 +144,7 @@ class _SparseFFN(nn.Module):
         # modules pickled before these settings existed
         state.setdefault("train_kernels", "auto")
         state.setdefault("train_max_density", None)
+        state.setdefault("_stats_recorded", True)  # counts of unknown age: never dropped unasked
         super().__setstate__(state)
         self._new_layer_state()
 
@@ -186,11 +187,13 @@ class _SparseFFN(nn.Module):
         whoever materialises the module)."""
         counts = self.fire_counts
         if keep and counts is None:
-            w = self._first_projection().weight
-            self.fire_counts = torch.zeros(self.intermediate_size, dtype=torch.int64, device=w.device)
-            self.tokens_seen = torch.zeros((), dtype=torch.int64, device=w.device)
-        elif not keep and counts is not None and counts.device.type != "meta" and not self.__dict__.get("_stats_recorded"):
+            self._make_stat_buffers(self._first_projection().weight.device)
+        elif not keep and counts is not None and counts.device.type != "meta" and not self._stats_recorded:
             self.fire_counts = self.tokens_seen = None
+
+    def _make_stat_buffers(self, device) -> None:
+        self.fire_counts = torch.zeros(self.intermediate_size, dtype=torch.int64, device=device)
+        self.tokens_seen = torch.zeros((), dtype=torch.int64, device=device)
 
     @torch.no_grad()
     def _set_kernel_layout(self, kernel: bool) -> None:
@@ -352,8 +355,7 @@ class _SparseFFN(nn.Module):
             tokens=M,
         )
         if self.fire_counts is None:  # dropped in eval mode (see _keep_stat_buffers)
-            self.fire_counts = torch.zeros(self.intermediate_size, dtype=torch.int64, device=dev)
-            self.tokens_seen = torch.zeros((), dtype=torch.int64, device=dev)
+            self._make_stat_buffers(dev)
         self.fire_counts += unit_counts
         self.tokens_seen += M
         self._stats_recorded = True

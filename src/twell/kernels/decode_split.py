@@ -278,12 +278,16 @@ GATE_DESC_MIN_ROWS = 64
 SPLIT_DESC_CONFIG = SplitConfig(32, 128, 4, 4, 1056, 4096, 8)
 
 
+def _token_tile(M: int) -> int:
+    """The gate's token tile for M tokens: M rounded up to a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(M))
+
+
 def gate_loads(x: torch.Tensor, w_first: torch.Tensor) -> tuple:
     """``(desc, config)`` for a call on ``x [M, d]``: whether the gate reads by tensor descriptors
     (a token tile of at least GATE_DESC_MIN_ROWS, rows both can take), and the shape used when
     the caller gives none (SPLIT_DESC_CONFIG with descriptors, else SPLIT_CONFIG)."""
-    rows = max(16, triton.next_power_of_2(x.shape[0]))
-    desc = rows >= GATE_DESC_MIN_ROWS and _descriptor_ok(x) and _descriptor_ok(w_first)
+    desc = _token_tile(x.shape[0]) >= GATE_DESC_MIN_ROWS and _descriptor_ok(x) and _descriptor_ok(w_first)
     return desc, (SPLIT_DESC_CONFIG if desc else SPLIT_CONFIG)
 
 
@@ -327,7 +331,7 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
         raise ValueError(f"the split decode kernels take at most {SPLIT_MAX_M} tokens per call, got {M}")
     if M == 0 or d == 0 or f == 0:
         return torch.zeros(M, d, dtype=x.dtype, device=x.device), torch.zeros(0, dtype=torch.int32, device=x.device), max(M, 1)
-    rows = max(16, triton.next_power_of_2(M))
+    rows = _token_tile(M)
     desc, cfg = gate_loads(x, w_first)
     cfg = config or cfg
     NB = triton.cdiv(f, cfg.BU)
