@@ -85,6 +85,36 @@ def test_pack_bits_block_shapes():
         assert_same_twell(pack_relu(a, 1024, 8, method="bits", config=cfg), ref)
 
 
+def test_pack_bits_default_shape_follows_the_rows(monkeypatch):
+    """One row per program up to PACK_BITS_SMALL_M rows (more programs for small calls), the
+    wide shape above; the shape changes no output."""
+    from twell.kernels import gate_pack
+
+    assert gate_pack.bits_config(gate_pack.PACK_BITS_SMALL_M) == gate_pack.PACK_BITS_SMALL_M_CONFIG
+    assert gate_pack.bits_config(gate_pack.PACK_BITS_SMALL_M + 1) == gate_pack.PACK_BITS_CONFIG
+    assert gate_pack.PACK_BITS_SMALL_M_CONFIG[0] < gate_pack.PACK_BITS_CONFIG[0]
+    x, w, _, _ = gate_case(7, 24, 300, torch.float32, seed=5, density=0.1)
+    a = x @ w.T
+    ref = pack_twell(torch.relu(a), 1024, 8)
+    seen = []
+    real = gate_pack._pack_relu_bits_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((grid[0], kw["BM"], kw["num_warps"]))
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(gate_pack, "_pack_relu_bits_kernel", Spy())
+    for small_m in (7, 6):  # 7 rows: the small shape; 6: the wide one
+        monkeypatch.setattr(gate_pack, "PACK_BITS_SMALL_M", small_m)
+        assert_same_twell(pack_relu(a, 1024, 8, method="bits"), ref)
+    bm_small, bm_wide = gate_pack.PACK_BITS_SMALL_M_CONFIG[0], gate_pack.PACK_BITS_CONFIG[0]
+    assert seen == [(-(-7 // bm_small), bm_small, gate_pack.PACK_BITS_SMALL_M_CONFIG[2]),
+                    (-(-7 // bm_wide), bm_wide, gate_pack.PACK_BITS_CONFIG[2])]
+
+
 @pytest.mark.parametrize("dtype", CPU_DTYPES)
 @pytest.mark.parametrize("M,d,f,tile", [(13, 40, 100, 32), (33, 20, 70, 16)])
 def test_gate_pack_fused_matches_reference(dtype, M, d, f, tile):

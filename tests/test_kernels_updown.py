@@ -193,6 +193,38 @@ def test_module_kernel_path_sees_new_weights():
         assert m.down_proj.weight.t().is_contiguous()  # laid out for the kernels again
 
 
+def test_updown_shape_follows_the_layers_density(monkeypatch):
+    """At d 2048 two entries a step below WIDE_STEP's mean, four from it; the module's prefill
+    calls pass the shape for the layer's estimate (none yet: the sparse shape)."""
+    from twell import dispatch
+    from twell.kernels.updown import TUNED, WIDE_STEP, default_config
+
+    k_wide, wide = WIDE_STEP[2048]
+    assert default_config(2048) == default_config(2048, k_wide - 0.5) == TUNED[2048]
+    assert default_config(2048, k_wide) == wide != TUNED[2048]
+    assert default_config(1500, k_wide) == wide  # padded to 2048
+    assert default_config(4096, 500.0) == TUNED[4096]  # no second shape measured there
+    seen = []
+    real = ffn_from_twell
+
+    def spy(*args, **kw):
+        seen.append((kw["block_e"], kw["num_warps"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(twell.kernels, "ffn_from_twell", spy)
+    monkeypatch.setitem(WIDE_STEP, 64, (10.0, (8, 1)))  # d 40 pads to 64: a second shape there
+    m = twell.SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "prefill"
+    x = torch.randn(6, 40)
+    layer = m._twell_layer
+    with torch.no_grad():
+        for k in (None, 3.0, 1000.0):
+            layer.k_est = k
+            m(x)
+    assert seen == [TUNED.get(64, default_config(40)), default_config(40, 3.0), (8, 1)]
+    assert seen[1] != seen[2] and dispatch.LayerState is type(layer)
+
+
 def test_module_under_autocast_takes_the_dense_path():
     m = twell.SparseGatedMLP(40, 100).eval()
     m.kernel_mode = "twell"

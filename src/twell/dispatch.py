@@ -525,6 +525,7 @@ class LayerState:
 
     def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu
+        from .kernels.updown import default_config
         from .ops import DEFAULT_COMPRESSION, default_tile
 
         M, f = x.shape[0], w_first.shape[0]
@@ -537,7 +538,9 @@ class LayerState:
         g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
-        y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz)
+        be, nw = default_config(x.shape[1], self.k_est)
+        y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz,
+                           block_e=be, num_warps=nw)
         if track:
             m._record_counts(nnz, uc)
         if probe:

@@ -166,8 +166,7 @@ def run_grid(
                     x, wg, wu, wd = s.x, s.w_gate, s.w_up, s.w_down
                     tile = default_tile(f)
                     rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=tile, compression=DEFAULT_COMPRESSION,
-                               pack_config="bits " + "x".join(map(str, gate_pack.PACK_BITS_CONFIG)),
-                               token_config="x".join(map(str, updown.default_config(d))),
+                               pack_config="bits " + "x".join(map(str, gate_pack.bits_config(M))),
                                max_density=_KernelPath.DEFAULT_MAX_DENSITY)
                     ref = reference_fp32(x, wg, wu, wd)
                     with torch.no_grad():
@@ -197,6 +196,8 @@ def run_grid(
                             rec[f"{name}_ms_rounds"] = ms
                         rec["twell_path"] = mod.last_path  # the path of the last timed call
                         rec["twell_cost"] = mod._twell_layer.cost(M)
+                        # the up/down shape the module's prefill calls took (it follows the estimate)
+                        rec["token_config"] = "x".join(map(str, updown.default_config(d, mod._twell_layer.k_est)))
 
                         pre = torch.mm(x, wg.T)
                         g = pack_relu(pre, tile, DEFAULT_COMPRESSION)

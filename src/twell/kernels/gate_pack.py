@@ -196,10 +196,20 @@ def _check_pre(a: torch.Tensor, name: str) -> None:
     check_launchable(a, name)
 
 
-# (rows per program, columns per step, warps), from the H200 variant sweep
-# (benchmarks/NOTES_inference.md).
+# (rows per program, columns per step, warps), from the H200 variant sweeps
+# (benchmarks/NOTES_inference.md). The bit-word pack takes one row per program up to
+# PACK_BITS_SMALL_M rows: with four, a 4096-row call had 1024 programs for 132 SMs and its
+# latency-bound steps ran serially (0.070 against 0.044 ms); from 16384 rows four per program is
+# fastest, and one warp beat two at every size (131072 rows: 0.78 against 0.90 ms).
 PACK_CONFIG: tuple[int, int, int] = (4, 256, 2)
-PACK_BITS_CONFIG: tuple[int, int, int] = (8, 256, 2)
+PACK_BITS_CONFIG: tuple[int, int, int] = (4, 256, 1)
+PACK_BITS_SMALL_M_CONFIG: tuple[int, int, int] = (1, 256, 1)
+PACK_BITS_SMALL_M = 8192
+
+
+def bits_config(M: int) -> tuple[int, int, int]:
+    """The bit-word pack's default ``(rows per program, columns per step, warps)`` for ``M`` rows."""
+    return PACK_BITS_SMALL_M_CONFIG if M <= PACK_BITS_SMALL_M else PACK_BITS_CONFIG
 
 
 def pack_relu(
@@ -216,7 +226,8 @@ def pack_relu(
             min-reduction over the current block of columns. ``"auto"``: bits where it can run
             (measured 0.89 against 1.08 ms at k = 29 on the H200, 1.21 against 1.58 ms at
             k = 56; benchmarks/NOTES_inference.md), else scan.
-        config: ``(rows per program, columns per step, warps)`` tuning knobs.
+        config: ``(rows per program, columns per step, warps)`` tuning knobs (default: by
+            method, and for ``"bits"`` by ``M``: see ``PACK_BITS_SMALL_M``).
 
     Returns:
         A kernel-written :class:`TwELL` of ``relu(a)``: entries hold ``a``'s own values (so
@@ -237,7 +248,9 @@ def pack_relu(
     out = empty_twell(M, f, tile, compression, a.dtype, a.device)
     if M == 0:
         return out
-    BM, BN, nw = config or (PACK_BITS_CONFIG if method == "bits" else PACK_CONFIG)
+    if config is None and method == "bits":
+        config = bits_config(M)
+    BM, BN, nw = config or PACK_CONFIG
     BN = min(tile, BN)
     grid = (triton.cdiv(M, BM), out.n_tiles)
     if method == "scan":

@@ -248,9 +248,14 @@ def _ffn_rows_dot_kernel(
             tl.atomic_add(uc_ptr + unit, tl.full([BE], 1, dtype=tl.int32), mask=valid & ((tl.zeros([BE], dtype=tl.int32) + dk) == 0))
 
 
-# Tuned (entries per step, warps) per padded d, from the H200 variant sweep
-# (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements.
-TUNED: dict[int, tuple[int, int]] = {2048: (4, 4), 4096: (4, 8)}
+# Tuned (entries per step, warps) per padded d, from the H200 sweeps
+# (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements. At d 2048
+# two entries a step won below about 40 active units per token (131072 tokens: k 8 1.46 against
+# 1.64 ms with four, k 29 3.88 against 4.04, heavy rows 5.74 against 6.13; 4096 tokens, k 29:
+# 0.14 against 0.22), four from there (k 56: 6.90 against 7.12): WIDE_STEP gives the mean
+# active units per token from which a d takes its second shape.
+TUNED: dict[int, tuple[int, int]] = {2048: (2, 4), 4096: (4, 8)}
+WIDE_STEP: dict[int, tuple[float, tuple[int, int]]] = {2048: (40.0, (4, 4))}
 
 
 # From this many tokens on, overflowed tiles go to a second launch with (units per step,
@@ -262,9 +267,12 @@ EXACT_CONFIG: tuple[int, int] = (8, 8)
 ROWS_CONFIG: tuple[int, int, int, int] = (16, 64, 128, 4)
 
 
-def default_config(d: int) -> tuple[int, int]:
-    """``(block_e, num_warps)`` used when the caller passes none."""
+def default_config(d: int, mean_k: Optional[float] = None) -> tuple[int, int]:
+    """``(block_e, num_warps)`` used when the caller passes none; ``mean_k``: the expected active
+    units per token, where the caller knows it (the modules' estimate)."""
     D = triton.next_power_of_2(max(d, 1))
+    if mean_k is not None and D in WIDE_STEP and mean_k >= WIDE_STEP[D][0]:
+        return WIDE_STEP[D][1]
     if D in TUNED:
         return TUNED[D]
     return max(2, min(16, 16384 // D)), (4 if D <= 1024 else 8)
