@@ -1,0 +1,80 @@
+"""Device experiment: the sparse training op with ``w_down`` held in the kernels' layout (the
+transpose of a contiguous ``[f, d]`` matrix, as eval mode keeps it) against the ``nn.Linear``
+layout, where each forward and each backward copies ``w_down^T`` (0.08 ms at d 2048, f 5632) and
+the weight gradient (laid out ``[f, d]``) is copied into the parameter's layout.
+
+Usage (GPU machine, repository root): OUT=dir python benchmarks/train_layout_probe.py
+bf16, d 2048, f 5632, even units; forward + backward with ``.backward()`` into ``.grad`` (as a
+training step accumulates), grads reset to None each call; dense = the three-Linear MLP, same
+weights; call by call in turn, L2 flushed, medians. Writes OUT/train_layout_probe.json.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+
+import torch
+
+from twell.bench.inference import machine_info
+from twell.bench.synthetic import make_ffn
+from twell.bench.timing import interleaved_ms
+from twell.train_ops import choose_width, sparse_gated_ffn
+
+OUT = os.environ.get("OUT", ".")
+SMOKE = os.environ.get("TWELL_SMOKE") == "1"
+d, f = (64, 300) if SMOKE else (2048, 5632)
+DEV, DT = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
+CASES = [(96, 20)] if SMOKE else [(16384, 8), (16384, 29), (65536, 29)]
+LAM = 2e-5
+info = machine_info()
+records = []
+F = torch.nn.functional
+
+for M, k in CASES:
+    s = make_ffn(M, d, f, k, "even", DT, DEV, seed=k)
+    x = s.x.requires_grad_(True)
+    wg, wu = (w.requires_grad_(True) for w in (s.w_gate, s.w_up))
+    wd = s.w_down.clone().requires_grad_(True)
+    # the same values as the transpose of a contiguous [f, d] matrix: a leaf with strides (1, d)
+    wd_k = torch.empty_strided((d, f), (1, d), dtype=DT, device=DEV).copy_(s.w_down).requires_grad_(True)
+    dy = torch.randn(M, d, dtype=DT, device=DEV) / math.sqrt(d)
+    with torch.no_grad():
+        counts = (x @ wg.t() > 0).sum(1)
+    width = choose_width(float(counts.float().mean()), int(counts.max()), f)
+    lam = torch.full((), LAM, device=DEV)
+    params = (x, wg, wu, wd, wd_k)
+
+    def reset():
+        for p in params:
+            p.grad = None
+
+    def dense():
+        reset()
+        F.linear(torch.relu(F.linear(x, wg)) * F.linear(x, wu), wd).backward(dy)
+
+    def sparse(w):
+        def run():
+            reset()
+            out = sparse_gated_ffn(x, wg, wu, w, width)
+            torch.autograd.backward((out.y, out.l1), (dy, lam))
+        return run
+
+    sparse(wd)()
+    g_lin = wd.grad.clone()
+    sparse(wd_k)()
+    g_k = wd_k.grad.clone()
+    same = bool(torch.equal(g_lin, g_k))
+    layout_kept = wd_k.grad.stride() == wd_k.stride()
+    t = interleaved_ms([dense, sparse(wd), sparse(wd_k)], calls=3 if SMOKE else 40, warmup=1 if SMOKE else 3)
+    rec = dict(M=M, k=k, width=width, dense_ms=t[0], linear_layout_ms=t[1], kernel_layout_ms=t[2],
+               speedup_linear=t[0] / t[1], speedup_kernel=t[0] / t[2], same_grads=same, grad_layout_kept=layout_kept, **info)
+    records.append(rec)
+    print(f"M {M} k {k}: dense {t[0]:.3f} ms, sparse (nn.Linear layout) {t[1]:.3f} ({t[0] / t[1]:.2f}x), "
+          f"sparse (kernel layout) {t[2]:.3f} ({t[0] / t[2]:.2f}x); grads equal {same}, grad layout kept {layout_kept}", flush=True)
+    del s, x, wg, wu, wd, wd_k, dy, params
+
+os.makedirs(OUT, exist_ok=True)
+with open(os.path.join(OUT, "train_layout_probe.json"), "w") as fh:
+    json.dump({"records": records}, fh, indent=1)
