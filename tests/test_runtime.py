@@ -322,6 +322,45 @@ def test_eval_lays_out_down_for_the_kernels_with_one_copy(cls):
     assert m.down_proj.weight.grad.shape == (16, 40)
 
 
+@pytest.mark.parametrize("kernels", ["sparse", "dense"])
+def test_training_in_the_kernel_layout(kernels, monkeypatch):
+    """With train_path.KERNEL_LAYOUT on, training keeps the kernel layout (here under the
+    interpreter, as on CUDA): the layout does not flip between eval and training, so an
+    optimizer's state keeps the parameter's strides, the training ops' gradient arrives in that
+    layout, and steps match those of a module in the nn.Linear layout."""
+    from twell import train_path
+
+    torch.manual_seed(2)
+    ref = SparseGatedMLP(16, 40)
+    ref.train_kernels = kernels
+    m = SparseGatedMLP(16, 40)
+    m.load_state_dict(ref.state_dict())
+    m.train_kernels = kernels
+    assert ref.train().down_proj.weight.is_contiguous()  # the flag off: the nn.Linear layout
+    monkeypatch.setattr(train_path, "KERNEL_LAYOUT", True)
+    w = m.down_proj.weight
+    m.train()
+    assert w.stride() == (1, 16)
+    ptr = w.data_ptr()
+    m.eval()
+    m.train()
+    assert w.data_ptr() == ptr  # nothing re-laid out
+    x = torch.randn(6, 16)
+    opts = [torch.optim.AdamW(mod.parameters(), lr=1e-2, foreach=True) for mod in (ref, m)]
+    for _ in range(2):
+        for mod, opt in zip((ref, m), opts):
+            opt.zero_grad()
+            (mod(x).square().sum() + mod.l1).backward()
+            opt.step()
+    assert m.last_train_path == ref.last_train_path == kernels
+    assert w.grad.stride() == w.stride() and opts[1].state[w]["exp_avg"].stride() == w.stride()
+    for (name, a), b in zip(ref.state_dict().items(), m.state_dict().values()):
+        assert torch.allclose(a, b, atol=1e-6), name
+    monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)
+    m.train()
+    assert w.is_contiguous()
+
+
 def test_sparsified_model_saves_and_reloads_in_eval(tmp_path):
     torch.manual_seed(1)
     cfg = LlamaConfig(vocab_size=97, hidden_size=32, intermediate_size=72, num_hidden_layers=2, num_attention_heads=4,

@@ -256,6 +256,37 @@ def test_dense_op_adversarial(dtype, M, gated):
         assert torch.all(grads[1][DEAD] == 0) and torch.all(grads[-1][:, DEAD] == 0)
 
 
+@pytest.mark.parametrize("op", ["sparse", "dense"])
+@pytest.mark.parametrize("gated", [True, False])
+def test_w_down_in_the_kernel_layout(op, gated):
+    """w_down held as the transpose of a contiguous [f, d] matrix (the modules' kernel layout):
+    the same outputs and gradients as the nn.Linear layout, and w_down's gradient comes back in
+    its own layout (autograd then keeps it as is, where otherwise it copies)."""
+    x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=21))
+    wd_k = wd.t().contiguous().t()
+    assert T.kernel_layout(wd_k) and not T.kernel_layout(wd) and not T.kernel_layout(wd[:, :10].t())
+    r = torch.randn(37, 40, generator=torch.Generator().manual_seed(4)).to(DEV)
+    width = 12
+    if op == "dense":
+        fn = T.dense_gated_ffn if gated else T.dense_ffn
+    else:
+        fn = (lambda *t: sparse_gated_ffn(*t, width)) if gated else (lambda *t: sparse_ffn(*t, width))
+    outs, grads = [], []
+    for w in (wd, wd_k):
+        leaves = [t.clone().requires_grad_() for t in ((x, wg, wu) if gated else (x, wg))]
+        w_leaf = w.detach().clone() if w.is_contiguous() else w.detach().t().clone().t()
+        w_leaf.requires_grad_()
+        out = fn(*leaves, w_leaf)
+        g = torch.autograd.grad((out.y * r).sum() + 0.3 * out.l1, (*leaves, w_leaf))
+        assert g[-1].stride() == w_leaf.stride() or w_leaf.is_contiguous()
+        outs.append(out.y)
+        grads.append(g)
+    assert g[-1].stride() == (1, 40)  # the kernel layout's own strides
+    assert rel_err(outs[1], outs[0]) < 1e-6
+    for a, b in zip(*grads):
+        assert rel_err(b, a) < 1e-6
+
+
 def test_dense_op_empty_and_saved_tensors():
     """M = 0: zeros, no NaN. Saved for backward: two [M, f] tensors gated (a and u), one
     non-gated (h), where dense autograd keeps three gated."""

@@ -175,11 +175,21 @@ class _SparseFFN(nn.Module):
         """As ``nn.Module.train``; in eval mode ``down_proj.weight`` is kept as the transpose of a
         contiguous ``[f, d]`` tensor (same values, same ``[d, f]`` shape, strides ``(1, d)``), so
         that the inference kernels read a unit's down column as one contiguous row with no
-        second copy of the weights; back in training mode it is made contiguous again."""
+        second copy of the weights; back in training mode it is made contiguous again, unless
+        ``twell.train_path.KERNEL_LAYOUT`` is on (off by default, not yet measured), where
+        training on CUDA keeps the kernel layout for the training kernels too."""
         super().train(mode)
-        self._set_kernel_layout(not mode)
+        self._set_kernel_layout(not mode or self._trains_in_kernel_layout())
         self._keep_stat_buffers(mode or self.track_stats is True)
         return self
+
+    def _trains_in_kernel_layout(self) -> bool:
+        """Whether training keeps the kernel layout too (``train_path.KERNEL_LAYOUT``, weights on
+        CUDA, or any device under the Triton interpreter): the training ops read it without a
+        copy, and one layout in both modes means an optimizer's state never changes strides
+        under it."""
+        w = self.down_proj.weight
+        return train_path.KERNEL_LAYOUT and (w.is_cuda or triton_interpreting())
 
     def _keep_stat_buffers(self, keep: bool) -> None:
         """``fire_counts`` / ``tokens_seen`` made (zeros) where ``keep`` and missing; dropped where

@@ -254,6 +254,12 @@ def _light_forward(x, a, W, w_down, w_up=None):
     return cols, values, counts, y, u, l1, per_unit + heavy_counts, heavy, n_heavy, hot_mask, host
 
 
+def kernel_layout(w: torch.Tensor) -> bool:
+    """Whether the ``[d, f]`` weight ``w`` is the transpose of a contiguous ``[f, d]`` matrix (the
+    layout the modules keep for the kernels): its rows of ``w^T`` are then read with no copy."""
+    return w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous()
+
+
 def _rows_of(w_down):
     """``w_down^T`` contiguous ``[f, d]``: row j = w_down[:, j], one contiguous read per unit for
     the row kernels."""
@@ -454,10 +460,15 @@ class DenseTrainFFNFunction(torch.autograd.Function):
         x, w_first, w_down, w_up, s, u = ctx.saved_tensors
         need_x, need_first, need_down, need_up = ctx.needs_input_grad[:4]
         c = _l1_scale(dl1, x.shape[0], x.device)
+        # w_down held as the transpose of a contiguous [f, d] matrix (the kernels' layout): its
+        # gradient is made [f, d] and handed back transposed, in the parameter's own layout
+        down_t = kernel_layout(w_down)
         with torch.autocast(x.device.type, enabled=False):  # a backward run inside autocast too
             # only the gradients asked for: a frozen weight costs no product, as in dense autograd
-            dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), s, u, c, w_first, w_up, w_down, down_t=False,
+            dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), s, u, c, w_first, w_up, w_down, down_t=down_t,
                                                              needs=(need_x, need_first, need_up, need_down))
+        if down_t and dw_down is not None:
+            dw_down = dw_down.t()
         if w_up is None:  # dw_a is w_first's (w_up's) gradient
             return dx, dw_a, dw_down, None
         return dx, dw_b, dw_down, dw_a  # gated: dw_a is w_up's, dw_b w_gate's

@@ -60,6 +60,16 @@ AUTO_SPARSE = True
 FUSED_DENSE = True
 
 
+# Whether a module in training on CUDA keeps ``down_proj.weight`` as the transpose of a contiguous
+# ``[f, d]`` matrix, the layout eval mode keeps for the inference kernels (see
+# ``SparseGatedMLP.train``). The sparse training op then reads a unit's down column with no
+# ``w_down^T`` copy in each forward and each backward (0.08 ms each at d 2048, f 5632, M 16384),
+# and the training ops' ``[f, d]`` weight gradient is the parameter's own layout (no copy into
+# it either). Off until measured on a GPU (``benchmarks/train_layout_probe.py``,
+# benchmarks/NOTES_training.md).
+KERNEL_LAYOUT = False
+
+
 # Most share of a layer's tokens with more active units than the ELL width its mean gives (about
 # twice the mean) for which "auto" still takes the sparse kernels. Those rows are the sparse
 # op's heavy rows, computed dense: a Triton product each in the forward, their pre-activation
