@@ -359,6 +359,13 @@ def test_training_in_the_kernel_layout(kernels, monkeypatch):
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)
     m.train()
     assert w.is_contiguous()
+    # on with CPU weights outside the interpreter: training runs PyTorch's math, nn.Linear layout
+    monkeypatch.setattr(train_path, "KERNEL_LAYOUT", True)
+    monkeypatch.setattr(twell.nn, "triton_interpreting", lambda: False)
+    m.eval()
+    assert w.stride() == (1, 16)
+    m.train()
+    assert w.is_contiguous()
 
 
 def test_sparsified_model_saves_and_reloads_in_eval(tmp_path):

@@ -186,8 +186,10 @@ class _SparseFFN(nn.Module):
     def _trains_in_kernel_layout(self) -> bool:
         """Whether training keeps the kernel layout too (``train_path.KERNEL_LAYOUT``, weights on
         CUDA, or any device under the Triton interpreter): the training ops read it without a
-        copy, and one layout in both modes means an optimizer's state never changes strides
-        under it."""
+        copy, and one layout in both modes means an optimizer's state does not change strides
+        under it. Decided at each ``train()`` / ``eval()``: call ``train()`` after moving the
+        module to CUDA (a module built in training mode and moved keeps the ``nn.Linear``
+        layout until then)."""
         w = self.down_proj.weight
         return train_path.KERNEL_LAYOUT and (w.is_cuda or triton_interpreting())
 

@@ -279,7 +279,7 @@ def run_variants(
     del a
 
     row_tile = 8192 if f > 4096 else 1 << max(4, (f - 1).bit_length())
-    bits_configs = [(8, 256, 2), (4, 256, 2), (16, 256, 4), (32, 256, 4), (8, 256, 4)]
+    bits_configs = [(4, 256, 1), (8, 256, 2), (4, 256, 2), (2, 256, 1), (8, 256, 4)]
     token_configs = [(2, 4), (4, 4), (4, 8), (2, 2), (4, 2), (8, 4)]
     saved_bits, saved_tuned = gate_pack.PACK_BITS_CONFIG, dict(updown.TUNED)
     cases = [(29, "even"), (56, "even"), (8, "even")] + ([(29, "skewed"), (29, "heavy")] if extras else [])
@@ -319,11 +319,11 @@ def run_variants(
     return out
 
 
-def best_config(variants: list[dict], variant: str) -> Optional[tuple[int, ...]]:
-    """Configuration of ``variant`` with the least total time over the swept even cases."""
+def best_config(variants: list[dict], variant: str, ks=(29, 56)) -> Optional[tuple[int, ...]]:
+    """Configuration of ``variant`` with the least total time over the swept even cases of ``ks``."""
     total: dict = {}
     for v in variants:
-        if v.get("variant") == variant and v.get("dist") == "even" and v.get("k") in (29, 56) and "ms" in v and v.get("C") == 8:
+        if v.get("variant") == variant and v.get("dist") == "even" and v.get("k") in ks and "ms" in v and v.get("C") == 8:
             total[v["cfg"]] = total.get(v["cfg"], 0.0) + v["ms"]
     if not total:
         return None

@@ -253,7 +253,9 @@ def _ffn_rows_dot_kernel(
 # two entries a step won below about 40 active units per token (131072 tokens: k 8 1.46 against
 # 1.64 ms with four, k 29 3.88 against 4.04, heavy rows 5.74 against 6.13; 4096 tokens, k 29:
 # 0.14 against 0.22), four from there (k 56: 6.90 against 7.12): WIDE_STEP gives the mean
-# active units per token from which a d takes its second shape.
+# active units per token from which a d takes its second shape. The rule sees neither the batch
+# nor how units are shared: skewed units at k 29 ran 3.49 against 3.40 ms with two entries (2 x 2
+# programs: 3.29), and at 4096 tokens two entries still won at k 56 (0.247 against 0.263 ms).
 TUNED: dict[int, tuple[int, int]] = {2048: (2, 4), 4096: (4, 8)}
 WIDE_STEP: dict[int, tuple[float, tuple[int, int]]] = {2048: (40.0, (4, 4))}
 
