@@ -963,7 +963,8 @@ class _Residual(torch.nn.Module):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 16, 24, 64, 1024, 8192])
-def test_cuda_graph_replay_equals_eager(M):
+def test_cuda_graph_replay_equals_eager(M, monkeypatch):
+    monkeypatch.setattr(twell.eager_graphs, "ENABLED", False)  # eager calls: twell's plain path
     stack, xs = _gpu_stack()
     model = _Residual(stack)
     x = xs[:M].clone()
@@ -1133,10 +1134,11 @@ def test_eval_layout_leaves_weights_that_view_a_larger_buffer():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [16, 256, 1024])
-def test_dense_probe_never_raises_the_peak_and_measures_the_pattern(M):
+def test_dense_probe_never_raises_the_peak_and_measures_the_pattern(M, monkeypatch):
     """An eager dense call that takes the sparsity probe allocates no more at its peak than one
     that does not, and the probe's mean active units per token (and, up to 64 tokens, the share
     of units active in the batch) are the pattern's."""
+    monkeypatch.setattr(twell.eager_graphs, "ENABLED", False)  # eager calls: the dense path
     stack, xs = _gpu_stack(layers=1, M=1024)
     m = stack[0]
     s = m._twell_layer
@@ -1169,11 +1171,12 @@ def test_dense_probe_never_raises_the_peak_and_measures_the_pattern(M):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_small_eager_calls_measure_the_union_and_make_the_decode_accumulator():
+def test_small_eager_calls_measure_the_union_and_make_the_decode_accumulator(monkeypatch):
     """Eager calls of 16 tokens run dense, and their probes (every PROBE_EVERY_SMALL calls)
     measure the share of units active for some token of the batch: the layer's union estimate
     for 16 tokens then equals the measured share, and the fused decode's accumulator exists
     before any capture."""
+    monkeypatch.setattr(twell.eager_graphs, "ENABLED", False)  # eager calls: the dense path
     stack, xs = _gpu_stack(layers=1)
     m = stack[0]
     x = xs[:16].contiguous()
@@ -1216,3 +1219,247 @@ def test_gpu_nan_comes_out_where_dense_puts_it(mode, M, kernels):
         m.gate_proj.weight[77, 3] = float("nan")
         y = m(x)
     assert m.last_path == mode and torch.isnan(y).all()
+
+
+# --- eager calls replayed from twell's own CUDA graphs (twell.eager_graphs) ---------------------
+
+
+class _FakeGraph:
+    """Stands in for a CUDA graph on the CPU: a replay writes y = 2 x (and counts)."""
+
+    def __init__(self, x, y):
+        self.x, self.y, self.replays = x, y, 0
+
+    def replay(self):
+        self.replays += 1
+        self.y.copy_(2 * self.x)
+
+
+def _fake_capture(self, state, x, w_first, w_down, w_up, key):
+    from twell.eager_graphs import _Graph
+
+    xs, ys = x.clone(), torch.full_like(x, float("nan"))
+    g = self._graphs[key] = _Graph(_FakeGraph(xs, ys), xs, ys, "decode", "fused")
+    self.captures += 1
+    return g
+
+
+def test_eager_graphs_bookkeeping(monkeypatch):
+    """When a size is captured, what a replay returns, and when graphs are dropped or no longer
+    made (sizes per layer, weights moved, too many moves); CPU, with a stand-in graph."""
+    from twell import eager_graphs as EG
+
+    monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
+    state = LayerState(SparseGatedMLP(4, 8))
+    g = EG.EagerGraphs()
+    wf, wu, wd = torch.randn(8, 4), torch.randn(8, 4), torch.randn(4, 8)
+
+    def call(M, w_down=wd, seed=0):
+        x = torch.randn(M, 4, generator=torch.Generator().manual_seed(seed))
+        return x, g.call(state, x, wf, w_down, wu)
+
+    for i in range(EG.CAPTURE_AFTER - 1):
+        assert call(3)[1] is None and g.captures == 0
+    x, y = call(3)
+    assert g.captures == 1 and g.replays == 1 and g.last and state.last_path == "decode"
+    torch.testing.assert_close(y, 2 * x)
+    x2, y2 = call(3, seed=1)  # a replay reads the new input and returns a fresh tensor
+    torch.testing.assert_close(y2, 2 * x2)
+    torch.testing.assert_close(y, 2 * x)
+    assert g.captures == 1 and g.replays == 2 and len(g) == 1
+    with torch.inference_mode():  # its own graph: inference tensors are written only in inference mode
+        assert all(call(3)[1] is None for _ in range(EG.CAPTURE_AFTER - 1))
+        assert call(3)[1] is not None and len(g) == 2
+    for M in range(4, 4 + EG.MAX_SIZES):
+        for _ in range(EG.CAPTURE_AFTER):
+            call(M)
+    assert len(g) == EG.MAX_SIZES  # the ninth size is not captured
+    # a weight that moved: every graph dropped, the count starts again
+    wd2 = wd.clone()
+    assert call(3, wd2)[1] is None and len(g) == 0 and g.recaptures == 1
+    for _ in range(EG.CAPTURE_AFTER - 1):
+        call(3, wd2)
+    assert len(g) == 1
+    # moving weights once too often stops the layer's captures for good
+    for i in range(EG.MAX_RECAPTURES):
+        w = wd.clone()
+        for _ in range(EG.CAPTURE_AFTER):
+            call(3, w)
+    assert g.disabled is not None and "moved" in g.disabled and call(3, w)[1] is None and len(g) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 4, 16, 64])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture warns
+def test_eager_graphs_replay_equals_the_plain_path(M, monkeypatch):
+    """Eager small calls: captured at the third call of a size and replayed after; every output
+    (checked after the later calls ran, with the graphs' output buffers pre-filled with NaN)
+    equals the plain eager path's on the same input, and each layer captured once."""
+    from twell import eager_graphs as EG
+
+    stack, xs = _gpu_stack()
+    model = _Residual(stack)
+    inputs = [xs[i * M:(i + 1) * M].clone() for i in range(5)]
+    outs = []
+    with torch.no_grad():
+        for i, x in enumerate(inputs):
+            if i == EG.CAPTURE_AFTER:
+                for m in stack:
+                    for g in m.eager_graphs._graphs.values():
+                        g.y.fill_(float("nan"))
+            outs.append(model(x))
+        assert all(m.eager_graphs.captures == 1 and m.eager_graphs.last for m in stack)
+        assert [m.eager_graphs.replays for m in stack] == [5 - EG.CAPTURE_AFTER + 1] * 2
+        path = stack[0].last_path
+        monkeypatch.setattr(EG, "ENABLED", False)
+        refs = [model(x) for x in inputs]
+    assert path == "decode"  # as inside a user's capture (test_cuda_graph_replay_equals_eager)
+    for out, ref in zip(outs, refs):
+        assert not torch.isnan(out).any() and rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture warns
+def test_eager_graphs_follow_the_weights():
+    """A graph reads weights updated in place; a weight replaced (or laid out again by
+    train()/eval()) drops the layer's graphs and the next ones read the new weight; inference mode
+    and no_grad calls each get their own graph."""
+    stack, xs = _gpu_stack(layers=1)
+    m = stack[0]
+    x = xs[:4].clone()
+
+    def check(ctx=torch.no_grad):
+        with ctx():
+            for _ in range(4):
+                y = m(x)
+        assert m.eager_graphs.last
+        assert rel_err(y.double(), _dense(m, x)) < 1e-2
+
+    check()
+    with torch.no_grad():
+        m.up_proj.weight.mul_(-0.5)
+        m.gate_proj.weight[:, :7] *= -1
+    check()
+    assert m.eager_graphs.captures == 1
+    m.down_proj.weight = torch.nn.Parameter(m.down_proj.weight.detach() * 3)
+    m.train()
+    m.eval()
+    check()
+    assert m.eager_graphs.captures == 2 and m.eager_graphs.recaptures == 1
+    check(torch.inference_mode)
+    check()
+    assert m.eager_graphs.captures == 3 and len(m.eager_graphs) == 2
+    with torch.no_grad():  # above MAX_M tokens: never captured
+        for _ in range(4):
+            m(xs[:twell.eager_graphs.MAX_M + 1])
+    assert not m.eager_graphs.last and m.eager_graphs.captures == 3
+
+
+@pytest.mark.gpu
+def test_eager_graphs_not_with_statistics_or_a_forced_path():
+    """Statistics must count every call and a forced path is a test of that path: neither is
+    replayed from a graph."""
+    stack, xs = _gpu_stack(layers=1)
+    m = stack[0]
+    x = xs[:4].clone()
+    with torch.no_grad():
+        m.track_stats = True
+        for _ in range(5):
+            m(x)
+        assert m.eager_graphs.captures == 0 and int(m.tokens_seen) == 20
+        m.track_stats = None
+        m.kernel_mode = "dense"
+        for _ in range(5):
+            m(x)
+        assert m.eager_graphs.captures == 0 and m.last_path == "dense"
+        m.kernel_mode = "auto"
+        for _ in range(3):
+            m(x)
+    assert m.eager_graphs.captures == 1 and m.eager_graphs.last
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("error::RuntimeWarning")
+def test_eager_graphs_on_cublas_survive_other_graphs_dying():
+    """Dense-path graphs (cuBLAS) of one layer keep working, and write nowhere else, after another
+    layer's graphs are destroyed and the allocator's cache is emptied: their cuBLAS workspace lives
+    in the graphs' pool, not in memory the allocator may hand out again."""
+    stack, xs = _gpu_stack(k=280)  # 64 tokens at k 280: most units fire for the batch, so dense
+    a, b = stack
+    x = xs[:64].clone()
+    with torch.no_grad():
+        for _ in range(3):
+            a(x), b(x)
+        assert a.last_path == b.last_path == "dense" and a.eager_graphs.last and b.eager_graphs.last
+        a.up_proj.weight = torch.nn.Parameter(a.up_proj.weight.detach().clone())
+        a(x)  # drops a's graph
+        assert len(a.eager_graphs) == 0
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        sentinels = [torch.full((1 << 20,), 7.0, device="cuda") for _ in range(64)]  # 256 MiB
+        outs = [b(xs[i * 64:(i + 1) * 64].clone()) for i in range(8)]
+        torch.cuda.synchronize()
+    assert all(bool((t == 7.0).all()) for t in sentinels)
+    for i, out in enumerate(outs):
+        assert rel_err(out.double(), _dense(b, xs[i * 64:(i + 1) * 64])) < 1e-2
+
+
+@pytest.mark.gpu
+def test_a_failed_eager_capture_leaves_torch_working(monkeypatch):
+    """A capture that raises: the call runs eagerly with the right answer, one warning says why,
+    no layer of the device captures again, and random numbers and user captures still work."""
+    from twell import eager_graphs as EG
+
+    monkeypatch.setattr(EG, "_BROKEN", {})  # this test's verdict stays here
+    stack, xs = _gpu_stack(layers=2)
+    a, b = stack
+    x = xs[:4].clone()
+    run = LayerState.run
+
+    def broken(self, *args, **kw):
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("broken on purpose")
+        return run(self, *args, **kw)
+
+    with torch.no_grad():
+        with monkeypatch.context() as mp:
+            mp.setattr(LayerState, "run", broken)
+            with pytest.warns(RuntimeWarning, match="broken on purpose"):
+                for _ in range(3):
+                    y = a(x)
+        assert a.eager_graphs.disabled is not None and not a.eager_graphs.last
+        assert rel_err(y.double(), _dense(a, x)) < 1e-2
+        for _ in range(4):
+            b(x)
+        assert b.eager_graphs.captures == 0 and b.eager_graphs.disabled is not None
+        torch.rand(10, device="cuda")
+        g = torch.cuda.CUDAGraph()
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            a(x)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.cuda.graph(g):
+            out = a(x)
+        g.replay()
+        torch.cuda.synchronize()
+    assert rel_err(out.double(), _dense(a, x)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_eager_graphs_across_streams():
+    """Calls alternating between two streams (each waiting for the other's result as a caller
+    would) get the right answers: the shared buffers are ordered between the streams."""
+    stack, xs = _gpu_stack(layers=1)
+    m = stack[0]
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+    outs, inputs = [], [xs[i:i + 1].clone() for i in range(12)]
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        for i, x in enumerate(inputs):
+            with torch.cuda.stream(s1 if i % 2 else s2):
+                outs.append(m(x))
+    torch.cuda.synchronize()
+    assert m.eager_graphs.replays >= 9
+    for x, out in zip(inputs, outs):
+        assert rel_err(out.double(), _dense(m, x)) < 1e-2

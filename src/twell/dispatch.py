@@ -26,7 +26,10 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
   ``FUSED_WIDE_M`` tokens; without a measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
   capture small batches run dense: there the host's time to issue a call (each launch about
   14 us on the H200 machine here) decides, not the GPU's, and dense, whose three cuBLAS calls
-  and two element-wise ops need no checks or Triton launcher, issues fastest.
+  and two element-wise ops need no checks or Triton launcher, issues fastest. But an eager
+  call (:meth:`LayerState.call`) of up to ``twell.eager_graphs.MAX_M`` tokens is replayed from
+  the layer's own CUDA graph from the third call of its size (:mod:`twell.eager_graphs`), and
+  that graph holds the path chosen as inside a capture.
 - ``M >= PREFILL_MIN_M`` inside a capture (``M >= EAGER_PREFILL_MIN_M`` outside one, where
   the host's time to issue the path counts) and the layer's measured sparsity makes the prefill
   kernels pay (see :meth:`LayerState.cost`): prefill.
@@ -64,6 +67,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from . import eager_graphs
 from .checks import triton_interpreting
 
 __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION",
@@ -286,6 +290,8 @@ class LayerState:
         # which decode kernels the last decode call ran: "split", "fused" (the fused kernel or
         # its CUDA-core variant) or "three-launch" (forced calls of more than 64 tokens)
         self.last_decode_kernels: Optional[str] = None
+        # small eager calls replayed from this layer's CUDA graphs (twell.eager_graphs)
+        self.graphs = eager_graphs.EagerGraphs()
 
     @property
     def module(self):
@@ -409,15 +415,34 @@ class LayerState:
 
     # -- the paths ------------------------------------------------------------------------------
 
+    def call(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor,
+             w_up: Optional[torch.Tensor]) -> torch.Tensor:
+        """An eager call of the module (arguments as :meth:`run`): replayed from the layer's own
+        CUDA graph where :mod:`twell.eager_graphs` keeps one for this many tokens, else
+        :meth:`run`."""
+        graphs = self.graphs
+        if eager_graphs.ENABLED and x.is_cuda and 0 < x.shape[0] <= eager_graphs.MAX_M and graphs.disabled is None:
+            m = self.module
+            if m.kernel_mode == "auto" and not m._tracking() and not torch.cuda.is_current_stream_capturing() \
+                    and not _distributed():
+                y = graphs.call(self, x, w_first, w_down, w_up)
+                if y is not None:
+                    return y
+        graphs.last = False
+        return self.run(x, w_first, w_down, w_up)
+
     def run(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor],
-            make_scratch: bool = True) -> torch.Tensor:
+            make_scratch: bool = True, capturing: Optional[bool] = None) -> torch.Tensor:
         """The FFN of ``x [M, d]`` (unit-stride rows) with ``w_first``/``w_up [f, d]``,
         ``w_down [d, f]``: gated (``relu(x w_first^T) * (x w_up^T)``) when ``w_up`` is given.
-        Records the module's statistics when it tracks them. Returns ``y [M, d]``."""
+        Records the module's statistics when it tracks them. Returns ``y [M, d]``. ``capturing``
+        (None: whether the current stream is capturing) makes the choices of a capture: no probe,
+        no poll, no buffers made (:mod:`twell.eager_graphs` warms a graph's path up so)."""
         m = self.module
         M, f = x.shape[0], w_first.shape[0]
         mode = m.kernel_mode
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        if capturing is None:
+            capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path = self.choose(M, f, mode, m.kernel_max_density, capturing, x)
         if (self.scratch is None or (DECODE_SPLIT and self.split_scratch is None)) and make_scratch and not capturing \
                 and not m.training and M <= _fused_max_m():

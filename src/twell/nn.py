@@ -160,6 +160,12 @@ class _SparseFFN(nn.Module):
         return self._twell_train.last_path
 
     @property
+    def eager_graphs(self):
+        """:class:`twell.eager_graphs.EagerGraphs` of this layer: the CUDA graphs its small eager
+        inference calls replay (``captures``, ``replays``, ``last``, ``disabled``)."""
+        return self._twell_layer.graphs
+
+    @property
     def overflow_counters(self):
         """:class:`twell.kernels.OverflowCounters` of this layer's prefill calls (None before the
         first): (row, tile) pairs and rows that took the exact path."""
@@ -342,7 +348,7 @@ class _SparseFFN(nn.Module):
         else:
             if self.__dict__["l1"] is not None:  # a plain attribute: skip nn.Module.__setattr__
                 self.__dict__["l1"] = None
-            y = self._twell_layer.run(x2, w_first, w_down, w_up)
+            y = self._twell_layer.call(x2, w_first, w_down, w_up)
         return y if x.dim() == 2 else y.reshape(shape)
 
     def _record(self, first: torch.Tensor, h: Optional[torch.Tensor]) -> None:

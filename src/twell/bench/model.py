@@ -431,6 +431,18 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                     if path == "lean":
                         rec[f"decode_lean_compile_and_run_s_b{b}"] = g.get("seconds")
                 del step_model
+                if path == "hf":  # and as most users generate: every step eager, no CUDA graph
+                    for b, prompt in prompts.items():
+                        reset_peak()
+                        g = greedy_decode(model, prompt, new_tokens, graph=False)
+                        g["peak"] = int(torch.cuda.max_memory_allocated())
+                        if variant == "twell":
+                            mods = [m for m in model.modules() if hasattr(m, "eager_graphs")]
+                            g["paths"] = sorted({m.last_path for m in mods if m.last_path})
+                            g["eager_graph_replays"] = sum(m.eager_graphs.replays for m in mods)
+                        decodes[(variant, "hf-eager", b)] = g
+                        log(f"{variant} hf eager decode batch {b}: {g['step_ms'] * 1e3:.0f} us per step "
+                            f"({b * 1e3 / g['step_ms']:.0f} tokens/s) {g.get('paths', '')}")
         if train_batch:
             rec.update(_train_step(model, train_batch, seq))
             log(f"{variant} train step ({train_batch} x {seq}): {rec['train_tok_per_s']:.0f} tokens/s, peak "
@@ -438,7 +450,7 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
         rec.update(info)
         records.append(rec)
     decode = []
-    for path, _ in paths:
+    for path in [p for p, _ in paths] + ["hf-eager"]:
         for b in decode_batches:
             dn, tw = decodes[("dense", path, b)], decodes[("twell", path, b)]
             same = (dn["tokens"] == tw["tokens"]).all(dim=0)
@@ -449,9 +461,12 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                 speedup=dn["step_ms"] / tw["step_ms"], tokens_match=diverge is None, first_divergence=diverge,
                 first_logits_rel_err=_rel_err(tw["first_logits"], dn["first_logits"]),
                 peak_bytes=tw["peak"], dense_peak_bytes=dn["peak"], graph=dn["graph"] and tw["graph"],
-                twell_paths=tw.get("paths"), attention=attention if path == "hf" else lean_name,
-                method="Hugging Face forward with a StaticCache, greedy; prompt eager, then one CUDA graph replay "
-                       "per token" + ("; decoder layers compiled" if path == "lean" else ""),
+                twell_paths=tw.get("paths"), attention=lean_name if path == "lean" else attention,
+                method=("Hugging Face forward with a StaticCache, greedy; every step eager (twell replays its own "
+                        "CUDA graphs of small MLP calls: twell.eager_graphs)") if path == "hf-eager" else
+                       ("Hugging Face forward with a StaticCache, greedy; prompt eager, then one CUDA graph replay "
+                        "per token" + ("; decoder layers compiled" if path == "lean" else "")),
+                **({"eager_graph_replays": tw.get("eager_graph_replays")} if path == "hf-eager" else {}),
                 **info))
     sparsity = {"source": source, "benchmark_tokens": fresh}
     if cal:

@@ -91,6 +91,7 @@ def batch_grid(Ms=(1, 4, 16, 64, 256, 1024, 4096, 16384, 131072), ks=(29, 280), 
                     else:
                         rec["dense_ms"], rec["twell_ms"] = alternating(eager_ms, [lambda: dense(x), lambda: twell(x)], rounds=1)
                     rec["path"] = twell.last_path
+                    rec["eager_graph"] = twell.eager_graphs.last  # replayed from twell's own graph
                     rec["dense_graph_ms"], rec["twell_graph_ms"] = alternating(
                         graph_ms, [lambda: dense(x), lambda: twell(x)], rounds=3 if M <= 16384 else 1)
                     rec["graph_path"] = twell.last_path
@@ -108,7 +109,7 @@ def batch_grid(Ms=(1, 4, 16, 64, 256, 1024, 4096, 16384, 131072), ks=(29, 280), 
                 rec["graph_speedup"] = rec["dense_graph_ms"] / rec["twell_graph_ms"]
                 rec.update(info)
                 out.append(rec)
-                log(f"M={M:6d} k={k:3d} {dist:6s} eager {rec['dense_ms']:.4f}/{rec['twell_ms']:.4f} x{rec['speedup']:.2f} ({rec['path']}) "
+                log(f"M={M:6d} k={k:3d} {dist:6s} eager {rec['dense_ms']:.4f}/{rec['twell_ms']:.4f} x{rec['speedup']:.2f} ({rec['path']}{'*' if rec['eager_graph'] else ''}) "
                     f"graph {rec['dense_graph_ms']:.4f}/{rec['twell_graph_ms']:.4f} x{rec['graph_speedup']:.2f} ({rec['graph_path']}) "
                     f"host {rec['host_us']:.0f}/{rec['dense_host_us']:.0f} us err {rec['rel_err']:.1e} "
                     f"row {rec['max_row_err']:.1e}/{rec['dense_max_row_err']:.1e} "

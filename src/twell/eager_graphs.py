@@ -1,0 +1,232 @@
+"""Small eager inference calls replayed from CUDA graphs that twell captures itself.
+
+Why. Up to about a thousand tokens per call, an eager FFN call is bound by the host, not the GPU:
+the dense PyTorch MLP issues five kernels, 45 to 140 us of CPU time per call on the H200 machine
+here, for 31 to 118 us of GPU work, and twell's decode kernels, about 10 us of GPU time at one
+token, take longer still to issue (Triton launches: 160 to 250 us,
+``benchmarks/eager_decode_probe.py``). Inside a CUDA graph the same call is one launch.
+
+What. Each layer (:class:`twell.dispatch.LayerState`) captures its call of ``M`` tokens in a CUDA
+graph the ``CAPTURE_AFTER``-th time it sees ``M`` (``1 <= M <= MAX_M``) and later calls of ``M``
+copy their input into the graph's input buffer, replay the graph and return a copy of its
+output: three host operations, whatever the path inside. The path is chosen as inside a user's
+capture (:meth:`twell.dispatch.LayerState.choose`): the decode kernels where the layer's measured
+sparsity makes them pay, else dense. A call takes this route only in eager mode (not while
+``torch.compile`` traces, not inside a capture), on CUDA, with ``kernel_mode`` "auto", statistics
+off (the default in eval mode) and no process group initialised.
+
+When a replay is right. A graph reads the weights at the addresses they had when it was captured,
+so it reads in-place updates (``load_state_dict``, an optimizer step) as they are; a layer drops
+its graphs when a weight's address, stride or dtype changes (the module moved, a weight replaced
+or laid out again by ``train()`` / ``eval()``), and after ``MAX_RECAPTURES`` such changes stops
+capturing. A graph replays the path chosen at capture whatever the data: every path is exact, so
+only the speed depends on that choice, and the sparsity estimate is not refreshed by replays.
+
+Memory. One input and one output buffer per (device, dtype, M, d) serve every layer, and the
+graphs' intermediates come from one memory pool per device: the layers' calls run one after
+another on a stream. Like the decode kernels' shared buffers (``dispatch.SHARE_DECODE_BUFFERS``),
+this assumes that a device's twell calls come from one stream at a time: set ``ENABLED = False``
+to serve one model from concurrent streams (threads with their own streams).
+
+Observability: :attr:`EagerGraphs.replays` and :attr:`EagerGraphs.captures` per layer
+(``module.eager_graphs``), :attr:`EagerGraphs.last` (whether the last eager call was a replay),
+:attr:`EagerGraphs.disabled` (why a layer stopped capturing, or None).
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from typing import Optional
+
+import torch
+
+__all__ = ["ENABLED", "MAX_M", "CAPTURE_AFTER", "MAX_SIZES", "MAX_RECAPTURES", "EagerGraphs"]
+
+# The switch, read at every call.
+ENABLED = True
+# Up to this many tokens per call: the decode kernels' range. On the H200 (bf16, d 2048, f 5632,
+# k 29; benchmarks/NOTES_decode.md, sixteenth session) replays read 2.56x, 1.72x, 1.63x and 1.34x
+# dense's eager call at 1, 4, 16 and 64 tokens (host time 28 to 30 us against 68 to 73), but
+# 0.97x and 0.98x at 256 and 1024 tokens, where the call is nearly bound by the GPU and the copies
+# in and out cost more than the launches they save.
+MAX_M = 64
+# A size is captured at its third eager call: the first one's sparsity probe has usually arrived by
+# then (a capture waits for it), and sizes seen once or twice (prompt lengths) are not captured.
+CAPTURE_AFTER = 3
+# At most this many batch sizes per layer keep a graph; calls of other sizes run eagerly.
+MAX_SIZES = 8
+# A layer whose weights moved more often than this stops capturing (distributed wrappers or user
+# code that allocates weights per call would otherwise capture on every call).
+MAX_RECAPTURES = 8
+
+_BUFFERS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+_LIVE: dict = {}  # device -> WeakSet of the graphs made here: a live one lends its memory pool
+_STREAMS: dict = {}  # device -> (warm-up stream, capture stream)
+_BROKEN: dict = {}  # device -> why captures stopped there (a failed capture)
+_LAST_STREAM: dict = {}  # device -> (raw id, stream) of the last replay's stream
+
+
+def _buffer(kind: str, x: torch.Tensor, inference: bool) -> torch.Tensor:
+    """The shared ``[M, d]`` input or output buffer for ``x``'s device, dtype and shape (made
+    inside inference mode when ``inference``: such tensors can only be written there)."""
+    key = (kind, x.device, x.dtype, x.shape[0], x.shape[1], inference)
+    buf = _BUFFERS.get(key)
+    if buf is None:
+        buf = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        _BUFFERS[key] = buf
+    return buf
+
+
+def _pool_owner(device: torch.device) -> Optional[torch.cuda.CUDAGraph]:
+    """A live graph of ``device`` whose memory pool the next capture shares (None: it makes a new
+    pool). A pool lives as long as some graph captured into it, so the caller holds the owner
+    until its capture ends: a pool id kept past the last of its graphs names a pool PyTorch has
+    released, and a capture into it fails inside the allocator."""
+    for graph in _LIVE.get(device, ()):
+        return graph
+    return None
+
+
+def _streams(device: torch.device) -> tuple:
+    """(warm-up stream, capture stream) of ``device``. Two streams because cuBLAS keeps a workspace
+    per stream: one first made by eager work on the capture stream would live outside the graphs'
+    pool, and PyTorch frees a capture stream's workspace when a graph captured on it is destroyed;
+    made inside the first capture, it lives in the pool as long as the graphs that use it."""
+    if device not in _STREAMS:
+        _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+    return _STREAMS[device]
+
+
+def _order_streams(device: torch.device) -> None:
+    """Calls share the input and output buffers, the graphs' pool and the decode buffers: when a
+    call comes on another stream than the last replay, it waits for that stream first."""
+    raw = torch._C._cuda_getCurrentRawStream(device.index)
+    last = _LAST_STREAM.get(device)
+    if last is None or last[0] != raw:
+        current = torch.cuda.current_stream(device)
+        if last is not None:
+            current.wait_stream(last[1])
+        _LAST_STREAM[device] = (raw, current)
+
+
+class _Graph:
+    __slots__ = ("graph", "x", "y", "path", "kernels")
+
+    def __init__(self, graph, x, y, path, kernels):
+        self.graph, self.x, self.y, self.path, self.kernels = graph, x, y, path, kernels
+
+
+class EagerGraphs:
+    """One layer's captured calls, by (tokens per call, inference mode)."""
+
+    def __init__(self) -> None:
+        self._graphs: dict = {}
+        self._seen: dict = {}
+        self._weights: Optional[tuple] = None  # what the graphs read: addresses, shapes, strides, dtype
+        self.recaptures = 0
+        self.captures = 0
+        self.replays = 0
+        self.last = False
+        self.disabled: Optional[str] = None
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+    def clear(self) -> None:
+        """Drop every graph (their pool memory is freed with the last graph of the pool)."""
+        self._graphs.clear()
+        self._seen.clear()
+
+    def call(self, state, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor,
+             w_up: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """``y [M, d]`` from this layer's graph for ``x [M, d]`` (capturing it when its time has
+        come), or None: the caller runs the call eagerly."""
+        if self.disabled is not None:
+            return None
+        weights = (w_first.data_ptr(), w_first.shape, w_first.stride(), w_down.data_ptr(), w_down.shape,
+                   w_down.stride(), None if w_up is None else (w_up.data_ptr(), w_up.shape, w_up.stride()), x.dtype)
+        if weights != self._weights:
+            if self._graphs:
+                self.recaptures += 1
+                if self.recaptures > MAX_RECAPTURES:
+                    self.disabled = f"weights moved {self.recaptures} times"
+            self.clear()
+            self._weights = weights
+            if self.disabled is not None:
+                return None
+        key = (x.shape[0], torch.is_inference_mode_enabled())
+        g = self._graphs.get(key)
+        if g is None:
+            seen = self._seen.get(key, 0) + 1
+            self._seen[key] = seen
+            if seen < CAPTURE_AFTER or len(self._graphs) >= MAX_SIZES:
+                return None
+            g = self._capture(state, x, w_first, w_down, w_up, key)
+            if g is None:
+                return None
+        if x.is_cuda:
+            _order_streams(x.device)
+        g.x.copy_(x)
+        g.graph.replay()
+        self.replays += 1
+        self.last = True
+        state.last_path, state.last_decode_kernels = g.path, g.kernels
+        return g.y.clone()
+
+    def _capture(self, state, x, w_first, w_down, w_up, key) -> Optional[_Graph]:
+        from .dispatch import _fused_max_m
+
+        dev = x.device
+        if dev in _BROKEN:
+            self.disabled = _BROKEN[dev]
+            return None
+        state._poll()
+        if state._event is not None:
+            return None  # the first probe has not arrived: capture at a later call
+        xs, ys = _buffer("x", x, key[1]), _buffer("y", x, key[1])
+        if x.shape[0] <= _fused_max_m() and (state.scratch is None or state.split_scratch is None):
+            state._make_scratch(x, w_first.shape[0])  # as an eager call would, before any capture
+        _order_streams(dev)
+        current = torch.cuda.current_stream(dev)
+        xs.copy_(x)
+        warm, side = _streams(dev)
+        owner = _pool_owner(dev)  # held until the capture ends: it keeps the pool alive
+        graph = torch.cuda.CUDAGraph()
+        error = None
+        with torch.cuda.device(dev):
+            warm.wait_stream(current)
+            with torch.cuda.stream(warm):
+                # the path as the capture will run it: its kernels compile outside the capture
+                state.run(xs, w_first, w_down, w_up, capturing=True)
+            side.wait_stream(warm)
+            with torch.cuda.stream(side):
+                try:
+                    graph.capture_begin(**({} if owner is None else {"pool": owner.pool()}),
+                                        capture_error_mode="thread_local")
+                except Exception as e:  # noqa: BLE001
+                    error = e
+                else:
+                    try:
+                        ys.copy_(state.run(xs, w_first, w_down, w_up, capturing=True))
+                    except Exception as e:  # noqa: BLE001  (reported below, after the capture is ended)
+                        error = e
+                    try:
+                        graph.capture_end()
+                    except Exception as e:  # noqa: BLE001
+                        error = error or e
+            current.wait_stream(side)
+        del owner
+        if error is not None:
+            # whatever broke it, this call and later ones run eagerly, and no layer of this device
+            # tries again: a capture that failed inside PyTorch may have left its state half-reset
+            reason = f"capture failed: {type(error).__name__}: {error}"
+            _BROKEN[dev] = self.disabled = reason
+            self.clear()
+            warnings.warn(f"twell: eager calls on {dev} will not be replayed from CUDA graphs ({reason}); "
+                          "set twell.eager_graphs.ENABLED = False to silence this", RuntimeWarning, stacklevel=4)
+            return None
+        _LIVE.setdefault(dev, weakref.WeakSet()).add(graph)
+        g = self._graphs[key] = _Graph(graph, xs, ys, state.last_path, state.last_decode_kernels)
+        self.captures += 1
+        return g
