@@ -3,7 +3,8 @@ transpose of a contiguous ``[f, d]`` matrix, as eval mode keeps it) against the 
 layout, where each forward and each backward copies ``w_down^T`` (0.08 ms at d 2048, f 5632) and
 the weight gradient (laid out ``[f, d]``) is copied into the parameter's layout.
 
-Usage (GPU machine, repository root): OUT=dir python benchmarks/train_layout_probe.py
+Usage (GPU machine, repository root): OUT=dir [PROFILE_K=8,29] python benchmarks/train_layout_probe.py
+(PROFILE_K: also a torch.profiler table of both layouts for those k)
 bf16, d 2048, f 5632, even units; forward + backward with ``.backward()`` into ``.grad`` (as a
 training step accumulates), grads reset to None each call; dense = the three-Linear MLP, same
 weights; call by call in turn, L2 flushed, medians. Writes OUT/train_layout_probe.json.
@@ -73,6 +74,22 @@ for M, k in CASES:
     records.append(rec)
     print(f"M {M} k {k}: dense {t[0]:.3f} ms, sparse (nn.Linear layout) {t[1]:.3f} ({t[0] / t[1]:.2f}x), "
           f"sparse (kernel layout) {t[2]:.3f} ({t[0] / t[2]:.2f}x); grads equal {same}, grad layout kept {layout_kept}", flush=True)
+    if str(k) in os.environ.get("PROFILE_K", "").split(",") and not SMOKE:
+        # where the two layouts' time goes, kernel by kernel (10 calls each)
+        from torch.profiler import ProfilerActivity, profile
+
+        for name, w in (("nn.Linear layout", wd), ("kernel layout", wd_k)):
+            fn = sparse(w)
+            fn()
+            torch.cuda.synchronize()
+            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+                for _ in range(10):
+                    fn()
+                torch.cuda.synchronize()
+            table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+            print(f"--- M {M} k {k}, {name}, 10 calls\n{table}", flush=True)
+            with open(os.path.join(OUT, f"profile_M{M}_k{k}_{name.split()[0].replace('.', '')}.txt"), "w") as fh:
+                fh.write(table)
     del s, x, wg, wu, wd, wd_k, dy, params
 
 os.makedirs(OUT, exist_ok=True)

@@ -1463,3 +1463,33 @@ def test_eager_graphs_across_streams():
     assert m.eager_graphs.replays >= 9
     for x, out in zip(inputs, outs):
         assert rel_err(out.double(), _dense(m, x)) < 1e-2
+
+
+@pytest.mark.gpu
+def test_hf_generate_with_eager_graphs_follows_the_dense_model(monkeypatch):
+    """Hugging Face ``generate`` as most users call it (eager, dynamic cache) on a sparsified
+    Llama: from the third step each MLP replays its graph, and every step's logits equal a
+    teacher-forced dense forward of the generated sequence within bf16 rounding."""
+    from twell import eager_graphs as EG
+    from twell.bench.model import calibrate_sparsity
+    from twell.nn import sparse_modules
+    from twell.train.model import make_config
+
+    torch.manual_seed(0)
+    config = make_config("tiny", 300)
+    config.hidden_act = "relu"
+    config.use_cache = True  # (the training preset turns the KV cache off)
+    model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    calibrate_sparsity(model, 8, torch.randint(0, 300, (2, 64), device="cuda"))
+    twell.sparsify(model)
+    model.eval()
+    prompt = torch.randint(0, 300, (2, 9), device="cuda")
+    with torch.no_grad():
+        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=16, do_sample=False,
+                             return_dict_in_generate=True, output_logits=True)
+        mlps = sparse_modules(model)
+        assert all(m.eager_graphs.replays >= 12 for m in mlps), [m.eager_graphs.replays for m in mlps]
+        monkeypatch.setattr(EG, "ENABLED", False)
+        ref = model(out.sequences).logits[:, prompt.shape[1] - 1:-1].float()  # 50 tokens: the dense path
+    got = torch.stack(out.logits, dim=1).float()
+    assert rel_err(got, ref) < 2e-2
