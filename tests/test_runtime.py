@@ -1225,20 +1225,26 @@ def test_gpu_nan_comes_out_where_dense_puts_it(mode, M, kernels):
 
 
 class _FakeGraph:
-    """Stands in for a CUDA graph on the CPU: a replay writes y = 2 x (and counts)."""
+    """Stands in for a CUDA graph on the CPU: a replay writes y = 2 x, after a pause that lets
+    another thread run (a GPU replay is asynchronous: the host moves on before it is done)."""
 
     def __init__(self, x, y):
         self.x, self.y, self.replays = x, y, 0
 
     def replay(self):
+        import time
+
         self.replays += 1
-        self.y.copy_(2 * self.x)
+        x = self.x.clone()
+        time.sleep(1e-4)
+        self.y.copy_(2 * x)
 
 
 def _fake_capture(self, state, x, w_first, w_down, w_up, key):
-    from twell.eager_graphs import _Graph
+    from twell.eager_graphs import _Graph, _buffer
 
-    xs, ys = x.clone(), torch.full_like(x, float("nan"))
+    xs, ys = _buffer("x", x, key[1]), _buffer("y", x, key[1])  # shared by the layers, as on the GPU
+    ys.fill_(float("nan"))
     g = self._graphs[key] = _Graph(_FakeGraph(xs, ys), xs, ys, "decode", "fused")
     self.captures += 1
     return g
@@ -1278,6 +1284,13 @@ def test_eager_graphs_bookkeeping(monkeypatch):
     wd2 = wd.clone()
     assert call(3, wd2)[1] is None and len(g) == 0 and g.recaptures == 1
     for _ in range(EG.CAPTURE_AFTER - 1):
+        call(3, wd2)
+    assert len(g) == 1
+    # the same address, fewer units (a weight sliced in place): dropped too
+    for _ in range(EG.CAPTURE_AFTER):
+        call(3, wd2)
+    assert len(g) == 1 and call(3, wd2[:, :6])[1] is None and len(g) == 0 and g.recaptures == 2
+    for _ in range(EG.CAPTURE_AFTER):  # back to the full weight: captured again
         call(3, wd2)
     assert len(g) == 1
     # moving weights once too often stops the layer's captures for good
@@ -1353,6 +1366,38 @@ def test_eager_graphs_follow_the_weights():
         for _ in range(4):
             m(xs[:twell.eager_graphs.MAX_M + 1])
     assert not m.eager_graphs.last and m.eager_graphs.captures == 3
+
+
+def test_eager_graphs_threads_share_the_buffers_one_call_at_a_time(monkeypatch):
+    """Two layers share the input and output buffers of a size; calls from two threads at once
+    still return each its own answer (CPU, stand-in graphs that pause mid-replay)."""
+    import threading
+
+    from twell import eager_graphs as EG
+
+    monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
+    w = torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4)
+    layers = [(LayerState(SparseGatedMLP(4, 8)), EG.EagerGraphs()) for _ in range(2)]
+    for state, g in layers:
+        for _ in range(EG.CAPTURE_AFTER):
+            g.call(state, torch.randn(3, 4), w[0], w[1], w[2])
+    assert layers[0][1]._graphs[(3, False)].x is layers[1][1]._graphs[(3, False)].x
+    bad = []
+
+    def work(state, g, seed):
+        gen = torch.Generator().manual_seed(seed)
+        for _ in range(30):
+            x = torch.randn(3, 4, generator=gen)
+            y = g.call(state, x, w[0], w[1], w[2])
+            if not torch.equal(y, 2 * x):
+                bad.append(seed)
+
+    threads = [threading.Thread(target=work, args=(*layers[i], i)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad
 
 
 @pytest.mark.gpu

@@ -24,9 +24,10 @@ only the speed depends on that choice, and the sparsity estimate is not refreshe
 
 Memory. One input and one output buffer per (device, dtype, M, d) serve every layer, and the
 graphs' intermediates come from one memory pool per device: the layers' calls run one after
-another on a stream. Like the decode kernels' shared buffers (``dispatch.SHARE_DECODE_BUFFERS``),
-this assumes that a device's twell calls come from one stream at a time: set ``ENABLED = False``
-to serve one model from concurrent streams (threads with their own streams).
+another. A call that comes on another stream than the last replay waits for that stream first,
+and a lock keeps threads from interleaving one call's copy in, replay and copy out, so calls
+from several threads or streams are right but run one at a time on the GPU: set
+``ENABLED = False`` to let them overlap.
 
 Observability: :attr:`EagerGraphs.replays` and :attr:`EagerGraphs.captures` per layer
 (``module.eager_graphs``), :attr:`EagerGraphs.last` (whether the last eager call was a replay),
@@ -35,6 +36,7 @@ Observability: :attr:`EagerGraphs.replays` and :attr:`EagerGraphs.captures` per 
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from typing import Optional
@@ -65,6 +67,7 @@ _LIVE: dict = {}  # device -> WeakSet of the graphs made here: a live one lends 
 _STREAMS: dict = {}  # device -> (warm-up stream, capture stream)
 _BROKEN: dict = {}  # device -> why captures stopped there (a failed capture)
 _LAST_STREAM: dict = {}  # device -> (raw id, stream) of the last replay's stream
+_LOCK = threading.RLock()  # one call's copy in, replay and copy out at a time (threads)
 
 
 def _buffer(kind: str, x: torch.Tensor, inference: bool) -> torch.Tensor:
@@ -144,6 +147,10 @@ class EagerGraphs:
         come), or None: the caller runs the call eagerly."""
         if self.disabled is not None:
             return None
+        with _LOCK:
+            return self._call(state, x, w_first, w_down, w_up)
+
+    def _call(self, state, x, w_first, w_down, w_up) -> Optional[torch.Tensor]:
         weights = (w_first.data_ptr(), w_first.shape, w_first.stride(), w_down.data_ptr(), w_down.shape,
                    w_down.stride(), None if w_up is None else (w_up.data_ptr(), w_up.shape, w_up.stride()), x.dtype)
         if weights != self._weights:
