@@ -15,7 +15,8 @@
 # prefetchprobe (benchmarks/l2_prefetch_probe.py: gate weights read into L2 during attention),
 # packprobe (benchmarks/pack_config_probe.py: pack and up/down launch shapes by batch size),
 # layoutprobe (benchmarks/train_layout_probe.py: the training op with w_down in the kernels' layout),
-# eagerrange (benchmarks/eager_graph_range_probe.py: eager graphs' replays at 128 to 512 tokens).
+# eagerrange (benchmarks/eager_graph_range_probe.py: eager graphs' replays at 128 to 512 tokens),
+# eagerprefill (the same with --prefill: replayed prefill kernels at 4096 and 6144 tokens).
 # Each writes STEP.log and its results under OUTDIR/STEP/; OUTDIR/results.tar.gz holds them all
 # (the device tool returns few files). Prints each step's last lines.
 set -u
@@ -43,6 +44,7 @@ for step in "$@"; do
     prefetchprobe) cmd=(env OUT="$dir" timeout 240 $PY benchmarks/l2_prefetch_probe.py) ;;
     layoutprobe) cmd=(env OUT="$dir" timeout 200 $PY benchmarks/train_layout_probe.py) ;;
     eagerrange) cmd=(env OUT="$dir" timeout 200 $PY benchmarks/eager_graph_range_probe.py) ;;
+    eagerprefill) cmd=(env OUT="$dir" timeout 200 $PY benchmarks/eager_graph_range_probe.py --prefill) ;;
     packprobe) cmd=(env OUT="$dir" timeout "${PACKPROBE_S:-300}" $PY benchmarks/pack_config_probe.py) ;;
     smallm)   cmd=(timeout "${SMALLM_S:-120}" $PY benchmarks/prefill_small_m_probe.py "$dir") ;;
     gridM)    cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60 --M ${GRID_M:-4096 16384}) ;;

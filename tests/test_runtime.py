@@ -1538,3 +1538,30 @@ def test_hf_generate_with_eager_graphs_follows_the_dense_model(monkeypatch):
         ref = model(out.sequences).logits[:, prompt.shape[1] - 1:-1].float()  # 50 tokens: the dense path
     got = torch.stack(out.logits, dim=1).float()
     assert rel_err(got, ref) < 2e-2
+
+
+@pytest.mark.gpu
+def test_eager_graphs_prefill_band(monkeypatch):
+    """With twell.eager_graphs.PREFILL_BAND on (off by default until measured), eager calls of
+    4096 to 8191 tokens replay a graph of the prefill kernels where a capture would take them,
+    with the plain path's answer; a layer whose capture would run dense keeps its eager calls."""
+    from twell import eager_graphs as EG
+
+    monkeypatch.setattr(EG, "PREFILL_BAND", True)
+    stack, xs = _gpu_stack(layers=1)
+    m = stack[0]
+    x = xs[:4096].clone()
+    with torch.no_grad():
+        for i in range(2):
+            m(xs[i * 4096:(i + 1) * 4096].clone())
+            torch.cuda.synchronize()
+        outs = [m(x) for _ in range(3)]
+    assert m.eager_graphs.captures == 1 and m.eager_graphs.last and m.last_path == "prefill"
+    ref = _dense(m, x)
+    for out in outs:
+        assert rel_err(out.double(), ref) < 1e-2
+    dense_layer, xs2 = _gpu_stack(layers=1, k=280)  # k 280: the prefill kernels do not pay
+    with torch.no_grad():
+        for _ in range(5):
+            dense_layer(xs2[:4096])
+    assert dense_layer[0].eager_graphs.captures == 0 and dense_layer[0].last_path == "dense"

@@ -421,7 +421,9 @@ class LayerState:
         CUDA graph where :mod:`twell.eager_graphs` keeps one for this many tokens, else
         :meth:`run`."""
         graphs = self.graphs
-        if eager_graphs.ENABLED and x.is_cuda and 0 < x.shape[0] <= eager_graphs.MAX_M and graphs.disabled is None:
+        M = x.shape[0]
+        if eager_graphs.ENABLED and x.is_cuda and graphs.disabled is None and (
+                0 < M <= eager_graphs.MAX_M or (eager_graphs.PREFILL_BAND and PREFILL_MIN_M <= M < EAGER_PREFILL_MIN_M)):
             m = self.module
             if m.kernel_mode == "auto" and not m._tracking() and not torch.cuda.is_current_stream_capturing() \
                     and not _distributed():

@@ -53,6 +53,13 @@ ENABLED = True
 # 0.97x and 0.98x at 256 and 1024 tokens, where the call is nearly bound by the GPU and the copies
 # in and out cost more than the launches they save.
 MAX_M = 64
+# Eager calls of dispatch.PREFILL_MIN_M to dispatch.EAGER_PREFILL_MIN_M - 1 tokens (4096 to 8191)
+# are replayed too, where the path a capture would take there is the prefill kernels. Eagerly
+# those sizes run dense, because issuing the prefill kernels took the host about as long as
+# they save (0.4 to 0.5 ms against 0.3 ms of GPU time at 4096 tokens, k 29); in a graph they read
+# 1.42x dense at 4096 tokens, and the copies in and out (16 MB each) should cost about 20 us.
+# Off: not yet measured (benchmarks/eager_graph_range_probe.py --prefill).
+PREFILL_BAND = False
 # A size is captured at its third eager call: the first one's sparsity probe has usually arrived by
 # then (a capture waits for it), and sizes seen once or twice (prompt lengths) are not captured.
 CAPTURE_AFTER = 3
@@ -191,6 +198,11 @@ class EagerGraphs:
         state._poll()
         if state._event is not None:
             return None  # the first probe has not arrived: capture at a later call
+        if x.shape[0] > MAX_M:  # the prefill band: worth a graph only where a capture takes the kernels
+            m = state.module
+            if state.choose(x.shape[0], w_first.shape[0], "auto", m.kernel_max_density, True) != "prefill":
+                self._seen[key] = -(1 << 30)  # not again while these weights stay
+                return None
         xs, ys = _buffer("x", x, key[1]), _buffer("y", x, key[1])
         if x.shape[0] <= _fused_max_m() and (state.scratch is None or state.split_scratch is None):
             state._make_scratch(x, w_first.shape[0])  # as an eager call would, before any capture
