@@ -4,7 +4,8 @@ layout, where each forward and each backward copies ``w_down^T`` (0.08 ms at d 2
 the weight gradient (laid out ``[f, d]``) is copied into the parameter's layout.
 
 Usage (GPU machine, repository root): OUT=dir [PROFILE_K=8,29] python benchmarks/train_layout_probe.py
-(PROFILE_K: also a torch.profiler table of both layouts for those k)
+(PROFILE_K: also a torch.profiler table of both layouts for those k; PROFILE_CPU=1: with the host's
+side, sorted by self CPU time: the k 8 loss of the kernel layout is outside the GPU kernels)
 bf16, d 2048, f 5632, even units; forward + backward with ``.backward()`` into ``.grad`` (as a
 training step accumulates), grads reset to None each call; dense = the three-Linear MLP, same
 weights; call by call in turn, L2 flushed, medians. Writes OUT/train_layout_probe.json.
@@ -82,11 +83,16 @@ for M, k in CASES:
             fn = sparse(w)
             fn()
             torch.cuda.synchronize()
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            cpu = os.environ.get("PROFILE_CPU") == "1"  # also the host's side: where a call waits
+            acts = [ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if cpu else [])
+            with profile(activities=acts) as prof:
                 for _ in range(10):
                     fn()
                 torch.cuda.synchronize()
             table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+            if cpu:
+                table += "\n" + prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
+                                                          max_name_column_width=60)
             print(f"--- M {M} k {k}, {name}, 10 calls\n{table}", flush=True)
             with open(os.path.join(OUT, f"profile_M{M}_k{k}_{name.split()[0].replace('.', '')}.txt"), "w") as fh:
                 fh.write(table)
