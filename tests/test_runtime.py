@@ -1523,7 +1523,7 @@ def test_hf_generate_with_eager_graphs_follows_the_dense_model(monkeypatch):
     torch.manual_seed(0)
     config = make_config("tiny", 300)
     config.hidden_act = "relu"
-    config.use_cache = True  # (the training preset turns the KV cache off)
+    config.use_cache = True  # one token per step through the KV cache: what this test is about
     model = LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
     calibrate_sparsity(model, 8, torch.randint(0, 300, (2, 64), device="cuda"))
     twell.sparsify(model)

@@ -219,3 +219,6 @@ def test_export_of_an_unsharded_checkpoint(tmp_path):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     info = json.loads((out / "twell_export.json").read_text())
     assert info["format"] == "safetensors" and info["step"] == 2 and (out / "twell_tokenizer.json").is_file()
+    # generation reads the KV cache setting from the export (the training preset's was off)
+    exported = LlamaForCausalLM.from_pretrained(out)
+    assert exported.config.use_cache and exported.generation_config.use_cache

@@ -83,6 +83,10 @@ def export_checkpoint(source: Path, out: Path) -> dict:
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder")
     model = load_model(source)
+    # an export is for inference: generate() with a KV cache (checkpoints of earlier versions
+    # saved use_cache False, the training setting)
+    model.config.use_cache = True
+    model.generation_config.use_cache = True
     tmp = ckpt.temporary_folder(out)
     hf_logging.disable_progress_bar()
     model.save_pretrained(tmp)

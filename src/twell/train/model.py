@@ -84,7 +84,9 @@ def make_config(preset: str, tokenizer_vocab: int, **overrides) -> LlamaConfig:
         rms_norm_eps=1e-5,
         attention_bias=False,
         mlp_bias=False,
-        use_cache=False,
+        # saved with every checkpoint and export: generate() reads it (False there would recompute
+        # the whole sequence at every new token); training passes use_cache=False itself
+        use_cache=True,
     )
 
 
