@@ -25,6 +25,7 @@ from twell.bench.timing import interleaved_ms
 from twell.train_ops import choose_width, sparse_gated_ffn
 
 OUT = os.environ.get("OUT", ".")
+os.makedirs(OUT, exist_ok=True)
 SMOKE = os.environ.get("TWELL_SMOKE") == "1"
 d, f = (64, 300) if SMOKE else (2048, 5632)
 DEV, DT = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
@@ -98,6 +99,5 @@ for M, k in CASES:
                 fh.write(table)
     del s, x, wg, wu, wd, wd_k, dy, params
 
-os.makedirs(OUT, exist_ok=True)
 with open(os.path.join(OUT, "train_layout_probe.json"), "w") as fh:
     json.dump({"records": records}, fh, indent=1)

@@ -1368,6 +1368,34 @@ def test_eager_graphs_follow_the_weights():
     assert not m.eager_graphs.last and m.eager_graphs.captures == 3
 
 
+def test_eager_graphs_prefill_band_slots_and_hysteresis(monkeypatch):
+    """Band sizes (above MAX_M) have MAX_BAND_SIZES slots of their own, so they never take the
+    decode sizes' slots; a capture's path choices leave the layer's eager prefill hysteresis as
+    it was (CPU, stand-in graphs)."""
+    from twell import eager_graphs as EG
+
+    w = torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4)
+    state = LayerState(SparseGatedMLP(4, 8))
+    state._on_kernels = True
+
+    def flipping(self, st, *args):
+        st._on_kernels = False  # as LayerState.choose does inside a capture's choice
+        return None
+
+    g = EG.EagerGraphs()
+    monkeypatch.setattr(EG.EagerGraphs, "_capture_path", flipping)
+    for _ in range(EG.CAPTURE_AFTER):
+        assert g.call(state, torch.randn(3, 4), *w) is None
+    assert state._on_kernels is True
+    monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
+    monkeypatch.setattr(EG, "MAX_M", 4)
+    for M in (5, 6, 7, 1, 2, 3, 4):
+        for _ in range(EG.CAPTURE_AFTER):
+            g.call(state, torch.randn(M, 4), *w)
+    sizes = sorted(k[0] for k in g._graphs)
+    assert sizes == [1, 2, 3, 4, 5, 6] and EG.MAX_BAND_SIZES == 2
+
+
 def test_eager_graphs_threads_share_the_buffers_one_call_at_a_time(monkeypatch):
     """Two layers share the input and output buffers of a size; calls from two threads at once
     still return each its own answer (CPU, stand-in graphs that pause mid-replay)."""

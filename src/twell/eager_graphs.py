@@ -43,7 +43,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ENABLED", "MAX_M", "CAPTURE_AFTER", "MAX_SIZES", "MAX_RECAPTURES", "EagerGraphs"]
+__all__ = ["ENABLED", "MAX_M", "PREFILL_BAND", "CAPTURE_AFTER", "MAX_SIZES", "MAX_BAND_SIZES", "BAND_RETRY",
+           "MAX_RECAPTURES", "EagerGraphs"]
 
 # The switch, read at every call.
 ENABLED = True
@@ -60,6 +61,11 @@ MAX_M = 64
 # 1.42x dense at 4096 tokens, and the copies in and out (16 MB each) should cost about 20 us.
 # Off: not yet measured (benchmarks/eager_graph_range_probe.py --prefill).
 PREFILL_BAND = False
+# Batch sizes of the band kept per layer (their own slots: prompt lengths must not take the decode
+# sizes' MAX_SIZES), and after how many more calls a size whose capture would not run the prefill
+# kernels is asked again (the sparsity estimate moves).
+MAX_BAND_SIZES = 2
+BAND_RETRY = 64
 # A size is captured at its third eager call: the first one's sparsity probe has usually arrived by
 # then (a capture waits for it), and sizes seen once or twice (prompt lengths) are not captured.
 CAPTURE_AFTER = 3
@@ -74,7 +80,16 @@ _LIVE: dict = {}  # device -> WeakSet of the graphs made here: a live one lends 
 _STREAMS: dict = {}  # device -> (warm-up stream, capture stream)
 _BROKEN: dict = {}  # device -> why captures stopped there (a failed capture)
 _LAST_STREAM: dict = {}  # device -> (raw id, stream) of the last replay's stream
-_LOCK = threading.RLock()  # one call's copy in, replay and copy out at a time (threads)
+_LOCKS: dict = {}  # device index -> lock: one call's copy in, replay and copy out at a time (threads)
+_LOCKS_LOCK = threading.Lock()
+
+
+def _lock(index: int) -> threading.RLock:
+    lock = _LOCKS.get(index)
+    if lock is None:
+        with _LOCKS_LOCK:
+            lock = _LOCKS.setdefault(index, threading.RLock())
+    return lock
 
 
 def _buffer(kind: str, x: torch.Tensor, inference: bool) -> torch.Tensor:
@@ -154,7 +169,7 @@ class EagerGraphs:
         come), or None: the caller runs the call eagerly."""
         if self.disabled is not None:
             return None
-        with _LOCK:
+        with _lock(x.get_device()):
             return self._call(state, x, w_first, w_down, w_up)
 
     def _call(self, state, x, w_first, w_down, w_up) -> Optional[torch.Tensor]:
@@ -174,7 +189,10 @@ class EagerGraphs:
         if g is None:
             seen = self._seen.get(key, 0) + 1
             self._seen[key] = seen
-            if seen < CAPTURE_AFTER or len(self._graphs) >= MAX_SIZES:
+            if seen < CAPTURE_AFTER:
+                return None
+            band = key[0] > MAX_M  # (the prefill band has slots of its own)
+            if sum(1 for k in self._graphs if (k[0] > MAX_M) == band) >= (MAX_BAND_SIZES if band else MAX_SIZES):
                 return None
             g = self._capture(state, x, w_first, w_down, w_up, key)
             if g is None:
@@ -189,6 +207,14 @@ class EagerGraphs:
         return g.y.clone()
 
     def _capture(self, state, x, w_first, w_down, w_up, key) -> Optional[_Graph]:
+        # a capture's path choices must not move the prefill hysteresis of the layer's eager calls
+        on_kernels = state._on_kernels
+        try:
+            return self._capture_path(state, x, w_first, w_down, w_up, key)
+        finally:
+            state._on_kernels = on_kernels
+
+    def _capture_path(self, state, x, w_first, w_down, w_up, key) -> Optional[_Graph]:
         from .dispatch import _fused_max_m
 
         dev = x.device
@@ -198,11 +224,10 @@ class EagerGraphs:
         state._poll()
         if state._event is not None:
             return None  # the first probe has not arrived: capture at a later call
-        if x.shape[0] > MAX_M:  # the prefill band: worth a graph only where a capture takes the kernels
-            m = state.module
-            if state.choose(x.shape[0], w_first.shape[0], "auto", m.kernel_max_density, True) != "prefill":
-                self._seen[key] = -(1 << 30)  # not again while these weights stay
-                return None
+        band = x.shape[0] > MAX_M  # the prefill band: worth a graph only where a capture takes the kernels
+        if band and state.choose(x.shape[0], w_first.shape[0], "auto", state.module.kernel_max_density, True) != "prefill":
+            self._seen[key] = -BAND_RETRY  # asked again after BAND_RETRY more calls (the estimate moves)
+            return None
         xs, ys = _buffer("x", x, key[1]), _buffer("y", x, key[1])
         if x.shape[0] <= _fused_max_m() and (state.scratch is None or state.split_scratch is None):
             state._make_scratch(x, w_first.shape[0])  # as an eager call would, before any capture
@@ -212,12 +237,16 @@ class EagerGraphs:
         warm, side = _streams(dev)
         owner = _pool_owner(dev)  # held until the capture ends: it keeps the pool alive
         graph = torch.cuda.CUDAGraph()
-        error = None
+        error, clean = None, False
         with torch.cuda.device(dev):
             warm.wait_stream(current)
             with torch.cuda.stream(warm):
                 # the path as the capture will run it: its kernels compile outside the capture
                 state.run(xs, w_first, w_down, w_up, capturing=True)
+            if band and state.last_path != "prefill":  # (a weight not laid out for the kernels: dense)
+                current.wait_stream(warm)
+                self._seen[key] = -BAND_RETRY
+                return None
             side.wait_stream(warm)
             with torch.cuda.stream(side):
                 try:
@@ -232,14 +261,20 @@ class EagerGraphs:
                         error = e
                     try:
                         graph.capture_end()
+                        clean = True  # the capture began and ended: PyTorch's state is whole
                     except Exception as e:  # noqa: BLE001
                         error = error or e
             current.wait_stream(side)
         del owner
         if error is not None:
-            # whatever broke it, this call and later ones run eagerly, and no layer of this device
-            # tries again: a capture that failed inside PyTorch may have left its state half-reset
             reason = f"capture failed: {type(error).__name__}: {error}"
+            if band and clean:  # (out of memory, say) the decode sizes' graphs are not at stake
+                self._seen[key] = -BAND_RETRY
+                warnings.warn(f"twell: a prefill-band capture of {key[0]} tokens failed ({reason}); that size runs "
+                              "eagerly", RuntimeWarning, stacklevel=4)
+                return None
+            # otherwise this call and later ones run eagerly, and no layer of this device tries
+            # again: a capture that failed inside PyTorch may have left its state half-reset
             _BROKEN[dev] = self.disabled = reason
             self.clear()
             warnings.warn(f"twell: eager calls on {dev} will not be replayed from CUDA graphs ({reason}); "
