@@ -36,6 +36,7 @@ Observability: :attr:`EagerGraphs.replays` and :attr:`EagerGraphs.captures` per 
 
 from __future__ import annotations
 
+import collections
 import threading
 import warnings
 import weakref
@@ -80,16 +81,8 @@ _LIVE: dict = {}  # device -> WeakSet of the graphs made here: a live one lends 
 _STREAMS: dict = {}  # device -> (warm-up stream, capture stream)
 _BROKEN: dict = {}  # device -> why captures stopped there (a failed capture)
 _LAST_STREAM: dict = {}  # device -> (raw id, stream) of the last replay's stream
-_LOCKS: dict = {}  # device index -> lock: one call's copy in, replay and copy out at a time (threads)
-_LOCKS_LOCK = threading.Lock()
-
-
-def _lock(index: int) -> threading.RLock:
-    lock = _LOCKS.get(index)
-    if lock is None:
-        with _LOCKS_LOCK:
-            lock = _LOCKS.setdefault(index, threading.RLock())
-    return lock
+# device index -> lock: one call's copy in, replay and copy out at a time (threads)
+_LOCKS: "collections.defaultdict[int, threading.RLock]" = collections.defaultdict(threading.RLock)
 
 
 def _buffer(kind: str, x: torch.Tensor, inference: bool) -> torch.Tensor:
@@ -169,7 +162,7 @@ class EagerGraphs:
         come), or None: the caller runs the call eagerly."""
         if self.disabled is not None:
             return None
-        with _lock(x.get_device()):
+        with _LOCKS[x.get_device()]:
             return self._call(state, x, w_first, w_down, w_up)
 
     def _call(self, state, x, w_first, w_down, w_up) -> Optional[torch.Tensor]:
@@ -194,11 +187,12 @@ class EagerGraphs:
             band = key[0] > MAX_M  # (the prefill band has slots of its own)
             if sum(1 for k in self._graphs if (k[0] > MAX_M) == band) >= (MAX_BAND_SIZES if band else MAX_SIZES):
                 return None
+        if x.is_cuda:
+            _order_streams(x.device)
+        if g is None:
             g = self._capture(state, x, w_first, w_down, w_up, key)
             if g is None:
                 return None
-        if x.is_cuda:
-            _order_streams(x.device)
         g.x.copy_(x)
         g.graph.replay()
         self.replays += 1
@@ -224,14 +218,9 @@ class EagerGraphs:
         state._poll()
         if state._event is not None:
             return None  # the first probe has not arrived: capture at a later call
-        band = x.shape[0] > MAX_M  # the prefill band: worth a graph only where a capture takes the kernels
-        if band and state.choose(x.shape[0], w_first.shape[0], "auto", state.module.kernel_max_density, True) != "prefill":
-            self._seen[key] = -BAND_RETRY  # asked again after BAND_RETRY more calls (the estimate moves)
-            return None
         xs, ys = _buffer("x", x, key[1]), _buffer("y", x, key[1])
         if x.shape[0] <= _fused_max_m() and (state.scratch is None or state.split_scratch is None):
             state._make_scratch(x, w_first.shape[0])  # as an eager call would, before any capture
-        _order_streams(dev)
         current = torch.cuda.current_stream(dev)
         xs.copy_(x)
         warm, side = _streams(dev)
@@ -243,7 +232,10 @@ class EagerGraphs:
             with torch.cuda.stream(warm):
                 # the path as the capture will run it: its kernels compile outside the capture
                 state.run(xs, w_first, w_down, w_up, capturing=True)
-            if band and state.last_path != "prefill":  # (a weight not laid out for the kernels: dense)
+            band = x.shape[0] > MAX_M
+            if band and state.last_path != "prefill":
+                # the prefill band is worth a graph only where a capture takes the kernels: asked
+                # again after BAND_RETRY more calls (the estimate moves)
                 current.wait_stream(warm)
                 self._seen[key] = -BAND_RETRY
                 return None

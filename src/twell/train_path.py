@@ -65,8 +65,9 @@ FUSED_DENSE = True
 # ``SparseGatedMLP.train``). The sparse training op then reads a unit's down column with no
 # ``w_down^T`` copy in each forward and each backward (0.08 ms each at d 2048, f 5632, M 16384),
 # and the training ops' ``[f, d]`` weight gradient is the parameter's own layout (no copy into
-# it either). Off until measured on a GPU (``benchmarks/train_layout_probe.py``,
-# benchmarks/NOTES_training.md).
+# it either). Off: on the H200 it gained at k 29 in two of three runs but lost 0.5 to 1.1 ms at
+# k 8 in all three, outside the GPU kernels (benchmarks/train_layout_probe.py,
+# benchmarks/NOTES_decode.md, sixteenth session).
 KERNEL_LAYOUT = False
 
 
