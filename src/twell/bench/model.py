@@ -283,23 +283,29 @@ def _attention_backends():
     return "sdpa", None
 
 
-def _decode_all(model, prompts: dict, new_tokens: int, variant: str, label: str, log, step_model=None) -> dict:
-    """greedy_decode at each batch of ``prompts`` ({batch: [batch, P] ids}); a failed capture is
-    reported and replaced by eager steps, not hidden."""
+def _decode_all(model, prompts: dict, new_tokens: int, variant: str, label: str, log, step_model=None,
+                graph: bool = True) -> dict:
+    """greedy_decode at each batch of ``prompts`` ({batch: [batch, P] ids}), one CUDA graph per
+    step (``graph``) or every step eager; a failed capture is reported and replaced by eager
+    steps, not hidden."""
     out = {}
     for b, prompt in prompts.items():
         reset_peak()
         try:
             tc = time.time()
-            g = greedy_decode(model, prompt, new_tokens, step_model=step_model)
+            g = greedy_decode(model, prompt, new_tokens, graph=graph, step_model=step_model)
             g["seconds"] = time.time() - tc
         except Exception as e:
+            if not graph:
+                raise
             log(f"{variant} {label} decode batch {b}: CUDA graph failed ({type(e).__name__}: {e}); eager instead")
             torch.cuda.synchronize()
             g = greedy_decode(model, prompt, new_tokens, graph=False, step_model=step_model)
         g["peak"] = int(torch.cuda.max_memory_allocated())
         if variant == "twell":
-            g["paths"] = sorted({m.last_path for m in model.modules() if getattr(m, "last_path", None)})
+            mods = [m for m in model.modules() if hasattr(m, "eager_graphs")]
+            g["paths"] = sorted({m.last_path for m in mods if m.last_path})
+            g["eager_graph_replays"] = sum(m.eager_graphs.replays for m in mods)  # (cumulative)
         out[b] = g
         log(f"{variant} {label} decode batch {b}: {g['step_ms'] * 1e3:.0f} us per step ({b * 1e3 / g['step_ms']:.0f} "
             f"tokens/s, graph {g['graph']}) {g.get('paths', '')}")
@@ -432,17 +438,8 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                         rec[f"decode_lean_compile_and_run_s_b{b}"] = g.get("seconds")
                 del step_model
                 if path == "hf":  # and as most users generate: every step eager, no CUDA graph
-                    for b, prompt in prompts.items():
-                        reset_peak()
-                        g = greedy_decode(model, prompt, new_tokens, graph=False)
-                        g["peak"] = int(torch.cuda.max_memory_allocated())
-                        if variant == "twell":
-                            mods = [m for m in model.modules() if hasattr(m, "eager_graphs")]
-                            g["paths"] = sorted({m.last_path for m in mods if m.last_path})
-                            g["eager_graph_replays"] = sum(m.eager_graphs.replays for m in mods)
+                    for b, g in _decode_all(model, prompts, new_tokens, variant, "hf eager", log, graph=False).items():
                         decodes[(variant, "hf-eager", b)] = g
-                        log(f"{variant} hf eager decode batch {b}: {g['step_ms'] * 1e3:.0f} us per step "
-                            f"({b * 1e3 / g['step_ms']:.0f} tokens/s) {g.get('paths', '')}")
         if train_batch:
             rec.update(_train_step(model, train_batch, seq))
             log(f"{variant} train step ({train_batch} x {seq}): {rec['train_tok_per_s']:.0f} tokens/s, peak "
