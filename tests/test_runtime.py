@@ -1570,7 +1570,7 @@ def test_hf_generate_with_eager_graphs_follows_the_dense_model(monkeypatch):
 
 @pytest.mark.gpu
 def test_eager_graphs_prefill_band(monkeypatch):
-    """With twell.eager_graphs.PREFILL_BAND on (off by default until measured), eager calls of
+    """With twell.eager_graphs.PREFILL_BAND on (the default), eager calls of
     4096 to 8191 tokens replay a graph of the prefill kernels where a capture would take them,
     with the plain path's answer; a layer whose capture would run dense keeps its eager calls."""
     from twell import eager_graphs as EG

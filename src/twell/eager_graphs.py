@@ -58,10 +58,13 @@ MAX_M = 64
 # Eager calls of dispatch.PREFILL_MIN_M to dispatch.EAGER_PREFILL_MIN_M - 1 tokens (4096 to 8191)
 # are replayed too, where the path a capture would take there is the prefill kernels. Eagerly
 # those sizes run dense, because issuing the prefill kernels took the host about as long as
-# they save (0.4 to 0.5 ms against 0.3 ms of GPU time at 4096 tokens, k 29); in a graph they read
-# 1.42x dense at 4096 tokens, and the copies in and out (16 MB each) should cost about 20 us.
-# Off: not yet measured (benchmarks/eager_graph_range_probe.py --prefill).
-PREFILL_BAND = False
+# they save (0.4 to 0.5 ms against 0.3 ms of GPU time at 4096 tokens, k 29). Replayed, on the
+# H200 (benchmarks/eager_graph_range_probe.py --prefill, seventeenth session, two rounds): k 29
+# 1.29x to 1.30x dense's eager call at 4096 and 6144 tokens against 1.06x to 1.07x with the band
+# off, k 8 1.75x to 1.77x against 1.06x; host time 40 to 68 us against 94 to 139, peak memory
+# lower (82 to 90 MiB against 198 to 264). The copies in and out cost the rest of the graph's
+# 1.46x.
+PREFILL_BAND = True
 # Batch sizes of the band kept per layer (their own slots: prompt lengths must not take the decode
 # sizes' MAX_SIZES), and after how many more calls a size whose capture would not run the prefill
 # kernels is asked again (the sparsity estimate moves).
