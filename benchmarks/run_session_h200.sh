@@ -11,6 +11,7 @@
 # eltprobe (benchmarks/dense_elementwise_probe.py), batch (BATCH_ARGS, e.g. --quick),
 # gridM (twell bench inference --M $GRID_M, default 4096 16384),
 # grid (twell bench inference, no variants), model (twell bench model: 2b, calibrated k 29),
+# training (twell bench training: the training grid and the 0.5b train steps; TRAINING_ARGS),
 # stageprobe (benchmarks/split_stage_probe.py: the split kernels' times, profiled in a chain),
 # prefetchprobe (benchmarks/l2_prefetch_probe.py: gate weights read into L2 during attention),
 # packprobe (benchmarks/pack_config_probe.py: pack and up/down launch shapes by batch size),
@@ -56,6 +57,7 @@ for step in "$@"; do
     batch)    cmd=(timeout "${BATCH_S:-200}" $PY -m twell.bench.cli batch --out "$dir" ${BATCH_ARGS:-}) ;;
     grid)     cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60) ;;
     model)    cmd=(timeout "${MODEL_S:-300}" $PY -m twell.bench.cli model --out "$dir") ;;
+    training) cmd=(timeout "${TRAINING_S:-330}" $PY -m twell.bench.cli training --out "$dir" ${TRAINING_ARGS:-}) ;;
     *) echo "unknown step $step"; continue ;;
   esac
   "${cmd[@]}" > "$OUTDIR/$step.log" 2>&1

@@ -6,7 +6,7 @@ the weight gradient (laid out ``[f, d]``) is copied into the parameter's layout.
 Usage (GPU machine, repository root): OUT=dir [PROFILE_K=8,29] python benchmarks/train_layout_probe.py
 (PROFILE_K: also a torch.profiler table of both layouts for those k; PROFILE_CPU=1: with the host's
 side, sorted by self CPU time: the k 8 loss of the kernel layout is outside the GPU kernels)
-bf16, d 2048, f 5632, even units; forward + backward with ``.backward()`` into ``.grad`` (as a
+bf16, d 2048, f 5632, even units (and one case with heavy rows); forward + backward with ``.backward()`` into ``.grad`` (as a
 training step accumulates), grads reset to None each call; dense = the three-Linear MLP, same
 weights; call by call in turn, L2 flushed, medians. Writes OUT/train_layout_probe.json.
 """
@@ -29,14 +29,26 @@ os.makedirs(OUT, exist_ok=True)
 SMOKE = os.environ.get("TWELL_SMOKE") == "1"
 d, f = (64, 300) if SMOKE else (2048, 5632)
 DEV, DT = ("cpu", torch.float32) if SMOKE else ("cuda", torch.bfloat16)
-CASES = [(96, 20)] if SMOKE else [(16384, 8), (16384, 29), (65536, 29)]
+# (M, k, distribution); "heavy": a tenth of the rows past the ELL width (the dense backup's path)
+CASES = [(96, 20, "heavy")] if SMOKE else [(16384, 8, "even"), (16384, 29, "even"), (65536, 29, "even"), (16384, 29, "heavy")]
 LAM = 2e-5
 info = machine_info()
+
+
+def _drained(fn):
+    """``fn`` after a synchronisation: nothing of the previous call is still queued when it starts."""
+    def run():
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        fn()
+    return run
+
+
 records = []
 F = torch.nn.functional
 
-for M, k in CASES:
-    s = make_ffn(M, d, f, k, "even", DT, DEV, seed=k)
+for M, k, dist in CASES:
+    s = make_ffn(M, d, f, k, dist, DT, DEV, seed=k)
     x = s.x.requires_grad_(True)
     wg, wu = (w.requires_grad_(True) for w in (s.w_gate, s.w_up))
     wd = s.w_down.clone().requires_grad_(True)
@@ -70,12 +82,23 @@ for M, k in CASES:
     g_k = wd_k.grad.clone()
     same = bool(torch.equal(g_lin, g_k))
     layout_kept = wd_k.grad.stride() == wd_k.stride()
-    t = interleaved_ms([dense, sparse(wd), sparse(wd_k)], calls=3 if SMOKE else 40, warmup=1 if SMOKE else 3)
-    rec = dict(M=M, k=k, width=width, dense_ms=t[0], linear_layout_ms=t[1], kernel_layout_ms=t[2],
-               speedup_linear=t[0] / t[1], speedup_kernel=t[0] / t[2], same_grads=same, grad_layout_kept=layout_kept, **info)
+    calls, warm = (3, 1) if SMOKE else (40, 3)
+    t = interleaved_ms([dense, sparse(wd), sparse(wd_k)], calls=calls, warmup=warm)
+    # The same three in the other order, and with the GPU drained before each call: is the
+    # kernel layout's loss at k 8 its own, or the order's (a call's host waits mid-call for its
+    # counts, so what the previous call left queued shapes its timed window)?
+    t_rev = interleaved_ms([dense, sparse(wd_k), sparse(wd)], calls=calls, warmup=warm)
+    t_sync = interleaved_ms([_drained(fn) for fn in (dense, sparse(wd), sparse(wd_k))], calls=calls, warmup=warm)
+    rec = dict(M=M, k=k, distribution=dist, width=width, heavy_rows=int((counts > width).sum()), dense_ms=t[0], linear_layout_ms=t[1], kernel_layout_ms=t[2],
+               speedup_linear=t[0] / t[1], speedup_kernel=t[0] / t[2],
+               reversed_order=dict(dense_ms=t_rev[0], kernel_layout_ms=t_rev[1], linear_layout_ms=t_rev[2]),
+               drained=dict(dense_ms=t_sync[0], linear_layout_ms=t_sync[1], kernel_layout_ms=t_sync[2]),
+               same_grads=same, grad_layout_kept=layout_kept, **info)
     records.append(rec)
-    print(f"M {M} k {k}: dense {t[0]:.3f} ms, sparse (nn.Linear layout) {t[1]:.3f} ({t[0] / t[1]:.2f}x), "
+    print(f"M {M} k {k} {dist} (rows past the width {rec['heavy_rows']}): dense {t[0]:.3f} ms, sparse (nn.Linear layout) {t[1]:.3f} ({t[0] / t[1]:.2f}x), "
           f"sparse (kernel layout) {t[2]:.3f} ({t[0] / t[2]:.2f}x); grads equal {same}, grad layout kept {layout_kept}", flush=True)
+    print(f"  kernel layout timed first: dense {t_rev[0]:.3f}, kernel {t_rev[1]:.3f}, linear {t_rev[2]:.3f}; "
+          f"GPU drained before each call: dense {t_sync[0]:.3f}, linear {t_sync[1]:.3f}, kernel {t_sync[2]:.3f}", flush=True)
     if str(k) in os.environ.get("PROFILE_K", "").split(",") and not SMOKE:
         # where the two layouts' time goes, kernel by kernel (10 calls each)
         from torch.profiler import ProfilerActivity, profile

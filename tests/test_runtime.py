@@ -294,7 +294,11 @@ def test_eval_keeps_no_statistics_unless_asked(cls):
 
 
 @pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
-def test_eval_lays_out_down_for_the_kernels_with_one_copy(cls):
+def test_eval_lays_out_down_for_the_kernels_with_one_copy(cls, monkeypatch):
+    from twell import train_path
+
+    monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)  # training in the nn.Linear layout (the
+    # kernel layout in training: test_training_in_the_kernel_layout)
     torch.manual_seed(0)
     m = cls(16, 40)
     w = m.down_proj.weight
@@ -322,6 +326,43 @@ def test_eval_lays_out_down_for_the_kernels_with_one_copy(cls):
     assert m.down_proj.weight.grad.shape == (16, 40)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("state_from", ["step", "checkpoint"])
+def test_optimizer_state_follows_the_weight_layout(fused, state_from):
+    """An AdamW state of down_proj.weight made in the nn.Linear layout (a step in training mode,
+    or a checkpoint written so) meets the parameter in the kernel layout (here: a step taken in
+    eval mode). Fused AdamW reads parameter, gradient and state as flat memory, so without
+    twell.optim_layout each element would be updated with another element's moments; the steps
+    must equal those of a module that never changed layout."""
+    torch.manual_seed(3)
+    ref, m = SparseGatedMLP(8, 24), SparseGatedMLP(8, 24)
+    m.load_state_dict(ref.state_dict())
+    grads = [torch.randn(8, 24) for _ in range(3)]
+    opts = [torch.optim.AdamW(mod.parameters(), lr=0.1, fused=fused, foreach=None if fused else True) for mod in (ref, m)]
+    w, w_ref = m.down_proj.weight, ref.down_proj.weight
+
+    def step(mod, p, opt, g):
+        opt.zero_grad()
+        p.grad = torch.empty_like(p).copy_(g)  # the gradient contract: the parameter's strides
+        opt.step()
+
+    if state_from == "step":
+        for mod, p, opt in ((ref, w_ref, opts[0]), (m, w, opts[1])):
+            step(mod, p, opt, grads[0])
+    else:  # the reference's state, saved and loaded into m's optimizer (nn.Linear layout)
+        step(ref, w_ref, opts[0], grads[0])
+        w.data.copy_(w_ref.data)
+        opts[1].load_state_dict(copy.deepcopy(opts[0].state_dict()))
+    assert opts[1].state[w]["exp_avg"].is_contiguous()
+    m.eval()
+    assert w.stride() == (1, 8)
+    for g in grads[1:]:
+        step(ref, w_ref, opts[0], g)
+        step(m, w, opts[1], g)
+    assert opts[1].state[w]["exp_avg"].stride() == w.stride()
+    torch.testing.assert_close(w.detach(), w_ref.detach(), rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("kernels", ["sparse", "dense"])
 def test_training_in_the_kernel_layout(kernels, monkeypatch):
     """With train_path.KERNEL_LAYOUT on, training keeps the kernel layout (here under the
@@ -330,6 +371,7 @@ def test_training_in_the_kernel_layout(kernels, monkeypatch):
     layout, and steps match those of a module in the nn.Linear layout."""
     from twell import train_path
 
+    monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)
     torch.manual_seed(2)
     ref = SparseGatedMLP(16, 40)
     ref.train_kernels = kernels

@@ -33,6 +33,7 @@ from torch import nn
 
 from . import reference, train_path
 from .checks import KERNEL_DTYPES, triton_interpreting
+from .optim_layout import follow_layout
 
 __all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules"]
 
@@ -182,22 +183,30 @@ class _SparseFFN(nn.Module):
         contiguous ``[f, d]`` tensor (same values, same ``[d, f]`` shape, strides ``(1, d)``), so
         that the inference kernels read a unit's down column as one contiguous row with no
         second copy of the weights; back in training mode it is made contiguous again, unless
-        ``twell.train_path.KERNEL_LAYOUT`` is on (off by default: it lost at k 8 on the H200), where
-        training on CUDA keeps the kernel layout for the training kernels too."""
+        training on CUDA, where the training kernels read the same layout
+        (``twell.train_path.KERNEL_LAYOUT``, on by default). An optimizer's state made in the
+        other layout is re-laid out before its next step (:mod:`twell.optim_layout`)."""
         super().train(mode)
         self._set_kernel_layout(not mode or self._trains_in_kernel_layout())
         self._keep_stat_buffers(mode or self.track_stats is True)
+        return self
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() / .half(): a module moved to CUDA in training mode takes the training
+        # layout at once, before an optimizer or a DDP wrapper records its parameters' strides
+        super()._apply(fn, recurse)
+        self._set_kernel_layout(not self.training or self._trains_in_kernel_layout())
         return self
 
     def _trains_in_kernel_layout(self) -> bool:
         """Whether training keeps the kernel layout too (``train_path.KERNEL_LAYOUT``, weights on
         CUDA, or any device under the Triton interpreter): the training ops read it without a
         copy, and one layout in both modes means an optimizer's state does not change strides
-        under it. Decided at each ``train()`` / ``eval()``: call ``train()`` after moving the
-        module to CUDA (a module built in training mode and moved keeps the ``nn.Linear``
-        layout until then)."""
+        under it. Decided at each ``train()`` / ``eval()`` and each move (``.to()``)."""
         w = self.down_proj.weight
-        return train_path.KERNEL_LAYOUT and (w.is_cuda or triton_interpreting())
+        # not on the meta device: FSDP2 (fully_shard) refuses non-contiguous parameters, and a
+        # model built on meta is sharded before it has storage
+        return train_path.KERNEL_LAYOUT and (w.is_cuda or (triton_interpreting() and not w.is_meta))
 
     def _keep_stat_buffers(self, keep: bool) -> None:
         """``fire_counts`` / ``tokens_seen`` made (zeros) where ``keep`` and missing; dropped where
@@ -227,6 +236,9 @@ class _SparseFFN(nn.Module):
             w.data = w.data.t().contiguous().t()
         elif not kernel and not w.is_contiguous():
             w.data = w.data.contiguous()
+        else:
+            return
+        follow_layout(w)  # an optimizer's state made in the other layout is re-laid out before its step
 
     # -- checks, statistics ---------------------------------------------------------------------
 

@@ -65,10 +65,14 @@ FUSED_DENSE = True
 # ``SparseGatedMLP.train``). The sparse training op then reads a unit's down column with no
 # ``w_down^T`` copy in each forward and each backward (0.08 ms each at d 2048, f 5632, M 16384),
 # and the training ops' ``[f, d]`` weight gradient is the parameter's own layout (no copy into
-# it either). Off: on the H200 it gained at k 29 in two of three runs but lost 0.5 to 1.1 ms at
-# k 8 in all three, outside the GPU kernels (benchmarks/train_layout_probe.py,
-# benchmarks/NOTES_decode.md, sixteenth session).
-KERNEL_LAYOUT = False
+# it either). On the H200 (benchmarks/train_layout_probe.py, benchmarks/NOTES_training.md,
+# seventeenth session; bf16, d 2048, f 5632, forward + backward) it is faster in every
+# like-for-like timing: M 16384 k 8 2.06 against 2.14 ms, k 29 3.27 to 3.29 against 3.50 to 3.52,
+# M 65536 k 29 12.85 to 12.93 against 13.06 to 13.25. (The sixteenth session's "loss at k 8" was
+# the timing order: the variant timed right after another sparse call read 0.9 ms slower,
+# whichever layout it was.) Optimizer state made in the other layout follows the parameter's
+# (twell.optim_layout).
+KERNEL_LAYOUT = True
 
 
 # Most share of a layer's tokens with more active units than the ELL width its mean gives (about
