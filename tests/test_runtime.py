@@ -401,8 +401,16 @@ def test_training_in_the_kernel_layout(kernels, monkeypatch):
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)
     m.train()
     assert w.is_contiguous()
-    # on with CPU weights outside the interpreter: training runs PyTorch's math, nn.Linear layout
+    # in a process group: the nn.Linear layout in training (FSDP2 refuses non-contiguous
+    # parameters; DDP records strides when it wraps)
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", True)
+    monkeypatch.setattr(twell.nn, "_distributed", lambda: True)
+    m.eval()
+    assert w.stride() == (1, 16)
+    m.train()
+    assert w.is_contiguous()
+    monkeypatch.setattr(twell.nn, "_distributed", lambda: False)
+    # on with CPU weights outside the interpreter: training runs PyTorch's math, nn.Linear layout
     monkeypatch.setattr(twell.nn, "triton_interpreting", lambda: False)
     m.eval()
     assert w.stride() == (1, 16)

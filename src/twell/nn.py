@@ -33,6 +33,7 @@ from torch import nn
 
 from . import reference, train_path
 from .checks import KERNEL_DTYPES, triton_interpreting
+from .dispatch import _distributed
 from .optim_layout import follow_layout
 
 __all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules"]
@@ -200,13 +201,17 @@ class _SparseFFN(nn.Module):
 
     def _trains_in_kernel_layout(self) -> bool:
         """Whether training keeps the kernel layout too (``train_path.KERNEL_LAYOUT``, weights on
-        CUDA, or any device under the Triton interpreter): the training ops read it without a
-        copy, and one layout in both modes means an optimizer's state does not change strides
-        under it. Decided at each ``train()`` / ``eval()`` and each move (``.to()``)."""
+        CUDA, or any device under the Triton interpreter; not in a process group): the training
+        ops read it without a copy, and one layout in both modes means an optimizer's state does
+        not change strides under it. Decided at each ``train()`` / ``eval()`` and each move
+        (``.to()``)."""
         w = self.down_proj.weight
-        # not on the meta device: FSDP2 (fully_shard) refuses non-contiguous parameters, and a
-        # model built on meta is sharded before it has storage
-        return train_path.KERNEL_LAYOUT and (w.is_cuda or (triton_interpreting() and not w.is_meta))
+        # Not where a process group is up: FSDP2's fully_shard refuses non-contiguous parameters
+        # (a model moved to CUDA in training mode, then sharded, would fail there), and the
+        # layout would have to be taken before DDP records the parameters' strides. Nor on the
+        # meta device (a model that a later materialisation lays out anyway).
+        return (train_path.KERNEL_LAYOUT and not _distributed()
+                and (w.is_cuda or (triton_interpreting() and not w.is_meta)))
 
     def _keep_stat_buffers(self, keep: bool) -> None:
         """``fire_counts`` / ``tokens_seen`` made (zeros) where ``keep`` and missing; dropped where

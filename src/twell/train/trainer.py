@@ -220,11 +220,6 @@ class Trainer:
 
             from .meta_init import materialize
 
-            # FSDP2 refuses non-contiguous parameters: the nn.Linear layout for down_proj (the
-            # build is on the CPU under the Triton interpreter, where training takes the kernel
-            # layout); sharded, the DTensors keep it
-            for m in sparse_modules(model):
-                m._set_kernel_layout(False)
             for layer in model.model.layers:
                 fully_shard(layer)
             fully_shard(model)
