@@ -16,6 +16,7 @@
 # prefetchprobe (benchmarks/l2_prefetch_probe.py: gate weights read into L2 during attention),
 # packprobe (benchmarks/pack_config_probe.py: pack and up/down launch shapes by batch size),
 # layoutprobe (benchmarks/train_layout_probe.py: the training op with w_down in the kernels' layout),
+# steplayout (benchmarks/train_step_layout_probe.py: the 0.5b lr 3e-4 loss curves by layout, run twice),
 # eagerrange (benchmarks/eager_graph_range_probe.py: eager graphs' replays at 128 to 512 tokens),
 # eagerprefill (the same with --prefill: replayed prefill kernels at 4096 and 6144 tokens).
 # Each writes STEP.log and its results under OUTDIR/STEP/; OUTDIR/results.tar.gz holds them all
@@ -44,6 +45,7 @@ for step in "$@"; do
     stageprobe) cmd=(env OUT="$dir" timeout 120 $PY benchmarks/split_stage_probe.py) ;;
     prefetchprobe) cmd=(env OUT="$dir" timeout 240 $PY benchmarks/l2_prefetch_probe.py) ;;
     layoutprobe) cmd=(env OUT="$dir" timeout 200 $PY benchmarks/train_layout_probe.py) ;;
+    steplayout) cmd=(env OUT="$dir" timeout 300 $PY benchmarks/train_step_layout_probe.py) ;;
     eagerrange) cmd=(env OUT="$dir" timeout 200 $PY benchmarks/eager_graph_range_probe.py) ;;
     eagerprefill) cmd=(env OUT="$dir" timeout 200 $PY benchmarks/eager_graph_range_probe.py --prefill) ;;
     packprobe) cmd=(env OUT="$dir" timeout "${PACKPROBE_S:-300}" $PY benchmarks/pack_config_probe.py) ;;
