@@ -328,12 +328,15 @@ def test_eval_lays_out_down_for_the_kernels_with_one_copy(cls, monkeypatch):
 
 @pytest.mark.parametrize("fused", [True, False])
 @pytest.mark.parametrize("state_from", ["step", "checkpoint"])
-def test_optimizer_state_follows_the_weight_layout(fused, state_from):
+def test_optimizer_state_follows_the_weight_layout(fused, state_from, monkeypatch):
     """An AdamW state of down_proj.weight made in the nn.Linear layout (a step in training mode,
     or a checkpoint written so) meets the parameter in the kernel layout (here: a step taken in
     eval mode). Fused AdamW reads parameter, gradient and state as flat memory, so without
     twell.optim_layout each element would be updated with another element's moments; the steps
     must equal those of a module that never changed layout."""
+    from twell import train_path
+
+    monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)  # training in the nn.Linear layout
     torch.manual_seed(3)
     ref, m = SparseGatedMLP(8, 24), SparseGatedMLP(8, 24)
     m.load_state_dict(ref.state_dict())
@@ -361,6 +364,44 @@ def test_optimizer_state_follows_the_weight_layout(fused, state_from):
         step(m, w, opts[1], g)
     assert opts[1].state[w]["exp_avg"].stride() == w.stride()
     torch.testing.assert_close(w.detach(), w_ref.detach(), rtol=0, atol=1e-6)
+
+
+def test_layout_changes_carry_gradients_copies_and_swaps():
+    """What the optimizer-state hook and the layout switch must survive: a gradient kept across
+    a layout change (zero_grad(set_to_none=False)) takes the new layout; a deep copy's weight
+    (a new Parameter) still has its loaded state re-laid out; the weight can still be swapped
+    (torch.utils.swap_tensors refuses tensors with weak references)."""
+    torch.manual_seed(4)
+    ref, m = SparseGatedMLP(8, 24), SparseGatedMLP(8, 24)
+    m.load_state_dict(ref.state_dict())
+    for mod in (ref, m):  # both in the nn.Linear layout (the interpreter would train in the other)
+        mod._set_kernel_layout(False)
+    opts = [torch.optim.AdamW(mod.parameters(), lr=0.1, fused=True) for mod in (ref, m)]
+    g = torch.randn(8, 24)
+    for mod, opt in zip((ref, m), opts):
+        mod.down_proj.weight.grad = g.clone()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        mod.down_proj.weight.grad.add_(g)
+    m.eval()
+    w = m.down_proj.weight
+    assert w.stride() == (1, 8) and w.grad.stride() == w.stride()
+    for opt in opts:
+        opt.step()
+    torch.testing.assert_close(w.detach(), ref.down_proj.weight.detach(), rtol=0, atol=1e-6)
+    # a deep copy in the kernel layout, given state saved in the nn.Linear layout
+    c = copy.deepcopy(m)
+    wc = c.down_proj.weight
+    assert wc is not w and wc.stride() == (1, 8)
+    opt_c = torch.optim.AdamW(c.parameters(), lr=0.1, fused=True)
+    opt_c.load_state_dict(copy.deepcopy(opts[0].state_dict()))
+    wc.data.copy_(ref.down_proj.weight.data)
+    for mod, p, opt in ((ref, ref.down_proj.weight, opts[0]), (c, wc, opt_c)):
+        opt.zero_grad()
+        p.grad = torch.empty_like(p).copy_(g)
+        opt.step()
+    torch.testing.assert_close(wc.detach(), ref.down_proj.weight.detach(), rtol=0, atol=1e-6)
+    torch.utils.swap_tensors(w, torch.nn.Parameter(w.detach().clone()))
 
 
 @pytest.mark.parametrize("kernels", ["sparse", "dense"])

@@ -123,6 +123,8 @@ class _SparseFFN(nn.Module):
         self.register_buffer("fire_counts", torch.zeros(f, dtype=torch.int64, device=device), persistent=False)
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self._new_layer_state()
+        # built on CUDA in training mode: the training layout from the start, as .to() gives it
+        self._set_kernel_layout(not self.training or self._trains_in_kernel_layout())
 
     # -- the per-layer inference state: not copied or pickled, rebuilt for each module ---------
 
@@ -131,6 +133,7 @@ class _SparseFFN(nn.Module):
 
         from .train_path import TrainPath
 
+        follow_layout(self)  # this module's down_proj may change layout: optimizer state follows it
         state = LayerState(self)
         self.__dict__["_twell_layer"] = state
         self.__dict__["_twell_key"] = state.key  # the registry key (twell.dispatch.layer_state)
@@ -196,7 +199,8 @@ class _SparseFFN(nn.Module):
         # .to() / .cuda() / .half(): a module moved to CUDA in training mode takes the training
         # layout at once, before an optimizer or a DDP wrapper records its parameters' strides
         super()._apply(fn, recurse)
-        self._set_kernel_layout(not self.training or self._trains_in_kernel_layout())
+        if recurse:  # else down_proj (a child) was not moved
+            self._set_kernel_layout(not self.training or self._trains_in_kernel_layout())
         return self
 
     def _trains_in_kernel_layout(self) -> bool:
@@ -243,7 +247,12 @@ class _SparseFFN(nn.Module):
             w.data = w.data.contiguous()
         else:
             return
-        follow_layout(w)  # an optimizer's state made in the other layout is re-laid out before its step
+        g = w.grad
+        if g is not None and type(g) is torch.Tensor and g.shape == w.shape:
+            # a gradient kept across the change (zero_grad(set_to_none=False), accumulation):
+            # later backward passes add into it in place, and fused optimizers read it as flat
+            # memory beside the weight, so it takes the weight's layout too
+            w.grad = torch.empty_like(w).copy_(g)
 
     # -- checks, statistics ---------------------------------------------------------------------
 

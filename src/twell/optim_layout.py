@@ -8,12 +8,16 @@ in eval mode, and in training on CUDA (``twell.train_path.KERNEL_LAYOUT``): same
 and state as flat memory, so it pairs each element with another element's moments: on the CPU
 (torch 2.13) it does so silently.
 
-So every parameter whose layout twell changes is registered here (:func:`follow_layout`), and
-one global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``,
-registered at the first such change) copies, before each step of any optimizer, each state
-tensor of such a parameter's shape whose strides differ from the parameter's into the
-parameter's layout (on the state's own device and dtype). Once per change: the copy then has the
-parameter's strides, so later steps only compare strides (a few microseconds for a whole model).
+So every sparse module registers itself here (:func:`follow_layout`; a weak set of modules,
+not of tensors: a weak reference to a tensor would stop ``torch.utils.swap_tensors``), and one
+global optimizer step pre-hook (``torch.optim.optimizer.register_optimizer_step_pre_hook``,
+registered with the first module) copies, before each step of any optimizer, every plain state
+tensor of a parameter's shape whose strides differ from the parameter's into the parameter's
+layout (on the state's own device and dtype). It walks the registered modules' ``down_proj``
+weights, or the optimizer's state where that is shorter (one optimizer per parameter); there it
+applies the same rule to every parameter. After the copy the strides match, so later steps only
+compare them. Not covered: state held as tensor subclasses (quantised optimizers), and an
+optimizer step captured in a CUDA graph (the graph would keep the old state tensors).
 """
 
 from __future__ import annotations
@@ -25,28 +29,37 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["follow_layout"]
 
-_FOLLOWED: "dict[int, weakref.ref]" = {}  # id(parameter) -> weak reference to it
+_MODULES: "weakref.WeakSet" = weakref.WeakSet()
 _HOOK = None
 
 
-def follow_layout(param: torch.Tensor) -> None:
-    """From now on, optimizer state of ``param`` is laid out as ``param`` is before each step."""
+def follow_layout(module: torch.nn.Module) -> None:
+    """From now on, optimizer state of ``module.down_proj.weight`` is laid out as that weight is
+    before each step."""
     global _HOOK
-    key = id(param)
-    _FOLLOWED[key] = weakref.ref(param, lambda _ref, key=key: _FOLLOWED.pop(key, None))
+    _MODULES.add(module)
     if _HOOK is None:
         _HOOK = register_optimizer_step_pre_hook(_match_state_layout)
 
 
+def _weights():
+    for m in list(_MODULES):
+        w = getattr(getattr(m, "down_proj", None), "weight", None)
+        if isinstance(w, torch.Tensor):
+            yield w
+
+
+@torch.compiler.disable  # a compiled step would otherwise guard on (and recompile with) the registry
 def _match_state_layout(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     state = optimizer.state
-    for ref in list(_FOLLOWED.values()):
-        p = ref()
-        if p is None:
-            continue
-        st = state.get(p)  # not state[p]: the defaultdict would add an entry
-        if not st:
-            continue
-        for name, v in st.items():
-            if isinstance(v, torch.Tensor) and v.shape == p.shape and v.stride() != p.stride():
-                st[name] = torch.empty_strided(p.shape, p.stride(), dtype=v.dtype, device=v.device).copy_(v)
+    if not state:
+        return
+    if len(state) <= len(_MODULES):
+        items = list(state.items())
+    else:
+        items = [(p, state.get(p)) for p in _weights()]  # state.get: the defaultdict would add entries
+    for p, st in items:
+        if st and isinstance(p, torch.Tensor) and type(p.data) is torch.Tensor:
+            for name, v in st.items():
+                if type(v) is torch.Tensor and v.dim() >= 2 and v.shape == p.shape and v.stride() != p.stride():
+                    st[name] = torch.empty_strided(p.shape, p.stride(), dtype=v.dtype, device=v.device).copy_(v)
