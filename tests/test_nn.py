@@ -224,3 +224,26 @@ def test_the_inference_path_clears_the_l1_term():
 def test_repr_names_the_sizes():
     assert "hidden_size=8, intermediate_size=16, gate=relu" in repr(SparseGatedMLP(8, 16))
     assert "hidden_size=8, intermediate_size=16, act=relu" in repr(SparseMLP(8, 16))
+
+
+def test_a_module_can_be_copied_after_a_training_forward():
+    """An EMA copy or a pickle taken mid-training: the last forward's L1 term is a non-leaf
+    tensor of that forward's graph, which deepcopy refuses; the copy drops it (it ran no forward),
+    the original keeps it, and both compute the same outputs."""
+    import copy
+    import io
+
+    torch.manual_seed(6)
+    m = SparseGatedMLP(8, 24)
+    x = torch.randn(5, 8)
+    m(x)
+    assert m.l1 is not None and m.l1.requires_grad
+    c = copy.deepcopy(m)
+    assert c.l1 is None and m.l1 is not None
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert loaded.l1 is None
+    for other in (c, loaded):
+        torch.testing.assert_close(other(x), m(x), rtol=0, atol=0)

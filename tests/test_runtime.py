@@ -1684,3 +1684,57 @@ def test_eager_graphs_prefill_band(monkeypatch):
         for _ in range(5):
             dense_layer(xs2[:4096])
     assert dense_layer[0].eager_graphs.captures == 0 and dense_layer[0].last_path == "dense"
+
+
+def test_optimizer_hook_leaves_other_optimizers_and_parametrized_weights_alone():
+    """The global step pre-hook runs before every optimizer's step: per-parameter state that is
+    not a dict (a tensor, a list: other optimizers keep such) must pass untouched, and a
+    parametrized down_proj (spectral_norm) must not be recomputed by the walk (its power
+    iteration would advance at every step of any optimizer)."""
+    import gc
+
+    from torch.nn.utils.parametrizations import spectral_norm
+
+    from twell import optim_layout
+
+    torch.manual_seed(5)
+    live = SparseGatedMLP(8, 24)  # a registered module, so the hook is installed and walks
+    spectral_norm(live.down_proj)
+
+    class KeepsTensorsAndLists(torch.optim.Optimizer):
+        def __init__(self, params):
+            super().__init__(params, {"lr": 0.1})
+
+        @torch.no_grad()
+        def step(self):
+            for group in self.param_groups:
+                for i, p in enumerate(group["params"]):
+                    st = self.state[p] = self.state.get(p, torch.zeros_like(p) if i % 2 else [0])
+                    if isinstance(st, torch.Tensor):
+                        st.add_(p.grad)
+                    else:
+                        st[0] += 1
+                    p.add_(p.grad, alpha=-group["lr"])
+
+    few = [torch.nn.Parameter(torch.randn(3, 4)) for _ in range(2)]
+    more_modules = [SparseGatedMLP(4, 8) for _ in range(2)]  # so that the hook walks opt's state
+    assert len(optim_layout._MODULES) >= len(few)
+    opt = KeepsTensorsAndLists(few)
+    for p in few:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()  # the second step meets the tensor and list states
+    assert opt.state[few[0]] == [2] and torch.equal(opt.state[few[1]], torch.full((3, 4), 2.0))
+    del more_modules
+
+    # an optimizer with more state entries than live twell modules: the hook walks the modules
+    many = [torch.nn.Parameter(torch.randn(2)) for _ in range(64)]
+    sgd = torch.optim.SGD(many, lr=0.1, momentum=0.9)
+    for p in many:
+        p.grad = torch.ones_like(p)
+    sgd.step()
+    gc.collect()
+    assert len(sgd.state) > len(optim_layout._MODULES)
+    u = live.down_proj.parametrizations.weight[0]._u.clone()
+    sgd.step()
+    assert torch.equal(u, live.down_proj.parametrizations.weight[0]._u)

@@ -143,6 +143,10 @@ class _SparseFFN(nn.Module):
         state = dict(self.__dict__)
         for key in ("_twell_layer", "_twell_key", "_twell_train"):
             state.pop(key, None)
+        # The last forward's L1 term belongs to that forward's autograd graph: deepcopy refuses a
+        # non-leaf tensor (an EMA copy taken mid-training would fail), and a copy has run no forward.
+        if state.get("l1") is not None:
+            state["l1"] = None
         return state
 
     def __setstate__(self, state):

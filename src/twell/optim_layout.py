@@ -43,8 +43,15 @@ def follow_layout(module: torch.nn.Module) -> None:
 
 
 def _weights():
-    for m in list(_MODULES):
-        w = getattr(getattr(m, "down_proj", None), "weight", None)
+    # Iterate over a snapshot of the weak references: a module collected on another thread
+    # mid-walk would otherwise change the set's size during iteration.
+    for ref in list(_MODULES.data):
+        m = ref()
+        down = None if m is None else m._modules.get("down_proj")
+        # The stored parameter, not ``down.weight``: under a parametrization (spectral_norm,
+        # weight_norm) that attribute recomputes the weight, and spectral_norm's power iteration
+        # would advance at every optimizer step.
+        w = None if down is None else down._parameters.get("weight")
         if isinstance(w, torch.Tensor):
             yield w
 
@@ -59,7 +66,8 @@ def _match_state_layout(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     else:
         items = [(p, state.get(p)) for p in _weights()]  # state.get: the defaultdict would add entries
     for p, st in items:
-        if st and isinstance(p, torch.Tensor) and type(p.data) is torch.Tensor:
+        # Other optimizers may keep per-parameter state that is not a dict (a tensor, a list).
+        if isinstance(st, dict) and st and isinstance(p, torch.Tensor) and type(p.data) is torch.Tensor:
             for name, v in st.items():
                 if type(v) is torch.Tensor and v.dim() >= 2 and v.shape == p.shape and v.stride() != p.stride():
                     st[name] = torch.empty_strided(p.shape, p.stride(), dtype=v.dtype, device=v.device).copy_(v)
