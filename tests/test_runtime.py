@@ -443,9 +443,15 @@ def test_training_in_the_kernel_layout(kernels, monkeypatch):
     m.train()
     assert w.is_contiguous()
     # in a process group: the nn.Linear layout in training (FSDP2 refuses non-contiguous
-    # parameters; DDP records strides when it wraps)
+    # parameters; DDP records strides when it wraps); eval() leaves the layout it finds
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", True)
     monkeypatch.setattr(twell.nn, "_distributed", lambda: True)
+    m.eval()
+    assert w.is_contiguous()
+    m._set_kernel_layout(True)  # as a model put in eval mode before the process group
+    m.train()
+    assert w.is_contiguous()
+    m._set_kernel_layout(True)
     m.eval()
     assert w.stride() == (1, 16)
     m.train()
@@ -1205,6 +1211,50 @@ def test_fsdp2_eval_after_a_step_reads_the_current_weights():
     assert e1 < 1e-5 and e2 < 1e-5, (e1, e2)
     # eval() left the DTensor and its local shard in the Hugging Face layout ([d, f] rows)
     assert out.stdout.split("STRIDES")[1].split("\n")[0].strip() == "(64, 1) (64, 1)", out.stdout
+
+
+_FSDP_FROM_EVAL = r"""
+import torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from transformers import LlamaConfig, LlamaForCausalLM
+import twell
+torch.manual_seed(0)
+cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=4, hidden_act="relu")
+early = twell.SparseGatedMLP(32, 64).eval()  # put in eval mode before the process group
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:%d")
+early.eval()
+print("EARLY", tuple(early.down_proj.weight.stride()))
+model = twell.sparsify(LlamaForCausalLM(cfg)).eval()  # as from_pretrained leaves a model
+print("EVAL", tuple(model.model.layers[0].mlp.down_proj.weight.stride()))
+mesh = init_device_mesh("cpu", (1,))
+for layer in model.model.layers:
+    fully_shard(layer, mesh=mesh)
+fully_shard(model, mesh=mesh)
+model.train()
+ids = torch.randint(0, 64, (2, 8))
+model(ids, labels=ids).loss.backward()
+print("GRAD", all(p.grad is not None for p in model.parameters()))
+dist.destroy_process_group()
+"""
+
+
+def test_a_model_put_in_eval_mode_under_a_process_group_can_be_sharded():
+    """The usual FSDP2 script: process group first, then a model in eval mode (from_pretrained
+    leaves it so; sparsify keeps the mode), then fully_shard, which refuses non-contiguous
+    parameters. Under a process group eval() therefore leaves the layout alone; a module put in
+    eval mode before the group keeps the kernels' layout. One gloo process on the CPU."""
+    import subprocess
+    import sys
+
+    from test_train_dist import _free_port
+
+    out = subprocess.run([sys.executable, "-c", _FSDP_FROM_EVAL % _free_port()], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.split(" ")[0] in ("EARLY", "EVAL", "GRAD"))
+    assert lines == {"EARLY": "(1, 32)", "EVAL": "(64, 1)", "GRAD": "True"}, out.stdout
 
 
 def test_eval_layout_leaves_weights_that_view_a_larger_buffer():

@@ -124,7 +124,7 @@ class _SparseFFN(nn.Module):
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.int64, device=device), persistent=False)
         self._new_layer_state()
         # built on CUDA in training mode: the training layout from the start, as .to() gives it
-        self._set_kernel_layout(not self.training or self._trains_in_kernel_layout())
+        self._take_mode_layout()
 
     # -- the per-layer inference state: not copied or pickled, rebuilt for each module ---------
 
@@ -193,9 +193,10 @@ class _SparseFFN(nn.Module):
         second copy of the weights; back in training mode it is made contiguous again, unless
         training on CUDA, where the training kernels read the same layout
         (``twell.train_path.KERNEL_LAYOUT``, on by default). An optimizer's state made in the
-        other layout is re-laid out before its next step (:mod:`twell.optim_layout`)."""
+        other layout is re-laid out before its next step (:mod:`twell.optim_layout`). Where a
+        process group is up, eval mode keeps the layout it finds (:meth:`_take_mode_layout`)."""
         super().train(mode)
-        self._set_kernel_layout(not mode or self._trains_in_kernel_layout())
+        self._take_mode_layout()
         self._keep_stat_buffers(mode or self.track_stats is True)
         return self
 
@@ -204,8 +205,20 @@ class _SparseFFN(nn.Module):
         # layout at once, before an optimizer or a DDP wrapper records its parameters' strides
         super()._apply(fn, recurse)
         if recurse:  # else down_proj (a child) was not moved
-            self._set_kernel_layout(not self.training or self._trains_in_kernel_layout())
+            self._take_mode_layout()
         return self
+
+    def _take_mode_layout(self) -> None:
+        """The layout of the current mode: the kernels' in eval mode, in training mode where
+        :meth:`_trains_in_kernel_layout`. Where a process group is up, eval mode leaves the layout
+        as it is: a model loaded in eval mode (``from_pretrained``, then ``twell.sparsify``) must
+        stay wrappable by FSDP2's ``fully_shard``, which refuses non-contiguous parameters, and
+        DDP's gradient buckets keep the strides they recorded. Inference there runs dense unless
+        the model took the kernels' layout before the process group was initialised."""
+        if self.training:
+            self._set_kernel_layout(self._trains_in_kernel_layout())
+        elif not _distributed():
+            self._set_kernel_layout(True)
 
     def _trains_in_kernel_layout(self) -> bool:
         """Whether training keeps the kernel layout too (``train_path.KERNEL_LAYOUT``, weights on
