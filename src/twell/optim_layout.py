@@ -6,7 +6,8 @@ in eval mode, and in training on CUDA (``twell.train_path.KERNEL_LAYOUT``): same
 ``exp_avg`` created in the ``nn.Linear`` layout, a checkpoint written in it, a step taken after
 ``eval()``) then has other strides than its parameter. Fused AdamW reads parameter, gradient
 and state as flat memory, so it pairs each element with another element's moments: on the CPU
-(torch 2.13) it does so silently.
+(torch 2.13) it does so silently; on CUDA (torch 2.11, H200) it raises "params, grads, exp_avgs,
+and exp_avg_sqs must have same dtype, device, and layout" (``benchmarks/fused_adamw_strides_probe.py``).
 
 So every sparse module registers itself here (:func:`follow_layout`; a weak set of modules,
 not of tensors: a weak reference to a tensor would stop ``torch.utils.swap_tensors``), and one
