@@ -1257,6 +1257,51 @@ def test_a_model_put_in_eval_mode_under_a_process_group_can_be_sharded():
     assert lines == {"EARLY": "(1, 32)", "EVAL": "(64, 1)", "GRAD": "True"}, out.stdout
 
 
+_PER_RANK_INFERENCE = r"""
+import torch, torch.distributed as dist, warnings, twell
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:%d")
+torch.manual_seed(0)
+m = twell.SparseGatedMLP(16, 40).eval()
+m.kernel_mode = "prefill"
+x = torch.randn(5, 16)
+g, u, d = m.gate_proj.weight.detach(), m.up_proj.weight.detach(), m.down_proj.weight.detach()
+ref = (torch.relu(x @ g.T) * (x @ u.T)) @ d.T
+with warnings.catch_warnings(record=True) as ws, torch.no_grad():
+    warnings.simplefilter("always")
+    first, second = m(x), m(x)
+print("BEFORE", m.last_path, sum("use_kernel_layout" in str(w.message) for w in ws))
+print("LAID", twell.use_kernel_layout(m), twell.use_kernel_layout(m))
+with torch.no_grad():
+    y = m(x)
+print("AFTER", m.last_path, float((y - ref).abs().max()), float((first - ref).abs().max()))
+dist.destroy_process_group()
+"""
+
+
+def test_per_rank_inference_under_a_process_group():
+    """Under a process group eval() leaves the layout alone, so a kernel path runs dense: once
+    per process a warning says so and names twell.use_kernel_layout, which lays the module out
+    (once: a second call finds nothing to do), after which the kernel path runs and is exact."""
+    import subprocess
+    import sys
+
+    from test_train_dist import _free_port
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = subprocess.run([sys.executable, "-c", _PER_RANK_INFERENCE % _free_port()], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = {line.split(" ", 1)[0]: line.split(" ")[1:] for line in out.stdout.splitlines()}
+    assert lines["BEFORE"] == ["dense", "1"], out.stdout
+    assert lines["LAID"] == ["1", "0"], out.stdout
+    assert lines["AFTER"][0] == "prefill" and max(float(v) for v in lines["AFTER"][1:]) < 1e-5, out.stdout
+
+
+def test_use_kernel_layout_refuses_what_is_not_a_module():
+    with pytest.raises(TypeError, match="torch.nn.Module"):
+        twell.use_kernel_layout([SparseGatedMLP(8, 24)])
+
+
 def test_eval_layout_leaves_weights_that_view_a_larger_buffer():
     """A down weight that is a view into a larger buffer (as FSDP1's flat parameter makes them)
     keeps pointing into it through eval(): laying it out anew would cut it loose from the buffer
@@ -1778,7 +1823,8 @@ def test_optimizer_hook_leaves_other_optimizers_and_parametrized_weights_alone()
     del more_modules
 
     # an optimizer with more state entries than live twell modules: the hook walks the modules
-    many = [torch.nn.Parameter(torch.randn(2)) for _ in range(64)]
+    gc.collect()
+    many = [torch.nn.Parameter(torch.randn(2)) for _ in range(len(optim_layout._MODULES) + 16)]
     sgd = torch.optim.SGD(many, lr=0.1, momentum=0.9)
     for p in many:
         p.grad = torch.ones_like(p)
@@ -1788,3 +1834,35 @@ def test_optimizer_hook_leaves_other_optimizers_and_parametrized_weights_alone()
     u = live.down_proj.parametrizations.weight[0]._u.clone()
     sgd.step()
     assert torch.equal(u, live.down_proj.parametrizations.weight[0]._u)
+    live.eval()  # nor do the layout switches (a plain nn.Linear's train() leaves _u alone too)
+    live.train()
+    assert torch.equal(u, live.down_proj.parametrizations.weight[0]._u)
+
+
+def test_optimizer_hook_walks_a_snapshot_of_the_modules(monkeypatch):
+    """A module built on another thread while the hook walks the registry (follow_layout adds
+    it) must not stop the walk: iterating the WeakSet itself raised "Set changed size during
+    iteration" then. Here the set adds a module as soon as it is iterated."""
+    import weakref
+
+    from twell import optim_layout
+
+    torch.manual_seed(7)
+    m = SparseGatedMLP(8, 24)
+    late = []
+
+    class AddsWhileIterated(weakref.WeakSet):
+        def __iter__(self):
+            for i, item in enumerate(super().__iter__()):
+                if i == 0:
+                    late.append(SparseGatedMLP(8, 24))  # registers itself with follow_layout
+                yield item
+
+    registry = AddsWhileIterated([m])
+    monkeypatch.setattr(optim_layout, "_MODULES", registry)
+    params = [torch.nn.Parameter(torch.randn(2)) for _ in range(4)]  # more state than modules
+    opt = torch.optim.SGD(params, lr=0.1, momentum=0.9)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()

@@ -25,6 +25,7 @@ _EXPORTS = {
     "SparsityStats": "nn",
     "l1_loss": "nn",
     "sparse_modules": "nn",
+    "use_kernel_layout": "nn",
     "sparsify": "hf",
     "sparse_gated_ffn": "train_ops",
     "sparse_ffn": "train_ops",

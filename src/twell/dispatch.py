@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 import weakref
 from typing import Optional
 
@@ -184,6 +185,22 @@ _IDS = itertools.count()
 
 def _distributed() -> bool:
     return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+_WARNED_DISTRIBUTED_LAYOUT = False
+
+
+def _warn_distributed_layout() -> None:
+    """Once per process: an inference call that would take a kernel path runs dense because,
+    under a process group, nothing lays the weights out for the kernels (FSDP and DDP own
+    their parameters' layout)."""
+    global _WARNED_DISTRIBUTED_LAYOUT
+    if not _WARNED_DISTRIBUTED_LAYOUT:
+        _WARNED_DISTRIBUTED_LAYOUT = True
+        warnings.warn(
+            "twell: a torch.distributed process group is up and down_proj.weight is in the nn.Linear "
+            "layout, so inference runs dense. Expected for models wrapped by FSDP or DDP; for per-rank "
+            "inference call twell.use_kernel_layout(model) after model.eval().", stacklevel=3)
 
 
 def row_stats(per_row: torch.Tensor, over_per_token: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -464,6 +481,8 @@ class LayerState:
                 w_down = m.down_proj.weight
                 w_down_t = w_down.t()
             if not w_down_t.is_contiguous():
+                if _distributed() and not m.training:
+                    _warn_distributed_layout()
                 path = "dense"
         self.last_path = path
         track = m._tracking()

@@ -30,13 +30,14 @@ from typing import Iterable, Optional
 
 import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from . import reference, train_path
 from .checks import KERNEL_DTYPES, triton_interpreting
 from .dispatch import _distributed
 from .optim_layout import follow_layout
 
-__all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules"]
+__all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules", "use_kernel_layout"]
 
 
 @dataclass
@@ -226,7 +227,9 @@ class _SparseFFN(nn.Module):
         ops read it without a copy, and one layout in both modes means an optimizer's state does
         not change strides under it. Decided at each ``train()`` / ``eval()`` and each move
         (``.to()``)."""
-        w = self.down_proj.weight
+        w = self._stored_down_weight()
+        if w is None:
+            return False
         # Not where a process group is up: FSDP2's fully_shard refuses non-contiguous parameters
         # (a model moved to CUDA in training mode, then sharded, would fail there), and the
         # layout would have to be taken before DDP records the parameters' strides. Nor on the
@@ -248,11 +251,21 @@ class _SparseFFN(nn.Module):
         self.fire_counts = torch.zeros(self.intermediate_size, dtype=torch.int64, device=device)
         self.tokens_seen = torch.zeros((), dtype=torch.int64, device=device)
 
+    def _stored_down_weight(self) -> Optional[torch.Tensor]:
+        """``down_proj``'s stored weight, or None under a parametrization: reading
+        ``down_proj.weight`` there recomputes it (spectral_norm would advance its power iteration
+        at every ``train()``), and the layout of a recomputed weight is not kept anyway."""
+        down = self.down_proj
+        w = down._parameters.get("weight")
+        if w is None and not parametrize.is_parametrized(down):
+            w = getattr(down, "weight", None)  # a class's own property, an old-style weight_norm
+        return w if isinstance(w, torch.Tensor) else None
+
     @torch.no_grad()
     def _set_kernel_layout(self, kernel: bool) -> None:
-        w = self.down_proj.weight
+        w = self._stored_down_weight()
         # only plain local tensors: FSDP's sharded DTensors (and their unsharded views) are FSDP's
-        if type(w.data) is not torch.Tensor or w.dim() != 2:
+        if w is None or type(w.data) is not torch.Tensor or w.dim() != 2:
             return
         if kernel and w.untyped_storage().nbytes() != w.numel() * w.element_size():
             # a view into a larger buffer (FSDP1's flat parameter with use_orig_params, a user's
@@ -566,6 +579,30 @@ class SparseMLP(_SparseFFN):
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, act=relu"
+
+
+def use_kernel_layout(model: nn.Module) -> int:
+    """Lay out every twell FFN of ``model`` for the inference kernels now (``down_proj.weight``
+    as the transpose of a contiguous ``[f, d]`` tensor; same values, one copy), and return how
+    many were laid out anew.
+
+    ``eval()`` does this by itself, except where a ``torch.distributed`` process group is up:
+    there it leaves the layout alone, so that FSDP2's ``fully_shard`` (which refuses
+    non-contiguous parameters) can still wrap a model loaded in eval mode, and inference runs
+    dense. Call this for per-rank inference under a process group (each rank with its whole
+    model, no FSDP or DDP wrapper), after ``eval()``. Not for models that FSDP or DDP wrap or
+    will wrap. Weights that are not plain local tensors (FSDP's DTensors, views into a larger
+    buffer, parametrized weights) are left as they are."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    n = 0
+    for m in sparse_modules(model):
+        w = m._stored_down_weight()
+        before = None if w is None else w.stride()
+        m._set_kernel_layout(True)
+        w = m._stored_down_weight()
+        n += int(w is not None and w.stride() != before)
+    return n
 
 
 def sparse_modules(model: nn.Module) -> list[_SparseFFN]:

@@ -44,8 +44,9 @@ def follow_layout(module: torch.nn.Module) -> None:
 
 
 def _weights():
-    # Iterate over a snapshot of the weak references: a module collected on another thread
-    # mid-walk would otherwise change the set's size during iteration.
+    # A snapshot of the weak references, taken without running Python code: iterating the
+    # WeakSet itself is a generator, during which another thread could build a module (which
+    # registers itself), and the set would change size mid-iteration.
     for ref in list(_MODULES.data):
         m = ref()
         down = None if m is None else m._modules.get("down_proj")
