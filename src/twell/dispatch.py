@@ -8,7 +8,7 @@ Three paths compute the same function (up to rounding) for every input:
     to 64 tokens in three launches that list the batch's fires and do up and down one fire at a
     time (:mod:`twell.kernels.decode_split`, while the expected number of fires is at most
     ``SPLIT_MAX_FIRES``); a forced call of more than 64 tokens takes three launches,
-    :func:`twell.kernels.ffn_decode`. It never reads more weight bytes than dense.
+    :func:`twell.kernels.decode.ffn_decode`. It never reads more weight bytes than dense.
     ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
 ``"prefill"`` (large batches)
     cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the fused up/down kernel

@@ -161,7 +161,11 @@ def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, graph: bool = Tr
 
         steps -= warmup  # capture() runs `warmup` real steps before it captures one
         run, used_graph = capture(step, warmup=warmup).replay, True
-    for _ in range(min(2, steps)):  # untimed: the first replays upload the graph
+    # untimed: the first replays upload the graph; eager steps, until every twell layer has
+    # captured its graph of this batch size (at its CAPTURE_AFTER-th call) and replayed it once
+    from .. import eager_graphs
+
+    for _ in range(min(2 if used_graph else eager_graphs.CAPTURE_AFTER + 2, steps)):
         run()
         steps -= 1
     if dev.type == "cuda":
