@@ -107,6 +107,27 @@ def test_convert_command(tmp_path, capsys):
     assert isinstance(reloaded.model.layers[0].mlp, SparseGatedMLP)
 
 
+def test_convert_command_errors_are_one_line(tmp_path):
+    """A missing folder, a model without gated MLPs, a destination that is not empty: one line
+    naming the problem, before anything is written."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from twell.cli import main
+
+    with pytest.raises(SystemExit, match=r"^twell convert: .*nowhere is not a folder$"):
+        main(["convert", str(tmp_path / "nowhere"), str(tmp_path / "out")])
+    gpt2 = tmp_path / "gpt2"
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=32)).save_pretrained(gpt2)
+    with pytest.raises(SystemExit, match=r"^twell convert: .*gpt2: .*gated MLP"):
+        main(["convert", str(gpt2), str(tmp_path / "out2")])
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "keep.txt").write_text("x")
+    with pytest.raises(SystemExit, match=r"^twell convert: .*full exists and is not an empty folder$"):
+        main(["convert", str(gpt2), str(full)])
+    assert (full / "keep.txt").read_text() == "x" and sorted(p.name for p in full.iterdir()) == ["keep.txt"]
+
+
 def test_cli_help(capsys):
     from twell.cli import main
 

@@ -247,3 +247,28 @@ def test_a_module_can_be_copied_after_a_training_forward():
     assert loaded.l1 is None
     for other in (c, loaded):
         torch.testing.assert_close(other(x), m(x), rtol=0, atol=0)
+
+
+def test_path_settings_are_checked_when_set():
+    """kernel_mode and train_kernels are read only on kernel paths (CUDA, or the interpreter):
+    a typo must fail where it is made, on any device."""
+    m = SparseGatedMLP(8, 24)
+    with pytest.raises(ValueError, match="kernel_mode must be one of"):
+        m.kernel_mode = "fast"
+    with pytest.raises(ValueError, match="train_kernels must be one of"):
+        m.train_kernels = "Dense"
+    m.kernel_mode, m.train_kernels = "prefill", "sparse"
+    assert (m.kernel_mode, m.train_kernels) == ("prefill", "sparse")
+
+
+def test_submodules_load_on_first_use():
+    """The README's settings live in submodules (twell.eager_graphs.ENABLED, twell.dispatch...):
+    reachable right after `import twell`, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = ("import twell; twell.eager_graphs.ENABLED = False; print(twell.ops.__name__, twell.dispatch.MODES[0]); "
+            "print(hasattr(twell, 'no_such_module'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["twell.ops", "auto", "False"]

@@ -123,3 +123,22 @@ def test_sparsity_sweep_settings_are_valid_for_short_runs():
     for steps, every in ((1, 1), (3, 1), (8, 2), (1150, 287)):
         cfg = sweep.run_config(TrainConfig(device="cpu"), steps, 2e-5, True, "runs").resolved()
         assert cfg.eval_every == every and cfg.out == "runs/l1_2e-05_reinit"
+
+
+def test_resume_continues_in_the_folder_it_is_given(tmp_path, capsys):
+    """A run copied elsewhere and resumed there writes its checkpoints and log there, not into
+    the folder it was started in (which the checkpoint's settings name)."""
+    import shutil
+
+    data = tmp_path / "data"
+    data.mkdir()
+    first, copy = tmp_path / "first", tmp_path / "copy"
+    main(["train", *FAST, "--data", small_corpus(data), "--val-fraction", "0.2", "--log-every", "1",
+          "--save-every", "2", "--out", str(first), "--steps", "2"])
+    shutil.copytree(first, copy)
+    before = {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()}
+    main(["train", "--resume", str(copy), "--steps", "4"])
+    assert "continuing in" in capsys.readouterr().err
+    assert {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()} == before
+    assert (copy / "checkpoints" / "step_000004").is_dir() and not (first / "checkpoints" / "step_000004").exists()
+    assert [r["step"] for r in read_history(copy / "log.csv")] == [1, 2, 3, 4]

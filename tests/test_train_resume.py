@@ -50,6 +50,8 @@ def test_checkpoint_loads_in_transformers_and_twell(tmp_path):
         want = t.model(input_ids=x).logits
         plain = LlamaForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         assert plain.config.hidden_act == "relu" and not sparse_modules(plain)
+        # generate() stops at the corpus's document separator (the byte tokenizer's 256)
+        assert plain.config.eos_token_id == plain.generation_config.eos_token_id == 256
         torch.testing.assert_close(plain(input_ids=x).logits, want, rtol=1e-5, atol=1e-5)
         sparse = sparsify(plain)
         assert len(sparse_modules(sparse)) == 2

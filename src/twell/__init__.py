@@ -9,6 +9,7 @@ answers ``--help`` and argument errors without waiting for torch to import.
 """
 
 import importlib
+import importlib.util
 
 __version__ = "0.1.0"
 
@@ -41,6 +42,9 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value  # later lookups skip this function
         return value
+    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        # a submodule (twell.eager_graphs, twell.dispatch, ...): loaded on first use, as the names above
+        return importlib.import_module(f".{name}", __name__)
     raise AttributeError(f"module 'twell' has no attribute {name!r}")
 
 

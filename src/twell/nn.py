@@ -34,7 +34,7 @@ from torch.nn.utils import parametrize
 
 from . import reference, train_path
 from .checks import KERNEL_DTYPES, triton_interpreting
-from .dispatch import _distributed
+from .dispatch import MODES, _distributed
 from .optim_layout import follow_layout
 
 __all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules", "use_kernel_layout"]
@@ -95,6 +95,9 @@ def _hooked(projections: Iterable[nn.Module]) -> bool:
     return False
 
 
+_SETTING_CHOICES = {"kernel_mode": MODES, "train_kernels": train_path.TRAIN_MODES}
+
+
 class _SparseFFN(nn.Module):
     """What the gated and the non-gated modules share: L1, statistics, dead units, and the
     inference path (:mod:`twell.dispatch`)."""
@@ -126,6 +129,13 @@ class _SparseFFN(nn.Module):
         self._new_layer_state()
         # built on CUDA in training mode: the training layout from the start, as .to() gives it
         self._take_mode_layout()
+
+    def __setattr__(self, name: str, value) -> None:
+        # the path settings are checked when set: on the CPU (no kernel path) nothing else reads them
+        allowed = _SETTING_CHOICES.get(name)
+        if allowed is not None and value not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        super().__setattr__(name, value)
 
     # -- the per-layer inference state: not copied or pickled, rebuilt for each module ---------
 

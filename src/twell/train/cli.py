@@ -99,6 +99,7 @@ def train_parser() -> argparse.ArgumentParser:
     r.add_argument("--keep", type=int, help=f"keep the newest N step checkpoints in OUT/checkpoints, deleting older "
                    f"ones; the newest, at the end the final one, is always kept (default {d.keep}; 0: keep all)")
     r.add_argument("--resume", help="a checkpoint folder, or a run's --out folder (its newest checkpoint); "
+                   "the run continues in the run folder the checkpoint lies in (unless --out is given) and "
                    "the checkpoint's settings apply, except options given on the command line (--lr, "
                    "--weight-decay and the schedule's --steps/--warmup/--min-lr-ratio included)")
     r.add_argument("--device", help="cpu, cuda or cuda:N (default: cuda if available)")
@@ -139,6 +140,13 @@ def train_main(argv=None) -> dict:
         except FileNotFoundError as err:
             raise SystemExit(f"twell train --resume: {err}")
         base = json.loads(saved.read_text())
+        if "out" not in args and saved.parent.parent.name == "checkpoints":
+            # Continue in the run folder the checkpoint lies in, not the --out it was written
+            # with: a run copied or moved elsewhere would otherwise write into the original.
+            run = saved.parent.parent.parent
+            if base.get("out") and Path(base["out"]).resolve() != run.resolve() and _is_main_process():
+                print(f"note: continuing in {run} (the run was started with --out {base['out']})", file=sys.stderr)
+            base["out"] = str(run)
         if base.get("fsdp") and "fsdp" not in args and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             # A sharded checkpoint loads on any number of ranks: in one process, unsharded.
             base["fsdp"] = False

@@ -52,8 +52,9 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def make_config(preset: str, tokenizer_vocab: int, **overrides) -> LlamaConfig:
-    """The ``LlamaConfig`` of a preset for a tokenizer of ``tokenizer_vocab`` ids.
+def make_config(preset: str, tokenizer_vocab: int, eos_id: Optional[int] = None, **overrides) -> LlamaConfig:
+    """The ``LlamaConfig`` of a preset for a tokenizer of ``tokenizer_vocab`` ids whose end of
+    text is ``eos_id`` (None: Llama's defaults).
 
     ``overrides`` (``hidden_size``, ``intermediate_size``, ``num_layers``, ``num_heads``,
     ``context``; None means keep) change the preset's shape.
@@ -87,6 +88,9 @@ def make_config(preset: str, tokenizer_vocab: int, **overrides) -> LlamaConfig:
         # saved with every checkpoint and export: generate() reads it (False there would recompute
         # the whole sequence at every new token); training passes use_cache=False itself
         use_cache=True,
+        # the separator the corpus puts after every document: generate() stops there (Llama's
+        # defaults, 1 and 2, would stop at byte 2 of the byte tokenizer)
+        **({} if eos_id is None else {"bos_token_id": eos_id, "eos_token_id": eos_id}),
     )
 
 

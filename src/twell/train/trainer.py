@@ -120,7 +120,7 @@ class Trainer:
 
         shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                      num_layers=cfg.num_layers, num_heads=cfg.num_heads, context=max(cfg.seq_len, PRESETS[cfg.preset].context))
-        self.config = make_config(cfg.preset, self.tokenizer.vocab_size, **shape)
+        self.config = make_config(cfg.preset, self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id, **shape)
         recipe = None
         if self.sharded:
             # No rank builds the whole model: it is built on the meta device (no memory) and
