@@ -189,3 +189,25 @@ def test_chain_graph_ms_times_all_layers_per_replay_and_divides(monkeypatch):
     assert len(captured) == 1  # one graph for the chain
     assert order == ["replay", 0, 1, 2, 3] * 7  # 2 warm-up replays and 5 timed ones, each the whole chain
     assert ms == pytest.approx(6.0 / 4)
+
+
+def test_eager_decode_rounds_alternate_the_two_models():
+    """Every-step-eager decoding is timed with dense and twell alternated, round by round: each
+    model decodes each batch once per round, the step time is the median of the rounds, and the
+    two models (same weights) give the same tokens."""
+    import copy
+
+    from twell.bench.model import eager_decode_rounds
+
+    dense = _model(layers=2, seed=3)
+    calibrate_sparsity(dense, 10, torch.randint(0, 300, (2, 64)))
+    sparse = sparsify(copy.deepcopy(dense)).eval()
+    order = []
+    out = eager_decode_rounds(dense, sparse, {1: torch.randint(0, 300, (1, 9)), 2: torch.randint(0, 300, (2, 9))}, 8,
+                              order.append, rounds=3)
+    assert sorted(out) == [("dense", 1), ("dense", 2), ("twell", 1), ("twell", 2)]
+    assert [line.split(" ")[0] for line in order] == ["dense", "dense", "twell", "twell"] * 3
+    for g in out.values():
+        assert len(g["round_step_ms"]) == 3 and g["step_ms"] == sorted(g["round_step_ms"])[1]
+    for b in (1, 2):
+        assert torch.equal(out[("dense", b)]["tokens"], out[("twell", b)]["tokens"])

@@ -25,7 +25,9 @@ Neither step changes any shape or the work of the dense model: only where units 
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
+import statistics
 import time
 from typing import Callable, Optional
 
@@ -37,6 +39,7 @@ __all__ = ["calibrate_sparsity", "active_units", "greedy_decode", "bench_model"]
 
 RESIDUAL_DAMPING_WIDTH = 16.0  # residual_damping = this / d
 SCALE_OVER_REST = 8.0
+EAGER_ROUNDS = 3  # alternated rounds of every-step-eager decoding, dense and twell
 
 
 def _gated_mlps(model) -> list:
@@ -293,8 +296,10 @@ def _decode_all(model, prompts: dict, new_tokens: int, variant: str, label: str,
     step (``graph``) or every step eager; a failed capture is reported and replaced by eager
     steps, not hidden."""
     out = {}
+    cuda = any(p.is_cuda for p in prompts.values())  # (the CPU for tests: no peak)
     for b, prompt in prompts.items():
-        reset_peak()
+        if cuda:
+            reset_peak()
         try:
             tc = time.time()
             g = greedy_decode(model, prompt, new_tokens, graph=graph, step_model=step_model)
@@ -305,7 +310,7 @@ def _decode_all(model, prompts: dict, new_tokens: int, variant: str, label: str,
             log(f"{variant} {label} decode batch {b}: CUDA graph failed ({type(e).__name__}: {e}); eager instead")
             torch.cuda.synchronize()
             g = greedy_decode(model, prompt, new_tokens, graph=False, step_model=step_model)
-        g["peak"] = int(torch.cuda.max_memory_allocated())
+        g["peak"] = int(torch.cuda.max_memory_allocated()) if cuda else 0
         if variant == "twell":
             mods = [m for m in model.modules() if hasattr(m, "eager_graphs")]
             g["paths"] = sorted({m.last_path for m in mods if m.last_path})
@@ -314,6 +319,20 @@ def _decode_all(model, prompts: dict, new_tokens: int, variant: str, label: str,
         log(f"{variant} {label} decode batch {b}: {g['step_ms'] * 1e3:.0f} us per step ({b * 1e3 / g['step_ms']:.0f} "
             f"tokens/s, graph {g['graph']}) {g.get('paths', '')}")
     return out
+
+
+def eager_decode_rounds(dense, twell, prompts: dict, new_tokens: int, log, rounds: int = EAGER_ROUNDS) -> dict:
+    """Every-step-eager greedy decoding of ``dense`` and ``twell`` (same weights) alternated in
+    ``rounds`` rounds, each model and batch once per round. Returns ``{(name, batch): result}``
+    ("dense" / "twell") as :func:`greedy_decode` returns it, with ``step_ms`` the median over the
+    rounds and ``round_step_ms`` each round's."""
+    runs: dict = {}
+    for _ in range(rounds):
+        for name, m in (("dense", dense), ("twell", twell)):
+            for b, g in _decode_all(m, prompts, new_tokens, name, "hf eager", log, graph=False).items():
+                runs.setdefault((name, b), []).append(g)
+    return {key: {**gs[-1], "step_ms": statistics.median(g["step_ms"] for g in gs), "round_step_ms": [g["step_ms"] for g in gs]}
+            for key, gs in runs.items()}
 
 
 def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2048, decode_batches=(1, 16),
@@ -395,6 +414,12 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
 
         lean_ctx = (lambda: sdpa_kernel(lean_backends, set_priority=True)) if lean_backends else contextlib.nullcontext
         paths.append(("lean", lean_ctx))
+    # every-step-eager decoding is bound by the host, whose speed drifts by up to a third over
+    # minutes here: dense (a copy kept for it) and twell are alternated in rounds, not timed one
+    # after the other (benchmarks/NOTES_decode.md, eighteenth session)
+    # (kept on the CPU until then, so that no other measurement's peak memory counts it)
+    dense_twin = copy.deepcopy(model).cpu()
+    torch.cuda.empty_cache()
     for variant in ("dense", "twell"):
         torch._dynamo.reset()  # each variant compiles afresh, within the recompile limit
         if variant == "twell":
@@ -441,9 +466,12 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                     if path == "lean":
                         rec[f"decode_lean_compile_and_run_s_b{b}"] = g.get("seconds")
                 del step_model
-                if path == "hf":  # and as most users generate: every step eager, no CUDA graph
-                    for b, g in _decode_all(model, prompts, new_tokens, variant, "hf eager", log, graph=False).items():
-                        decodes[(variant, "hf-eager", b)] = g
+                if path == "hf" and variant == "twell":  # and as most users generate: every step eager
+                    dense_twin.to(ids.device)  # (both models on the GPU: these records' peaks count both)
+                    for (name, b), g in eager_decode_rounds(dense_twin, model, prompts, new_tokens, log).items():
+                        decodes[(name, "hf-eager", b)] = g
+                    del dense_twin
+                    torch.cuda.empty_cache()
         if train_batch:
             rec.update(_train_step(model, train_batch, seq))
             log(f"{variant} train step ({train_batch} x {seq}): {rec['train_tok_per_s']:.0f} tokens/s, peak "
@@ -456,15 +484,20 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
             dn, tw = decodes[("dense", path, b)], decodes[("twell", path, b)]
             same = (dn["tokens"] == tw["tokens"]).all(dim=0)
             diverge = None if bool(same.all()) else int((~same).nonzero()[0]) - prompt_len
+            rounds = [d / t for d, t in zip(dn.get("round_step_ms", ()), tw.get("round_step_ms", ()))]
             decode.append(dict(
                 preset=preset, path=path, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, k=k if cal else None, sparsity_source=source,
                 dense_tok_s=b * 1e3 / dn["step_ms"], twell_tok_s=b * 1e3 / tw["step_ms"],
-                speedup=dn["step_ms"] / tw["step_ms"], tokens_match=diverge is None, first_divergence=diverge,
+                speedup=statistics.median(rounds) if rounds else dn["step_ms"] / tw["step_ms"],
+                **({"round_speedups": rounds} if rounds else {}), tokens_match=diverge is None, first_divergence=diverge,
                 first_logits_rel_err=_rel_err(tw["first_logits"], dn["first_logits"]),
                 peak_bytes=tw["peak"], dense_peak_bytes=dn["peak"], graph=dn["graph"] and tw["graph"],
                 twell_paths=tw.get("paths"), attention=lean_name if path == "lean" else attention,
                 method=("Hugging Face forward with a StaticCache, greedy; every step eager (twell replays its own "
-                        "CUDA graphs of small MLP calls: twell.eager_graphs)") if path == "hf-eager" else
+                        f"CUDA graphs of small MLP calls: twell.eager_graphs); dense and twell alternated in {EAGER_ROUNDS} "
+                        "rounds: tokens/s from the median step, speedup the median of the rounds' ratios; both "
+                        "models on the GPU, so both peaks count both")
+                if path == "hf-eager" else
                        ("Hugging Face forward with a StaticCache, greedy; prompt eager, then one CUDA graph replay "
                         "per token" + ("; decoder layers compiled" if path == "lean" else "")),
                 **({"eager_graph_replays": tw.get("eager_graph_replays")} if path == "hf-eager" else {}),
