@@ -128,6 +128,15 @@ def test_convert_command_errors_are_one_line(tmp_path):
     assert (full / "keep.txt").read_text() == "x" and sorted(p.name for p in full.iterdir()) == ["keep.txt"]
 
 
+def test_convert_command_expands_the_home_folder(tmp_path, monkeypatch, capsys):
+    from twell.cli import main
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    build(Qwen2Config, Qwen2ForCausalLM, "silu").save_pretrained(tmp_path / "src")
+    main(["convert", "~/src", "~/dst"])
+    assert "converted 2 MLPs" in capsys.readouterr().out and (tmp_path / "dst" / "config.json").is_file()
+
+
 def test_cli_help(capsys):
     from twell.cli import main
 

@@ -125,9 +125,10 @@ def test_sparsity_sweep_settings_are_valid_for_short_runs():
         assert cfg.eval_every == every and cfg.out == "runs/l1_2e-05_reinit"
 
 
-def test_resume_continues_in_the_folder_it_is_given(tmp_path, capsys):
+def test_resume_continues_in_the_folder_it_is_given(tmp_path, capsys, monkeypatch):
     """A run copied elsewhere and resumed there writes its checkpoints and log there, not into
-    the folder it was started in (which the checkpoint's settings name)."""
+    the folder it was started in (which the checkpoint's settings name), also when the
+    checkpoint is named relative to the current folder."""
     import shutil
 
     data = tmp_path / "data"
@@ -137,8 +138,13 @@ def test_resume_continues_in_the_folder_it_is_given(tmp_path, capsys):
           "--save-every", "2", "--out", str(first), "--steps", "2"])
     shutil.copytree(first, copy)
     before = {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()}
-    main(["train", "--resume", str(copy), "--steps", "4"])
+    monkeypatch.chdir(copy / "checkpoints")
+    main(["train", "--resume", "step_000002", "--steps", "4"])
     assert "continuing in" in capsys.readouterr().err
     assert {p: p.stat().st_mtime_ns for p in first.rglob("*") if p.is_file()} == before
     assert (copy / "checkpoints" / "step_000004").is_dir() and not (first / "checkpoints" / "step_000004").exists()
+    assert not (copy / "checkpoints" / "step_000002" / "checkpoints").exists()
     assert [r["step"] for r in read_history(copy / "log.csv")] == [1, 2, 3, 4]
+    monkeypatch.chdir(tmp_path)
+    main(["train", "--resume", str(copy), "--steps", "5"])
+    assert (copy / "checkpoints" / "step_000005").is_dir() and not (first / "checkpoints" / "step_000005").exists()

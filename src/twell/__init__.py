@@ -42,9 +42,13 @@ def __getattr__(name: str):
         value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
         globals()[name] = value  # later lookups skip this function
         return value
-    if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+    if name.isidentifier() and not name.startswith("_"):
         # a submodule (twell.eager_graphs, twell.dispatch, ...): loaded on first use, as the names above
-        return importlib.import_module(f".{name}", __name__)
+        try:
+            if importlib.util.find_spec(f"{__name__}.{name}") is not None:
+                return importlib.import_module(f".{name}", __name__)
+        except ImportError as err:  # a dependency missing: hasattr() must still say False
+            raise AttributeError(f"module 'twell' has no attribute {name!r} ({err})") from None
     raise AttributeError(f"module 'twell' has no attribute {name!r}")
 
 

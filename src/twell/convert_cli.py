@@ -20,8 +20,11 @@ def convert_main(argv=None) -> None:
     args = parser.parse_args(argv)
     import os
 
+    args.src = os.path.expanduser(args.src) if args.src.startswith("~") else args.src
+    args.dst = os.path.expanduser(args.dst)
+
     # a path, not a hub name ("org/name"): say it is missing before transformers reads it as a repo id
-    if args.src.startswith((".", "/", "~")) and not os.path.isdir(os.path.expanduser(args.src)):
+    if args.src.startswith((".", "/")) and not os.path.isdir(args.src):
         raise SystemExit(f"twell convert: {args.src} is not a folder")
     if os.path.isdir(args.dst) and os.listdir(args.dst):
         raise SystemExit(f"twell convert: {args.dst} exists and is not an empty folder")
@@ -34,7 +37,7 @@ def convert_main(argv=None) -> None:
         if note:
             print(f"note: {args.src}: {note}; {args.dst} is saved with hidden_act relu", file=sys.stderr)
         model = convert(args.src, args.dst, args.dtype)
-    except (OSError, ValueError) as err:  # no such model, no network, no gated MLP: one line, no traceback
-        raise SystemExit(f"twell convert: {args.src}: {err}")
+    except (OSError, ValueError) as err:  # no such model, no network, no gated MLP: no traceback
+        raise SystemExit(f"twell convert: {args.src}: {' '.join(str(err).split())}")
     n = sum(1 for m in model.modules() if isinstance(m, SparseGatedMLP))
     print(f"converted {n} MLPs of {type(model).__name__}; saved to {args.dst}")

@@ -496,7 +496,8 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                 method=("Hugging Face forward with a StaticCache, greedy; every step eager (twell replays its own "
                         f"CUDA graphs of small MLP calls: twell.eager_graphs); dense and twell alternated in {EAGER_ROUNDS} "
                         "rounds: tokens/s from the median step, speedup the median of the rounds' ratios; both "
-                        "models on the GPU, so both peaks count both")
+                        "models on the GPU, so both peaks count both; eager_graph_replays: cumulative over the "
+                        "rounds and batches")
                 if path == "hf-eager" else
                        ("Hugging Face forward with a StaticCache, greedy; prompt eager, then one CUDA graph replay "
                         "per token" + ("; decoder layers compiled" if path == "lean" else "")),

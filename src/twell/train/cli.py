@@ -140,12 +140,13 @@ def train_main(argv=None) -> dict:
         except FileNotFoundError as err:
             raise SystemExit(f"twell train --resume: {err}")
         base = json.loads(saved.read_text())
-        if "out" not in args and saved.parent.parent.name == "checkpoints":
+        where = saved.resolve()  # (resolved: "--resume step_000020" from inside checkpoints/ too)
+        if "out" not in args and where.parent.parent.name == "checkpoints":
             # Continue in the run folder the checkpoint lies in, not the --out it was written
             # with: a run copied or moved elsewhere would otherwise write into the original.
-            run = saved.parent.parent.parent
-            if base.get("out") and Path(base["out"]).resolve() != run.resolve() and _is_main_process():
-                print(f"note: continuing in {run} (the run was started with --out {base['out']})", file=sys.stderr)
+            run = where.parent.parent.parent
+            if base.get("out") and Path(base["out"]).resolve() != run and _is_main_process():
+                print(f"note: continuing in {run} (the checkpoint's settings name --out {base['out']})", file=sys.stderr)
             base["out"] = str(run)
         if base.get("fsdp") and "fsdp" not in args and int(os.environ.get("WORLD_SIZE", "1")) == 1:
             # A sharded checkpoint loads on any number of ranks: in one process, unsharded.
