@@ -23,21 +23,15 @@ import torch
 
 from twell import sparsify
 from twell.bench.inference import machine_info
-from twell.bench.model import _prefill, _rel_err, calibrate_sparsity
-from twell.train.model import make_config
+from twell.bench.model import _prefill, _rel_err, calibrate_sparsity, random_model
 
 OUT = os.environ.get("OUT", "/tmp")
 
 
 def main() -> None:
-    from transformers import LlamaForCausalLM
-
     preset = sys.argv[1] if len(sys.argv) > 1 else "2b"
-    torch.manual_seed(0)
-    config = make_config(preset, 49152)
-    config.hidden_act = "relu"
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    model = random_model(preset)
+    config = model.config
     gen = torch.Generator(device="cuda").manual_seed(1)
     calibrate_sparsity(model, 29, torch.randint(0, config.vocab_size, (4, 2048), device="cuda", generator=gen))
     ids = torch.randint(0, config.vocab_size, (16, 2048), device="cuda", generator=gen)

@@ -1195,22 +1195,29 @@ dist.destroy_process_group()
 """
 
 
-def test_fsdp2_eval_after_a_step_reads_the_current_weights():
-    """Under FSDP2 the unsharded parameters are FSDP's buffers: the inference path must not lay
-    them out anew (the module would read a stale copy after the next optimizer step); it runs
-    dense there. One gloo process, the Triton interpreter, a kernel path forced."""
+def _one_gloo_process(script: str) -> str:
+    """stdout of ``script`` (a ``%d`` for the process group's port) run in one fresh Python
+    process under the Triton interpreter; fails the test on a non-zero exit."""
     import subprocess
     import sys
 
     from test_train_dist import _free_port
 
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _FSDP_EVAL % _free_port()], capture_output=True, text=True, env=env, timeout=300)
+    out = subprocess.run([sys.executable, "-c", script % _free_port()], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    e1, e2 = (float(v) for v in out.stdout.split("ERRORS")[1].split())
+    return out.stdout
+
+
+def test_fsdp2_eval_after_a_step_reads_the_current_weights():
+    """Under FSDP2 the unsharded parameters are FSDP's buffers: the inference path must not lay
+    them out anew (the module would read a stale copy after the next optimizer step); it runs
+    dense there. One gloo process, the Triton interpreter, a kernel path forced."""
+    stdout = _one_gloo_process(_FSDP_EVAL)
+    e1, e2 = (float(v) for v in stdout.split("ERRORS")[1].split())
     assert e1 < 1e-5 and e2 < 1e-5, (e1, e2)
     # eval() left the DTensor and its local shard in the Hugging Face layout ([d, f] rows)
-    assert out.stdout.split("STRIDES")[1].split("\n")[0].strip() == "(64, 1) (64, 1)", out.stdout
+    assert stdout.split("STRIDES")[1].split("\n")[0].strip() == "(64, 1) (64, 1)", stdout
 
 
 _FSDP_FROM_EVAL = r"""
@@ -1245,16 +1252,9 @@ def test_a_model_put_in_eval_mode_under_a_process_group_can_be_sharded():
     leaves it so; sparsify keeps the mode), then fully_shard, which refuses non-contiguous
     parameters. Under a process group eval() therefore leaves the layout alone; a module put in
     eval mode before the group keeps the kernels' layout. One gloo process on the CPU."""
-    import subprocess
-    import sys
-
-    from test_train_dist import _free_port
-
-    out = subprocess.run([sys.executable, "-c", _FSDP_FROM_EVAL % _free_port()], capture_output=True, text=True,
-                         timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line.split(" ")[0] in ("EARLY", "EVAL", "GRAD"))
-    assert lines == {"EARLY": "(1, 32)", "EVAL": "(64, 1)", "GRAD": "True"}, out.stdout
+    stdout = _one_gloo_process(_FSDP_FROM_EVAL)
+    lines = dict(line.split(" ", 1) for line in stdout.splitlines() if line.split(" ")[0] in ("EARLY", "EVAL", "GRAD"))
+    assert lines == {"EARLY": "(1, 32)", "EVAL": "(64, 1)", "GRAD": "True"}, stdout
 
 
 _PER_RANK_INFERENCE = r"""
@@ -1282,19 +1282,11 @@ def test_per_rank_inference_under_a_process_group():
     """Under a process group eval() leaves the layout alone, so a kernel path runs dense: once
     per process a warning says so and names twell.use_kernel_layout, which lays the module out
     (once: a second call finds nothing to do), after which the kernel path runs and is exact."""
-    import subprocess
-    import sys
-
-    from test_train_dist import _free_port
-
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    out = subprocess.run([sys.executable, "-c", _PER_RANK_INFERENCE % _free_port()], capture_output=True, text=True,
-                         env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    lines = {line.split(" ", 1)[0]: line.split(" ")[1:] for line in out.stdout.splitlines()}
-    assert lines["BEFORE"] == ["dense", "1"], out.stdout
-    assert lines["LAID"] == ["1", "0"], out.stdout
-    assert lines["AFTER"][0] == "prefill" and max(float(v) for v in lines["AFTER"][1:]) < 1e-5, out.stdout
+    stdout = _one_gloo_process(_PER_RANK_INFERENCE)
+    lines = {line.split(" ", 1)[0]: line.split(" ")[1:] for line in stdout.splitlines()}
+    assert lines["BEFORE"] == ["dense", "1"], stdout
+    assert lines["LAID"] == ["1", "0"], stdout
+    assert lines["AFTER"][0] == "prefill" and max(float(v) for v in lines["AFTER"][1:]) < 1e-5, stdout
 
 
 def test_use_kernel_layout_refuses_what_is_not_a_module():

@@ -20,8 +20,7 @@ def convert_main(argv=None) -> None:
     args = parser.parse_args(argv)
     import os
 
-    args.src = os.path.expanduser(args.src) if args.src.startswith("~") else args.src
-    args.dst = os.path.expanduser(args.dst)
+    args.src, args.dst = os.path.expanduser(args.src), os.path.expanduser(args.dst)
 
     # a path, not a hub name ("org/name"): say it is missing before transformers reads it as a repo id
     if args.src.startswith((".", "/")) and not os.path.isdir(args.src):

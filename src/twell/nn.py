@@ -272,27 +272,30 @@ class _SparseFFN(nn.Module):
         return w if isinstance(w, torch.Tensor) else None
 
     @torch.no_grad()
-    def _set_kernel_layout(self, kernel: bool) -> None:
+    def _set_kernel_layout(self, kernel: bool) -> bool:
+        """Lay ``down_proj.weight`` out for the kernels (``kernel``) or as ``nn.Linear`` does;
+        True when it was laid out anew."""
         w = self._stored_down_weight()
         # only plain local tensors: FSDP's sharded DTensors (and their unsharded views) are FSDP's
         if w is None or type(w.data) is not torch.Tensor or w.dim() != 2:
-            return
+            return False
         if kernel and w.untyped_storage().nbytes() != w.numel() * w.element_size():
             # a view into a larger buffer (FSDP1's flat parameter with use_orig_params, a user's
             # packed weights): a new tensor would cut it loose from the buffer its owner updates
-            return
+            return False
         if kernel and not w.t().is_contiguous():
             w.data = w.data.t().contiguous().t()
         elif not kernel and not w.is_contiguous():
             w.data = w.data.contiguous()
         else:
-            return
+            return False
         g = w.grad
         if g is not None and type(g) is torch.Tensor and g.shape == w.shape:
             # a gradient kept across the change (zero_grad(set_to_none=False), accumulation):
             # later backward passes add into it in place, and fused optimizers read it as flat
             # memory beside the weight, so it takes the weight's layout too
             w.grad = torch.empty_like(w).copy_(g)
+        return True
 
     # -- checks, statistics ---------------------------------------------------------------------
 
@@ -605,14 +608,7 @@ def use_kernel_layout(model: nn.Module) -> int:
     buffer, parametrized weights) are left as they are."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    n = 0
-    for m in sparse_modules(model):
-        w = m._stored_down_weight()
-        before = None if w is None else w.stride()
-        m._set_kernel_layout(True)
-        w = m._stored_down_weight()
-        n += int(w is not None and w.stride() != before)
-    return n
+    return sum(m._set_kernel_layout(True) for m in sparse_modules(model))
 
 
 def sparse_modules(model: nn.Module) -> list[_SparseFFN]:

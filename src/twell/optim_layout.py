@@ -49,12 +49,10 @@ def _weights():
     # registers itself), and the set would change size mid-iteration.
     for ref in list(_MODULES.data):
         m = ref()
-        down = None if m is None else m._modules.get("down_proj")
-        # The stored parameter, not ``down.weight``: under a parametrization (spectral_norm,
-        # weight_norm) that attribute recomputes the weight, and spectral_norm's power iteration
-        # would advance at every optimizer step.
-        w = None if down is None else down._parameters.get("weight")
-        if isinstance(w, torch.Tensor):
+        # the stored weight (None under a parametrization, whose weight attribute recomputes it:
+        # spectral_norm's power iteration would advance at every optimizer step)
+        w = None if m is None else m._stored_down_weight()
+        if w is not None:
             yield w
 
 

@@ -35,7 +35,7 @@ import torch
 
 from .timing import reset_peak
 
-__all__ = ["calibrate_sparsity", "active_units", "greedy_decode", "bench_model"]
+__all__ = ["calibrate_sparsity", "active_units", "greedy_decode", "random_model", "eager_decode_rounds", "bench_model"]
 
 RESIDUAL_DAMPING_WIDTH = 16.0  # residual_damping = this / d
 SCALE_OVER_REST = 8.0
@@ -335,6 +335,21 @@ def eager_decode_rounds(dense, twell, prompts: dict, new_tokens: int, log, round
             for key, gs in runs.items()}
 
 
+def random_model(preset: str, device="cuda"):
+    """A randomly initialised ``LlamaForCausalLM`` of ``preset``'s shape with ReLU gates, bf16, in
+    eval mode (seed 0; a 49152-id vocabulary, as the paper's tokenizer): what the whole-model
+    benchmark and its probes construct sparsity on (:func:`calibrate_sparsity`)."""
+    from transformers import LlamaForCausalLM
+
+    from ..train.model import make_config
+
+    torch.manual_seed(0)
+    config = make_config(preset, 49152)
+    config.hidden_act = "relu"
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(torch.bfloat16).eval()
+
+
 def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2048, decode_batches=(1, 16),
                 prompt_len: int = 128, new_tokens: int = 128, train_batch: int = 8, energy_s: float = 5.0,
                 lean: bool = True, log: Callable[[str], None] = print, model_path: Optional[str] = None,
@@ -359,19 +374,14 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
 
     Returns ``{"records": [per variant], "decode": [per path and batch], "sparsity": {...}}``.
     """
-    from transformers import LlamaForCausalLM
-
     from .. import sparsify
-    from ..train.model import make_config
     from .inference import machine_info
 
     info = machine_info()
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # (random_model seeds it again: the same draws as before it existed)
     if model_path is None:
-        config = make_config(preset, 49152)
-        config.hidden_act = "relu"
-        with torch.device("cuda"):
-            model = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+        model = random_model(preset)
+        config = model.config
     else:
         from ..train.export import load_model
 
