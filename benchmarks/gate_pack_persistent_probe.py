@@ -10,6 +10,11 @@ persistent kernel's counts differ from the cuBLAS-based pack (rounding ties only
 
     python benchmarks/gate_pack_persistent_probe.py [OUTDIR]
     TRITON_INTERPRET=1 python benchmarks/gate_pack_persistent_probe.py /tmp --smoke   # CPU, tiny shapes
+    python benchmarks/gate_pack_persistent_probe.py OUTDIR --ws   # Triton's loop options instead
+
+``--ws``: the two fastest shapes above (matmul alone, and with the pack) with the loop over output
+tiles flattened and / or warp-specialised (``tl.range(flatten=, warp_specialize=)``), at M 16384
+and 131072, against cuBLAS; writes gate_pack_persistent_ws_probe.json.
 
 Writes OUTDIR/gate_pack_persistent_probe.json; prints a table. Every variant runs on its own:
 one that fails (shared memory, compile error) is recorded and the rest go on.
@@ -47,7 +52,53 @@ SHAPES = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3), (128
           (128, 128, 128, 8, 3), (64, 256, 64, 4, 4), (128, 256, 32, 8, 5)]
 
 
+def loop_options() -> None:
+    rows = []
+
+    def add(**rec):
+        rows.append(rec)
+        print({k: (round(v, 4) if isinstance(v, float) else v) for k, v in rec.items()}, flush=True)
+        with open(os.path.join(OUT, "gate_pack_persistent_ws_probe.json"), "w") as fh:  # a cut run keeps it
+            json.dump(rows, fh, indent=1)
+
+    for M in ((40,) if SMOKE else (16384, 131072)):
+        s = make_ffn(M, D, F, 29 if not SMOKE else 8, "even", dtype=DTYPE, device=DEVICE, seed=7)
+        x, wg = s.x, s.w_gate
+        flop = 2 * M * D * F
+        ms = bench_ms(lambda: torch.mm(x, wg.T))
+        add(M=M, variant="cublas_gate", ms=ms, TFLOPs=flop / ms / 1e9)
+        ms = bench_ms(lambda: pack_relu(torch.mm(x, wg.T), 128))
+        add(M=M, variant="cublas_gate+pack", ms=ms)
+        refs = {t: pack_relu(torch.mm(x, wg.T), t, 4) for t in (128, 256)}
+        for bm, tl_, bk, nw, ns in ((128, 256, 64, 8, 4), (128, 128, 64, 8, 4), (128, 256, 64, 8, 3)):
+            for flatten, ws in ((False, False), (True, False), (False, True), (True, True)):
+                cfg = dict(tile=tl_, block_m=bm, block_k=bk, num_warps=nw, num_stages=ns, flatten=flatten,
+                           warp_specialize=ws)
+                name = f"{bm}x{tl_}x{bk}w{nw}s{ns}" + ("F" if flatten else "") + ("WS" if ws else "")
+                for pack in (False, True):
+                    try:
+                        out = gate_pack_persistent(x, wg, pack=pack, **cfg)
+                        if pack:
+                            check = dict(count_diff=int((out.counts - refs[tl_].counts).abs().sum()))
+                        else:
+                            check = dict(max_diff=float((out.float() - torch.mm(x, wg.T).float()).abs().max()))
+                        ms = bench_ms(lambda: gate_pack_persistent(x, wg, pack=pack, **cfg))
+                        add(M=M, variant="persistent" if pack else "persistent_matmul", cfg=name, ms=ms,
+                            TFLOPs=flop / ms / 1e9, **check)
+                    except Exception as e:  # noqa: BLE001 - a probe records every failure and goes on
+                        add(M=M, variant="persistent" if pack else "persistent_matmul", cfg=name, error=repr(e)[:300])
+        del s, x, wg, refs
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    print(f"\n{'M':>7} {'variant':22} {'cfg':24} {'ms':>8} {'TFLOP/s':>8}")
+    for r in rows:
+        tail = f"ERROR {r['error'][:60]}" if "error" in r else f"{r['ms']:8.3f} {r.get('TFLOPs', 0):8.1f} {r.get('count_diff', r.get('max_diff', ''))}"
+        print(f"{r['M']:>7} {r['variant']:22} {r.get('cfg', ''):24} {tail}")
+
+
 def main() -> None:
+    if "--ws" in sys.argv:
+        return loop_options()
     rows = []
 
     def add(**rec):

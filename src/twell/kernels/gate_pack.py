@@ -392,7 +392,7 @@ def _gate_pack_persistent_kernel(
     M, f, d, SLOTS, N_TILES,
     NUM_PROGS,
     BM: tl.constexpr, TILE: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-    PACK: tl.constexpr, PREC: tl.constexpr,
+    PACK: tl.constexpr, PREC: tl.constexpr, FLATTEN: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
 ):
     # Program p computes output tiles p, p + NUM_PROGS, ... in grouped order (GROUP_M row blocks
     # share each w tile while it is in L2). Descriptor loads past the edges of x and w read
@@ -402,10 +402,11 @@ def _gate_pack_persistent_kernel(
     pid = tl.program_id(0)
     n_m = tl.cdiv(M, BM)
     in_group = GROUP_M * N_TILES
-    # not flattened: a flattened loop keeps the k pipeline's buffers live through the epilogue,
-    # whose [BM, TILE] scan needs its own shared memory (tile 256, 3 stages: 272 KB > 227 KB,
-    # compiled for sm_90 with Triton 3.6)
-    for tile_id in tl.range(pid, n_m * N_TILES, NUM_PROGS, flatten=False):
+    # not flattened by default: a flattened loop keeps the k pipeline's buffers live through the
+    # epilogue, whose [BM, TILE] scan needs its own shared memory (tile 256, 3 stages: 272 KB >
+    # 227 KB, compiled for sm_90 with Triton 3.6). FLATTEN / WARP_SPECIALIZE: Triton's loop
+    # options, to measure (a producer warp loading the next tile's operands during the epilogue)
+    for tile_id in tl.range(pid, n_m * N_TILES, NUM_PROGS, flatten=FLATTEN, warp_specialize=WARP_SPECIALIZE):
         pid_m, t = _grouped_tile(tile_id, n_m, in_group, GROUP_M)
         acc = tl.zeros([BM, TILE], dtype=tl.float32)
         for k0 in range(0, d, BK):
@@ -450,6 +451,8 @@ def gate_pack_persistent(
     num_stages: int = 3,
     num_programs: Optional[int] = None,
     pack: bool = True,
+    flatten: bool = False,
+    warp_specialize: bool = False,
 ):
     """``relu(x w^T)`` into TwELL by a persistent Triton matmul with tensor-descriptor loads that
     packs in its epilogue (as :func:`gate_pack_fused`; the same layout and overflow contract).
@@ -462,6 +465,8 @@ def gate_pack_persistent(
             number of output tiles).
         pack: False returns the dense pre-activation ``[M, f]`` instead (the matmul alone, for
             benchmarks).
+        flatten, warp_specialize: Triton's options for the loop over output tiles (``tl.range``),
+            for benchmarks; off by default (see the note in the kernel).
 
     Returns:
         A kernel-written :class:`TwELL` (``overflow_values`` None: recompute overflowed tiles
@@ -498,7 +503,7 @@ def gate_pack_persistent(
             x_desc, w_desc, out.values, out.cols, out.counts, dense if dense is not None else out.counts,
             M, f, d, out.slots, out.n_tiles, num_programs,
             BM=block_m, TILE=tile, BK=block_k, GROUP_M=8, PACK=pack,
-            PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            PREC="ieee" if x.dtype == torch.float32 else "tf32", FLATTEN=flatten, WARP_SPECIALIZE=warp_specialize,
             num_warps=num_warps, num_stages=num_stages,
         )
     return out if pack else dense
