@@ -1,49 +1,88 @@
 """Every-step-eager greedy decoding (Hugging Face forward, StaticCache, no CUDA graph of the
-step), dense and twell alternated in rounds in one process, so that both see the same host
-phases. `twell bench model` timed the two variants one after the other until the eighteenth
-session, and on this machine's host-bound eager steps that order alone moved the ratio by a third.
+step) of dense and twell in one process, so that both see the same host phases. `twell bench
+model` timed the two variants one after the other until the eighteenth session, and on this
+machine's host-bound eager steps that order alone moved the ratio by a third; alternated rounds
+(the eighteenth session's form of this probe) still spread by 15% from round to round. Now the
+two decode in lockstep, step by step (`twell.bench.model.eager_decode_interleaved`, as `twell
+bench model` runs them).
 
-    python benchmarks/eager_decode_ab_probe.py [PRESET] [ROUNDS]
+    python benchmarks/eager_decode_ab_probe.py [PRESET] [NEW_TOKENS] [--hooks]
 
-One untimed decode of each first (kernels compile, each layer captures its graphs: otherwise
-inside the first timed window). Prints ms per step of each variant, batch and round, and the
-median ratio; writes $OUT/eager_decode_ab_<preset>.json. The rounds are
-`twell.bench.model.eager_decode_rounds`, as `twell bench model` now runs them; the committed
-results (eighteenth session) came from this script's first form, the same rounds written out
-here, with two untimed steps per decode where greedy_decode now takes five."""
+``--hooks``: forward pre- and post-hooks on every decoder layer's ``mlp`` and ``self_attn`` (both
+models) add up the host's time inside each (eager: the time to issue its work), reported as us
+per call beside the step times (the hooks' own cost falls on both models alike).
+
+One untimed decode of each first (kernels compile, each layer captures its graphs). Prints the
+median step of each variant and batch, the median ratio and its quartiles; writes
+$OUT/eager_decode_ab_<preset>.json."""
 
 import copy
 import json
 import os
 import statistics
 import sys
+import time
 
 import torch
 
 from twell import sparsify
-from twell.bench.model import calibrate_sparsity, eager_decode_rounds, greedy_decode, random_model
+from twell.bench.model import calibrate_sparsity, eager_decode_interleaved, greedy_decode, random_model
 
-preset = sys.argv[1] if len(sys.argv) > 1 else "0.5b"
-rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
+args = [a for a in sys.argv[1:] if not a.startswith("--")]
+preset = args[0] if args else "0.5b"
+new_tokens = int(args[1]) if len(args) > 1 else 128
+HOOKS = "--hooks" in sys.argv
 dense = random_model(preset)
 vocab = dense.config.vocab_size
 gen = torch.Generator(device="cuda").manual_seed(1)
 calibrate_sparsity(dense, 29, torch.randint(0, vocab, (4, 2048), device="cuda", generator=gen))
 twell_model = sparsify(copy.deepcopy(dense)).eval()
 prompts = {b: torch.randint(0, vocab, (b, 128), device="cuda", generator=gen) for b in (1, 16)}
+out = {"preset": preset, "new_tokens": new_tokens, "gpu": torch.cuda.get_device_name()}
+host: dict = {}
+
+
+def add_host_hooks(model, name: str) -> None:
+    """Host seconds spent inside each decoder layer's mlp and self_attn calls, summed in host[(name, part)]."""
+    for layer in model.model.layers:
+        for part in ("mlp", "self_attn"):
+            mod, key, t0 = getattr(layer, part), (name, part), [0.0]
+
+            def pre(*_, t0=t0):
+                t0[0] = time.perf_counter()
+
+            def post(*_, t0=t0, key=key):
+                total, n = host.get(key, (0.0, 0))
+                host[key] = (total + time.perf_counter() - t0[0], n + 1)
+
+            mod.register_forward_pre_hook(pre)
+            mod.register_forward_hook(post)
+
+
 with torch.no_grad():
     for model in (dense, twell_model):  # untimed: kernels compile, each layer captures its graphs
         for p in prompts.values():
             greedy_decode(model, p, 16, graph=False)
-    runs = eager_decode_rounds(dense, twell_model, prompts, 128, print, rounds)  # (twell bench model's rounds)
-res = {f"{name}_b{b}": g["round_step_ms"] for (name, b), g in runs.items()}
+    if HOOKS:
+        add_host_hooks(dense, "dense")
+        add_host_hooks(twell_model, "twell")
+    for b, p in prompts.items():
+        host.clear()
+        pair = eager_decode_interleaved(dense, twell_model, p, new_tokens)
+        if HOOKS:  # us per call, over every call of the decode (the prompt's forward included)
+            out[f"host_us_b{b}"] = {f"{n}_{part}": 1e6 * t / c for (n, part), (t, c) in host.items()}
+            print(f"batch {b}: host us per call {({k: round(v, 1) for k, v in out[f'host_us_b{b}'].items()})}")
+        r = pair["twell"]["step_ratios"]
+        out[f"b{b}"] = {"dense_steps_ms": pair["dense"]["steps_ms"], "twell_steps_ms": pair["twell"]["steps_ms"],
+                        "speedup": pair["dense"]["step_ms"] / pair["twell"]["step_ms"],
+                        "ratio_quartiles": statistics.quantiles(r, n=4),
+                        "tokens_match": bool(torch.equal(pair["dense"]["tokens"], pair["twell"]["tokens"]))}
+        print(f"batch {b}: median step dense {pair['dense']['step_ms']:.2f} ms, twell {pair['twell']['step_ms']:.2f} ms, "
+              f"twell / dense tokens/s {out[f'b{b}']['speedup']:.3f} (pairs' quartiles "
+              f"{[round(x, 3) for x in out[f'b{b}']['ratio_quartiles']]}), tokens match {out[f'b{b}']['tokens_match']}")
 mods = [m for m in twell_model.modules() if hasattr(m, "eager_graphs")]
-out = {"preset": preset, "step_ms": res, "replays": sum(m.eager_graphs.replays for m in mods),
-       "captures": sum(m.eager_graphs.captures for m in mods), "gpu": torch.cuda.get_device_name()}
-for b in prompts:
-    ratios = [d / t for d, t in zip(res[f"dense_b{b}"], res[f"twell_b{b}"])]
-    out[f"speedup_b{b}"] = statistics.median(ratios)
-    print(f"batch {b}: twell / dense tokens/s per round {[round(x, 3) for x in ratios]}, median {out[f'speedup_b{b}']:.3f}")
+out["replays"] = sum(m.eager_graphs.replays for m in mods)
+out["captures"] = sum(m.eager_graphs.captures for m in mods)
 print("replays", out["replays"], "captures", out["captures"])
 with open(os.path.join(os.environ.get("OUT", "/tmp"), f"eager_decode_ab_{preset}.json"), "w") as fh:
     json.dump(out, fh, indent=1)

@@ -57,7 +57,10 @@ def test_greedy_decode_equals_generate():
     assert out["first_logits"].shape == (2, model.config.vocab_size) and out["timed_steps"] == 1  # 6 steps: eager, 5 untimed
     # (until twell's layers have captured and replayed their graphs: twell.eager_graphs.CAPTURE_AFTER + 2)
     sparse = sparsify(model).eval()
+    grad = []  # decoding runs without gradients, as generate does: twell's modules take their inference path
+    sparse.register_forward_pre_hook(lambda *_: grad.append(torch.is_grad_enabled()))
     assert torch.equal(greedy_decode(sparse, prompt, 7, graph=False)["tokens"], ref)
+    assert len(grad) == 7 and not any(grad)
 
 
 def test_bench_model_reads_a_trained_run(tmp_path):
@@ -191,23 +194,31 @@ def test_chain_graph_ms_times_all_layers_per_replay_and_divides(monkeypatch):
     assert ms == pytest.approx(6.0 / 4)
 
 
-def test_eager_decode_rounds_alternate_the_two_models():
-    """Every-step-eager decoding is timed with dense and twell alternated, round by round: each
-    model decodes each batch once per round, the step time is the median of the rounds, and the
-    two models (same weights) give the same tokens."""
+def test_eager_decode_interleaved_pairs_the_two_models():
+    """Every-step-eager decoding is timed with dense and twell in lockstep: after the prompts and
+    the untimed steps, each step of one model is followed by the same step of the other, the
+    order swapped every step; one time and one ratio per step; the same tokens."""
     import copy
+    import statistics
 
-    from twell.bench.model import eager_decode_rounds
+    from twell.bench.model import _untimed_eager_steps, eager_decode_interleaved
 
     dense = _model(layers=2, seed=3)
     calibrate_sparsity(dense, 10, torch.randint(0, 300, (2, 64)))
     sparse = sparsify(copy.deepcopy(dense)).eval()
-    order = []
-    out = eager_decode_rounds(dense, sparse, {1: torch.randint(0, 300, (1, 9)), 2: torch.randint(0, 300, (2, 9))}, 8,
-                              order.append, rounds=3)
-    assert sorted(out) == [("dense", 1), ("dense", 2), ("twell", 1), ("twell", 2)]
-    assert [line.split(" ")[0] for line in order] == ["dense", "dense", "twell", "twell"] * 3
-    for g in out.values():
-        assert len(g["round_step_ms"]) == 3 and g["step_ms"] == sorted(g["round_step_ms"])[1]
-    for b in (1, 2):
-        assert torch.equal(out[("dense", b)]["tokens"], out[("twell", b)]["tokens"])
+    calls, grad = [], []
+    dense.register_forward_pre_hook(lambda *_: calls.append("d"))
+    sparse.register_forward_pre_hook(lambda *_: calls.append("t"))
+    for m in (dense, sparse):  # no gradient: twell's modules take their inference path
+        m.register_forward_pre_hook(lambda *_: grad.append(torch.is_grad_enabled()))
+    untimed, timed = _untimed_eager_steps(), 5
+    new_tokens = 1 + untimed + timed  # the prompt's forward gives the first token
+    out = eager_decode_interleaved(dense, sparse, torch.randint(0, 300, (2, 9)), new_tokens)
+    assert calls == ["d", "t"] + ["d", "t"] * untimed + ["d", "t", "t", "d", "d", "t", "t", "d", "d", "t"]
+    assert len(grad) == len(calls) and not any(grad)
+    for g in (out["dense"], out["twell"]):
+        assert g["timed_steps"] == timed and len(g["steps_ms"]) == timed
+        assert g["step_ms"] == statistics.median(g["steps_ms"]) and not g["graph"]
+    assert out["twell"]["step_ratios"] == [d / t for d, t in zip(out["dense"]["steps_ms"], out["twell"]["steps_ms"])]
+    assert out["dense"]["tokens"].shape == (2, 9 + new_tokens)
+    assert torch.equal(out["dense"]["tokens"], out["twell"]["tokens"])

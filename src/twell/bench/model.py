@@ -35,11 +35,10 @@ import torch
 
 from .timing import reset_peak
 
-__all__ = ["calibrate_sparsity", "active_units", "greedy_decode", "random_model", "eager_decode_rounds", "bench_model"]
+__all__ = ["calibrate_sparsity", "active_units", "greedy_decode", "random_model", "eager_decode_interleaved", "bench_model"]
 
 RESIDUAL_DAMPING_WIDTH = 16.0  # residual_damping = this / d
 SCALE_OVER_REST = 8.0
-EAGER_ROUNDS = 3  # alternated rounds of every-step-eager decoding, dense and twell
 
 
 def _gated_mlps(model) -> list:
@@ -121,6 +120,45 @@ def active_units(model, ids: torch.Tensor) -> dict:
             "active_max": [int(r.max()) for r in rows]}
 
 
+class _GreedyState:
+    """Greedy generation after ``prompt [B, P]`` with a Hugging Face ``StaticCache`` of
+    ``P + new_tokens`` positions: the prompt's forward runs here (eager), then :meth:`step`
+    (``stepper``'s forward of the last token, argmax, bookkeeping: all on the device, no host
+    sync) appends one token a call. ``stepper`` defaults to ``model``."""
+
+    def __init__(self, model, prompt: torch.Tensor, new_tokens: int, stepper=None):
+        from transformers import StaticCache
+
+        B, P = prompt.shape
+        dev = prompt.device
+        self.cache = StaticCache(config=model.config, max_cache_len=P + new_tokens)
+        self.tokens = torch.zeros(B, P + new_tokens, dtype=torch.long, device=dev)
+        self.tokens[:, :P] = prompt
+        logits = model(input_ids=prompt, past_key_values=self.cache, cache_position=torch.arange(P, device=dev),
+                       use_cache=True).logits
+        self.first_logits = logits[:, -1].float()
+        self.ids = logits[:, -1:].argmax(-1)  # [B, 1]: the token at position P
+        self.tokens[:, P] = self.ids[:, 0]
+        self.cur = torch.full((1,), P, dtype=torch.long, device=dev)  # position of `ids`
+        self.stepper = model if stepper is None else stepper
+        self.steps = new_tokens - 1  # the token at position P came from the prompt's forward
+
+    def step(self) -> None:
+        lg = self.stepper(input_ids=self.ids, past_key_values=self.cache, cache_position=self.cur, use_cache=True).logits
+        nxt = lg[:, -1].argmax(-1)  # [B]
+        self.tokens.index_copy_(1, self.cur + 1, nxt[:, None])
+        self.ids.copy_(nxt[:, None])
+        self.cur.add_(1)
+
+
+def _untimed_eager_steps() -> int:
+    """Eager steps run before timing: until every twell layer has captured its graph of this
+    batch size (at its ``CAPTURE_AFTER``-th call) and replayed it once."""
+    from .. import eager_graphs
+
+    return eager_graphs.CAPTURE_AFTER + 2
+
+
 @torch.no_grad()
 def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, graph: bool = True, warmup: int = 3,
                   step_model=None) -> dict:
@@ -133,42 +171,17 @@ def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, graph: bool = Tr
     Returns ``{"tokens": [B, P + new_tokens], "first_logits": [B, vocab] fp32,
     "step_ms": mean ms per timed step (one event pair around all of them), "timed_steps": n, "graph": bool}``.
     """
-    from transformers import StaticCache
-
-    B, P = prompt.shape
+    state = _GreedyState(model, prompt, new_tokens, step_model)
     dev = prompt.device
-    cache = StaticCache(config=model.config, max_cache_len=P + new_tokens)
-    tokens = torch.zeros(B, P + new_tokens, dtype=torch.long, device=dev)
-    tokens[:, :P] = prompt
-    logits = model(input_ids=prompt, past_key_values=cache, cache_position=torch.arange(P, device=dev),
-                   use_cache=True).logits
-    first_logits = logits[:, -1].float()
-    ids = logits[:, -1:].argmax(-1)  # [B, 1]: the token at position P
-    tokens[:, P] = ids[:, 0]
-    cur = torch.full((1,), P, dtype=torch.long, device=dev)  # position of `ids`
-    del logits
-
-    stepper = model if step_model is None else step_model
-
-    def step():
-        lg = stepper(input_ids=ids, past_key_values=cache, cache_position=cur, use_cache=True).logits
-        nxt = lg[:, -1].argmax(-1)  # [B]
-        tokens.index_copy_(1, cur + 1, nxt[:, None])
-        ids.copy_(nxt[:, None])
-        cur.add_(1)
-
-    steps = new_tokens - 1  # the token at position P came from the prompt's forward
-    run, used_graph = step, False
+    steps = state.steps
+    run, used_graph = state.step, False
     if graph and dev.type == "cuda":
         from .timing import capture
 
         steps -= warmup  # capture() runs `warmup` real steps before it captures one
-        run, used_graph = capture(step, warmup=warmup).replay, True
-    # untimed: the first replays upload the graph; eager steps, until every twell layer has
-    # captured its graph of this batch size (at its CAPTURE_AFTER-th call) and replayed it once
-    from .. import eager_graphs
-
-    for _ in range(min(2 if used_graph else eager_graphs.CAPTURE_AFTER + 2, steps)):
+        run, used_graph = capture(state.step, warmup=warmup).replay, True
+    # untimed: the first replays upload the graph; eager steps, until twell's layers replay
+    for _ in range(min(2 if used_graph else _untimed_eager_steps(), steps)):
         run()
         steps -= 1
     if dev.type == "cuda":
@@ -184,7 +197,44 @@ def greedy_decode(model, prompt: torch.Tensor, new_tokens: int, graph: bool = Tr
         for _ in range(steps):
             run()
         ms = (time.perf_counter() - t0) * 1e3 / max(steps, 1)
-    return {"tokens": tokens.cpu(), "first_logits": first_logits.cpu(), "step_ms": ms, "timed_steps": steps, "graph": used_graph}
+    return {"tokens": state.tokens.cpu(), "first_logits": state.first_logits.cpu(), "step_ms": ms, "timed_steps": steps,
+            "graph": used_graph}
+
+
+@torch.no_grad()
+def eager_decode_interleaved(dense, twell, prompt: torch.Tensor, new_tokens: int) -> dict:
+    """Every-step-eager greedy decoding of ``dense`` and ``twell`` (same weights) step by step in
+    lockstep: each step of one model is followed by the same step of the other (the order
+    swapped every step), each timed alone by the host's clock between two device
+    synchronisations. An eager step is bound by the host, whose speed here drifts by up to a
+    third within seconds (benchmarks/NOTES_decode.md, nineteenth session); paired steps see the
+    same drift, so their ratio holds where separate runs do not.
+
+    Returns ``{"dense": result, "twell": result}`` as :func:`greedy_decode` returns it (``graph``
+    False), ``step_ms`` the median of the timed steps, with ``steps_ms`` each step's time and
+    ``step_ratios`` each pair's dense / twell."""
+    cuda = prompt.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    states = {name: _GreedyState(m, prompt, new_tokens) for name, m in (("dense", dense), ("twell", twell))}
+    steps = states["dense"].steps
+    for _ in range(min(_untimed_eager_steps(), steps)):
+        for st in states.values():
+            st.step()
+    times: dict = {"dense": [], "twell": []}
+    for i in range(steps - min(_untimed_eager_steps(), steps)):
+        for name in (("dense", "twell") if i % 2 == 0 else ("twell", "dense")):
+            sync()
+            t0 = time.perf_counter()
+            states[name].step()
+            sync()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    out = {}
+    for name, st in states.items():
+        out[name] = {"tokens": st.tokens.cpu(), "first_logits": st.first_logits.cpu(),
+                     "step_ms": statistics.median(times[name]) if times[name] else math.nan,
+                     "steps_ms": times[name], "timed_steps": len(times[name]), "graph": False}
+    out["twell"]["step_ratios"] = [d / t for d, t in zip(times["dense"], times["twell"])]
+    return out
 
 
 def _nvml_handle():
@@ -321,20 +371,6 @@ def _decode_all(model, prompts: dict, new_tokens: int, variant: str, label: str,
     return out
 
 
-def eager_decode_rounds(dense, twell, prompts: dict, new_tokens: int, log, rounds: int = EAGER_ROUNDS) -> dict:
-    """Every-step-eager greedy decoding of ``dense`` and ``twell`` (same weights) alternated in
-    ``rounds`` rounds, each model and batch once per round. Returns ``{(name, batch): result}``
-    ("dense" / "twell") as :func:`greedy_decode` returns it, with ``step_ms`` the median over the
-    rounds and ``round_step_ms`` each round's."""
-    runs: dict = {}
-    for _ in range(rounds):
-        for name, m in (("dense", dense), ("twell", twell)):
-            for b, g in _decode_all(m, prompts, new_tokens, name, "hf eager", log, graph=False).items():
-                runs.setdefault((name, b), []).append(g)
-    return {key: {**gs[-1], "step_ms": statistics.median(g["step_ms"] for g in gs), "round_step_ms": [g["step_ms"] for g in gs]}
-            for key, gs in runs.items()}
-
-
 def random_model(preset: str, device="cuda"):
     """A randomly initialised ``LlamaForCausalLM`` of ``preset``'s shape with ReLU gates, bf16, in
     eval mode (seed 0; a 49152-id vocabulary, as the paper's tokenizer): what the whole-model
@@ -424,9 +460,9 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
 
         lean_ctx = (lambda: sdpa_kernel(lean_backends, set_priority=True)) if lean_backends else contextlib.nullcontext
         paths.append(("lean", lean_ctx))
-    # every-step-eager decoding is bound by the host, whose speed drifts by up to a third over
-    # minutes here: dense (a copy kept for it) and twell are alternated in rounds, not timed one
-    # after the other (benchmarks/NOTES_decode.md, eighteenth session)
+    # every-step-eager decoding is bound by the host, whose speed drifts by up to a third here:
+    # dense (a copy kept for it) and twell decode in lockstep, step by step, not one after the
+    # other (benchmarks/NOTES_decode.md, eighteenth and nineteenth sessions)
     # (kept on the CPU until then, so that no other measurement's peak memory counts it)
     dense_twin = copy.deepcopy(model).cpu()
     torch.cuda.empty_cache()
@@ -478,8 +514,17 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                 del step_model
                 if path == "hf" and variant == "twell":  # and as most users generate: every step eager
                     dense_twin.to(ids.device)  # (both models on the GPU: these records' peaks count both)
-                    for (name, b), g in eager_decode_rounds(dense_twin, model, prompts, new_tokens, log).items():
-                        decodes[(name, "hf-eager", b)] = g
+                    for b, prompt in prompts.items():
+                        torch.cuda.reset_peak_memory_stats()
+                        pair = eager_decode_interleaved(dense_twin, model, prompt, new_tokens)
+                        peak = int(torch.cuda.max_memory_allocated())
+                        mods = [m for m in model.modules() if hasattr(m, "eager_graphs")]
+                        pair["twell"]["paths"] = sorted({m.last_path for m in mods if m.last_path})
+                        pair["twell"]["eager_graph_replays"] = sum(m.eager_graphs.replays for m in mods)
+                        for name, g in pair.items():
+                            decodes[(name, "hf-eager", b)] = {**g, "peak": peak}
+                        log(f"hf eager decode batch {b}, steps interleaved: dense {pair['dense']['step_ms'] * 1e3:.0f} us, "
+                            f"twell {pair['twell']['step_ms'] * 1e3:.0f} us per step (median of {pair['twell']['timed_steps']})")
                     del dense_twin
                     torch.cuda.empty_cache()
         if train_batch:
@@ -494,20 +539,22 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
             dn, tw = decodes[("dense", path, b)], decodes[("twell", path, b)]
             same = (dn["tokens"] == tw["tokens"]).all(dim=0)
             diverge = None if bool(same.all()) else int((~same).nonzero()[0]) - prompt_len
-            rounds = [d / t for d, t in zip(dn.get("round_step_ms", ()), tw.get("round_step_ms", ()))]
+            ratios = tw.get("step_ratios")
             decode.append(dict(
                 preset=preset, path=path, batch=b, prompt_len=prompt_len, new_tokens=new_tokens, k=k if cal else None, sparsity_source=source,
                 dense_tok_s=b * 1e3 / dn["step_ms"], twell_tok_s=b * 1e3 / tw["step_ms"],
-                speedup=statistics.median(rounds) if rounds else dn["step_ms"] / tw["step_ms"],
-                **({"round_speedups": rounds} if rounds else {}), tokens_match=diverge is None, first_divergence=diverge,
+                speedup=dn["step_ms"] / tw["step_ms"],
+                **({"step_ratio_quartiles": statistics.quantiles(ratios, n=4)} if ratios and len(ratios) > 1 else {}),
+                tokens_match=diverge is None, first_divergence=diverge,
                 first_logits_rel_err=_rel_err(tw["first_logits"], dn["first_logits"]),
                 peak_bytes=tw["peak"], dense_peak_bytes=dn["peak"], graph=dn["graph"] and tw["graph"],
                 twell_paths=tw.get("paths"), attention=lean_name if path == "lean" else attention,
                 method=("Hugging Face forward with a StaticCache, greedy; every step eager (twell replays its own "
-                        f"CUDA graphs of small MLP calls: twell.eager_graphs); dense and twell alternated in {EAGER_ROUNDS} "
-                        "rounds: tokens/s from the median step, speedup the median of the rounds' ratios; both "
-                        "models on the GPU, so both peaks count both; eager_graph_replays: cumulative over the "
-                        "rounds and batches")
+                        "CUDA graphs of small MLP calls: twell.eager_graphs); dense and twell in lockstep, each step "
+                        "of one followed by the same step of the other (order swapped every step), each timed "
+                        "between two device synchronisations: tokens/s and speedup from the median steps, "
+                        "step_ratio_quartiles of the pairs' dense / twell; both models on the GPU, so both "
+                        "peaks count both; eager_graph_replays: cumulative over the batches")
                 if path == "hf-eager" else
                        ("Hugging Face forward with a StaticCache, greedy; prompt eager, then one CUDA graph replay "
                         "per token" + ("; decoder layers compiled" if path == "lean" else "")),
