@@ -97,6 +97,23 @@ def test_jsonl_without_the_text_field_is_a_clear_error(tmp_path):
         main(["train", *FAST, "--out", str(tmp_path / "run"), "--data", str(tmp_path / "d.jsonl")])
 
 
+def test_a_tokenizer_that_cannot_be_loaded_is_a_clear_error(tmp_path, monkeypatch):
+    """A hub name with no network (and not cached) or a wrong name: one line, not transformers'
+    traceback (twell train, twell data prepare)."""
+    import transformers
+
+    def offline(name, *a, **k):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {name}.\nCheck your connection.")
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    (tmp_path / "d.jsonl").write_text(json.dumps({"text": "x" * 100}) + "\n")
+    line = r"tokenizer 'org/tok' could not be loaded: We couldn't connect to 'https://huggingface.co' to load org/tok\. \("
+    with pytest.raises(SystemExit, match="^twell train: " + line):
+        main(["train", *FAST, "--out", str(tmp_path / "run"), "--data", str(tmp_path / "d.jsonl"), "--tokenizer", "org/tok"])
+    with pytest.raises(SystemExit, match="^twell data prepare: " + line):
+        main(["data", "prepare", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "prep"), "--tokenizer", "org/tok"])
+
+
 def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):
     import torch
 

@@ -238,7 +238,10 @@ def eval_main(argv=None) -> dict:
         print(f"note: {path}: {note}; it is evaluated with ReLU, not as it was trained", file=sys.stderr)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     tok_spec = a.tokenizer or run_tokenizer(path, cfg.tokenizer)
-    tokenizer = load_tokenizer(tok_spec)
+    try:
+        tokenizer = load_tokenizer(tok_spec)
+    except ValueError as err:
+        raise SystemExit(f"twell eval: {err}")
     hf_logging.disable_progress_bar()  # keep the report to what twell prints
     model = load_model(path, dtype=torch.float32)  # a sharded checkpoint's shards assembled here
     sparsify(model)

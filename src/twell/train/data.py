@@ -100,7 +100,12 @@ class HFTokenizer:
         from transformers import AutoTokenizer
 
         self.name = name_or_path
-        self.tok = AutoTokenizer.from_pretrained(name_or_path)
+        try:
+            self.tok = AutoTokenizer.from_pretrained(name_or_path)
+        except OSError as err:  # not a folder, not on the hub, or no network and not cached
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise ValueError(f"tokenizer {name_or_path!r} could not be loaded: {first} (a local folder, or a hub name "
+                             "with network access or in the local cache)") from err
         self.vocab_size = len(self.tok)
         eos = self.tok.eos_token_id if self.tok.eos_token_id is not None else self.tok.sep_token_id
         if eos is None:
