@@ -10,10 +10,11 @@ bench model` runs them).
 
 ``--hooks``: forward pre- and post-hooks on every decoder layer's ``mlp`` and ``self_attn`` (both
 models) add up the host's time inside each (eager: the time to issue its work), reported as us
-per call beside the step times (the hooks' own cost falls on both models alike).
+per decode-step call (one token per sequence; the prompt's calls are left out) beside the step
+times (the hooks' own cost falls on both models alike).
 
 One untimed decode of each first (kernels compile, each layer captures its graphs). Prints the
-median step of each variant and batch, the median ratio and its quartiles; writes
+median step of each variant and batch, their ratio and the quartiles of the pairs' ratios; writes
 $OUT/eager_decode_ab_<preset>.json."""
 
 import copy
@@ -48,14 +49,17 @@ def add_host_hooks(model, name: str) -> None:
         for part in ("mlp", "self_attn"):
             mod, key, t0 = getattr(layer, part), (name, part), [0.0]
 
-            def pre(*_, t0=t0):
-                t0[0] = time.perf_counter()
+            def pre(_mod, args, kwargs, t0=t0):
+                hidden = args[0] if args else kwargs.get("hidden_states")
+                t0[0] = time.perf_counter() if hidden.shape[-2] == 1 else None  # decode steps only
 
             def post(*_, t0=t0, key=key):
+                if t0[0] is None:
+                    return
                 total, n = host.get(key, (0.0, 0))
                 host[key] = (total + time.perf_counter() - t0[0], n + 1)
 
-            mod.register_forward_pre_hook(pre)
+            mod.register_forward_pre_hook(pre, with_kwargs=True)
             mod.register_forward_hook(post)
 
 
@@ -69,17 +73,17 @@ with torch.no_grad():
     for b, p in prompts.items():
         host.clear()
         pair = eager_decode_interleaved(dense, twell_model, p, new_tokens)
-        if HOOKS:  # us per call, over every call of the decode (the prompt's forward included)
+        if HOOKS:  # us per call, over the decode steps' calls (the untimed ones included)
             out[f"host_us_b{b}"] = {f"{n}_{part}": 1e6 * t / c for (n, part), (t, c) in host.items()}
             print(f"batch {b}: host us per call {({k: round(v, 1) for k, v in out[f'host_us_b{b}'].items()})}")
         r = pair["twell"]["step_ratios"]
         out[f"b{b}"] = {"dense_steps_ms": pair["dense"]["steps_ms"], "twell_steps_ms": pair["twell"]["steps_ms"],
                         "speedup": pair["dense"]["step_ms"] / pair["twell"]["step_ms"],
-                        "ratio_quartiles": statistics.quantiles(r, n=4),
+                        "ratio_quartiles": statistics.quantiles(r, n=4) if len(r) > 1 else None,
                         "tokens_match": bool(torch.equal(pair["dense"]["tokens"], pair["twell"]["tokens"]))}
         print(f"batch {b}: median step dense {pair['dense']['step_ms']:.2f} ms, twell {pair['twell']['step_ms']:.2f} ms, "
               f"twell / dense tokens/s {out[f'b{b}']['speedup']:.3f} (pairs' quartiles "
-              f"{[round(x, 3) for x in out[f'b{b}']['ratio_quartiles']]}), tokens match {out[f'b{b}']['tokens_match']}")
+              f"{out[f'b{b}']['ratio_quartiles']}), tokens match {out[f'b{b}']['tokens_match']}")
 mods = [m for m in twell_model.modules() if hasattr(m, "eager_graphs")]
 out["replays"] = sum(m.eager_graphs.replays for m in mods)
 out["captures"] = sum(m.eager_graphs.captures for m in mods)

@@ -112,6 +112,16 @@ def test_a_tokenizer_that_cannot_be_loaded_is_a_clear_error(tmp_path, monkeypatc
         main(["train", *FAST, "--out", str(tmp_path / "run"), "--data", str(tmp_path / "d.jsonl"), "--tokenizer", "org/tok"])
     with pytest.raises(SystemExit, match="^twell data prepare: " + line):
         main(["data", "prepare", str(tmp_path / "d.jsonl"), "--out", str(tmp_path / "prep"), "--tokenizer", "org/tok"])
+    monkeypatch.undo()
+    main(["train", *FAST, "--out", str(tmp_path / "run"), "--steps", "1"])  # byte tokens
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", offline)
+    with pytest.raises(SystemExit, match="^twell eval: " + line):
+        main(["eval", str(tmp_path / "run"), "--tokenizer", "org/tok"])
+    bad = tmp_path / "bad"  # a checkpoint's tokenizer file that is not one: the error names it
+    bad.mkdir()
+    (bad / "twell_tokenizer.json").write_text("{not json")
+    with pytest.raises(SystemExit, match=r"^twell eval: .*bad/twell_tokenizer\.json: not a twell tokenizer file"):
+        main(["eval", str(tmp_path / "run"), "--tokenizer", str(bad)])
 
 
 def test_cuda_without_a_gpu_is_a_clear_error(tmp_path):

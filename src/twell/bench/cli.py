@@ -367,8 +367,12 @@ def _trained_model(spec: str):
     if not saved:
         return str(path), None, None
     cfg = TrainConfig(**{k: v for k, v in saved.items() if k in TrainConfig.__dataclass_fields__})
-    tokenizer = load_tokenizer(run_tokenizer(path, cfg.tokenizer))
-    _, val = load_corpus(cfg.data, tokenizer, cfg.seq_len or 2048, cfg.seed, cfg.val_fraction, cfg.text_field, cfg.max_docs)
+    try:
+        tokenizer = load_tokenizer(run_tokenizer(path, cfg.tokenizer))
+        _, val = load_corpus(cfg.data, tokenizer, cfg.seq_len or 2048, cfg.seed, cfg.val_fraction, cfg.text_field,
+                             cfg.max_docs)
+    except (ValueError, FileNotFoundError, ImportError) as err:
+        raise SystemExit(f"twell bench model: {err}")
     return str(path), torch.as_tensor(np.asarray(val.tokens[: len(val.tokens)], dtype=np.int64)), saved.get("preset")
 
 

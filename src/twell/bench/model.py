@@ -206,9 +206,10 @@ def eager_decode_interleaved(dense, twell, prompt: torch.Tensor, new_tokens: int
     """Every-step-eager greedy decoding of ``dense`` and ``twell`` (same weights) step by step in
     lockstep: each step of one model is followed by the same step of the other (the order
     swapped every step), each timed alone by the host's clock between two device
-    synchronisations. An eager step is bound by the host, whose speed here drifts by up to a
-    third within seconds (benchmarks/NOTES_decode.md, nineteenth session); paired steps see the
-    same drift, so their ratio holds where separate runs do not.
+    synchronisations. An eager step is bound by the host, whose speed here moved a step by up to
+    a third between runs and by 15% between rounds a minute apart (benchmarks/NOTES_decode.md,
+    eighteenth and nineteenth sessions); paired steps see the same host phase, so their ratio
+    holds where separate runs do not.
 
     Returns ``{"dense": result, "twell": result}`` as :func:`greedy_decode` returns it (``graph``
     False), ``step_ms`` the median of the timed steps, with ``steps_ms`` each step's time and
@@ -515,13 +516,13 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                 if path == "hf" and variant == "twell":  # and as most users generate: every step eager
                     dense_twin.to(ids.device)  # (both models on the GPU: these records' peaks count both)
                     for b, prompt in prompts.items():
-                        torch.cuda.reset_peak_memory_stats()
+                        reset_peak()
                         pair = eager_decode_interleaved(dense_twin, model, prompt, new_tokens)
                         peak = int(torch.cuda.max_memory_allocated())
                         mods = [m for m in model.modules() if hasattr(m, "eager_graphs")]
                         pair["twell"]["paths"] = sorted({m.last_path for m in mods if m.last_path})
                         pair["twell"]["eager_graph_replays"] = sum(m.eager_graphs.replays for m in mods)
-                        for name, g in pair.items():
+                        for name, g in pair.items():  # one peak of the pair: both records carry it
                             decodes[(name, "hf-eager", b)] = {**g, "peak": peak}
                         log(f"hf eager decode batch {b}, steps interleaved: dense {pair['dense']['step_ms'] * 1e3:.0f} us, "
                             f"twell {pair['twell']['step_ms'] * 1e3:.0f} us per step (median of {pair['twell']['timed_steps']})")
@@ -553,8 +554,9 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                         "CUDA graphs of small MLP calls: twell.eager_graphs); dense and twell in lockstep, each step "
                         "of one followed by the same step of the other (order swapped every step), each timed "
                         "between two device synchronisations: tokens/s and speedup from the median steps, "
-                        "step_ratio_quartiles of the pairs' dense / twell; both models on the GPU, so both "
-                        "peaks count both; eager_graph_replays: cumulative over the batches")
+                        "step_ratio_quartiles of the pairs' dense / twell; both models decode at once on the GPU, "
+                        "so peak_bytes and dense_peak_bytes are the same figure: the pair's peak, two models, "
+                        "two caches; eager_graph_replays: cumulative over the batches")
                 if path == "hf-eager" else
                        ("Hugging Face forward with a StaticCache, greedy; prompt eager, then one CUDA graph replay "
                         "per token" + ("; decoder layers compiled" if path == "lean" else "")),

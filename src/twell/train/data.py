@@ -102,7 +102,7 @@ class HFTokenizer:
         self.name = name_or_path
         try:
             self.tok = AutoTokenizer.from_pretrained(name_or_path)
-        except OSError as err:  # not a folder, not on the hub, or no network and not cached
+        except (OSError, ValueError) as err:  # not on the hub, no network and not cached, a folder without one
             first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
             raise ValueError(f"tokenizer {name_or_path!r} could not be loaded: {first} (a local folder, or a hub name "
                              "with network access or in the local cache)") from err
@@ -142,7 +142,10 @@ def load_tokenizer(spec: Optional[str]):
         return ByteTokenizer()
     marker = Path(spec) / "twell_tokenizer.json"
     if marker.is_file():
-        kind = json.loads(marker.read_text())["type"]
+        try:
+            kind = json.loads(marker.read_text())["type"]
+        except (ValueError, KeyError) as err:
+            raise ValueError(f"{marker}: not a twell tokenizer file ({type(err).__name__}: {err})") from err
         return ByteTokenizer() if kind == "bytes" else HFTokenizer(spec)
     return HFTokenizer(spec)
 
