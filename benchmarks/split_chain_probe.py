@@ -48,17 +48,8 @@ SHAPES = {
     "desc BU32 BK64 s4": (C(32, 64, 4, 4, 1056, 4096, 8), 64),
     "desc BU16 s4": (C(16, 128, 4, 4, 1056, 4096, 8), 64),
     "desc BU64 s3": (C(64, 128, 4, 3, 1056, 4096, 8), 64),
-    # twentieth session: split K, SPLITK programs per block of units, each over a share of the
-    # columns (f 5632: 88 blocks of 64 units, 44 of 128; the H200 has 132 SMs), pointer loads at
-    # every tile, or descriptors on the 64-token tile
-    "sk2 BU64": (C(64, 128, 4, 6, 1056, 4096, 8, 2), 1 << 30),
-    "sk3 BU64": (C(64, 128, 4, 6, 1056, 4096, 8, 3), 1 << 30),
-    "sk3 BU128 w8": (C(128, 128, 8, 4, 1056, 4096, 8, 3), 1 << 30),
-    "sk3 BU128 w4": (C(128, 128, 4, 4, 1056, 4096, 8, 3), 1 << 30),
-    "sk6 BU128 BK64 w8": (C(128, 64, 8, 6, 1056, 4096, 8, 6), 1 << 30),
-    "desc sk2 BU32": (C(32, 128, 4, 4, 1056, 4096, 8, 2), 64),
-    "desc sk3 BU64": (C(64, 128, 4, 4, 1056, 4096, 8, 3), 64),
-    "desc sk3 BU128 w8": (C(128, 128, 8, 3, 1056, 4096, 8, 3), 64),
+    # twentieth session: a split-K gate (SplitConfig.splitk) was timed here and lost everywhere;
+    # its kernel and shapes are in commit 9c176f6 (benchmarks/NOTES_decode.md)
 }
 # SHAPES=name,name... and MS=m,m... (environment) run a subset
 if os.environ.get("SHAPES"):

@@ -347,11 +347,8 @@ def test_decode_fused_scratch_is_left_zeroed_and_reused(gated, config):
 # than fires; 32- and 64-token tiles; lists too short for the batch's fires (the gate does the
 # rest itself), down to one entry, and one entry short (capacity -1: the fires less one); the
 # default shapes on 16-token tiles (pointer loads) and on a 64-token tile (descriptor loads,
-# SPLIT_DESC_CONFIG); split K (an eighth field): as many column ranges as steps of BK, fewer,
-# more asked than there are steps (clamped), with a list too short, on 16- and 64-token tiles
-SPLIT_CASES = [(16, 40, 100, (16, 16, 4, 1, 3, 16, 4, 3), 8192), (7, 72, 70, (32, 16, 4, 1, 5, 32, 2, 2), 8192),
-               (40, 24, 37, (16, 16, 4, 1, 7, 32, 4, 4), 8192), (64, 33, 50, (16, 16, 4, 1, 9, 16, 4, 3), 100),
-               (1, 40, 100, (16, 16, 4, 1, 3, 16, 4), 8192), (7, 72, 70, (32, 32, 4, 1, 5, 32, 2), 8192),
+# SPLIT_DESC_CONFIG)
+SPLIT_CASES = [(1, 40, 100, (16, 16, 4, 1, 3, 16, 4), 8192), (7, 72, 70, (32, 32, 4, 1, 5, 32, 2), 8192),
                (16, 24, 37, (16, 16, 4, 1, 1, 16, 4), 8192), (5, 33, 45, (16, 64, 4, 1, 200, 64, 4), 8192),
                (16, 40, 100, None, 8192), (40, 24, 37, (16, 16, 4, 1, 7, 32, 4), 8192), (64, 33, 50, (16, 16, 4, 1, 9, 64, 4), 8192),
                (7, 72, 70, (32, 32, 4, 1, 5, 32, 2), 37), (64, 33, 50, (16, 16, 4, 1, 9, 16, 4), 100), (3, 40, 100, None, 1),
@@ -400,15 +397,10 @@ def test_decode_split_matches_reference(M, d, f, config, capacity, gated):
         assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0, call
         assert int(scratch.fires()) == int(pattern.sum()), call
         assert torch.all(entries[capacity:] == -5) and torch.all(gates[capacity:] == 7.0), call
-        if cfg is not None and cfg.splitk > 1:  # the partial sums and tickets left zeroed
-            assert torch.all(scratch.partial == 0) and torch.all(scratch.tickets == 0), call
-        else:
-            assert scratch.partial is None, call
 
 
 @pytest.mark.parametrize("M,d,f,config", [(16, 40, 100, (16, 16, 4, 1, 3, 16, 4)), (40, 24, 37, (16, 16, 4, 2, 7, 32, 4)),
-                                           (5, 72, 70, (32, 32, 4, 1, 5, 32, 2)), (40, 72, 37, (16, 16, 4, 2, 7, 32, 4, 3))],
-                         ids=case_id)
+                                           (5, 72, 70, (32, 32, 4, 1, 5, 32, 2))], ids=case_id)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_decode_split_gate_loads_descriptors_or_pointers(M, d, f, config, dtype, monkeypatch):
     """The gate reads x and w_first through tensor descriptors where their rows allow it (from
@@ -607,44 +599,34 @@ def test_decode_fused_scratch_serves_its_full_rows_and_a_failed_call(monkeypatch
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M,capacity", [(1, 8192), (2, 8192), (8, 8192), (16, 8192), (33, 8192), (64, 8192), (64, 700)])
 @pytest.mark.parametrize("k", [8, 29, 56])
-@pytest.mark.parametrize("splitk", [1, 3])
-def test_decode_split_gpu_bf16(M, capacity, k, splitk):
+def test_decode_split_gpu_bf16(M, capacity, k):
     """bf16 at the real shape, five calls in a row on one scratch and a CUDA graph replay,
     against fp32 and dense's row error (a wrong ordering of the list or the adds would show as
     a varying or wrong sum); a list too short for 64 tokens' fires at k 29 and 56 (the gate's own
-    path; at k 8 their 512 fires fit); the default shapes, and with split K (three programs per
-    block of units: a handoff of the partial sums without its fences would show as wrong or
-    varying rows, or as a pattern other than the dense gate's); the scratch left zeroed and
-    empty, its number of fires the pattern's."""
+    path; at k 8 their 512 fires fit); the
+    scratch left zeroed and empty, its number of fires the pattern's."""
     from twell.bench.inference import errors, reference_fp32
     from twell.bench.synthetic import make_ffn
     from twell.bench.timing import capture
-    from twell.kernels.decode_split import SplitScratch, ffn_decode_split, gate_loads
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
 
     s = make_ffn(64, 2048, 5632, k, "even", dtype=torch.bfloat16, device="cuda", seed=M + k)
     x = s.x[:M].contiguous()
-    cfg = gate_loads(x, s.w_gate)[1]._replace(splitk=splitk)
     wdt = s.w_down.T.contiguous()
     ref = reference_fp32(x, s.w_gate, s.w_up, s.w_down)
     dense = (torch.relu(x @ s.w_gate.T) * (x @ s.w_up.T)) @ s.w_down.T
     _, dense_row = errors(dense, ref)
     scratch = SplitScratch(2048, 5632, torch.bfloat16, "cuda", capacity=capacity)
-    pattern = (x @ s.w_gate.T) > 0
     for _ in range(5):
-        uc, nnz = torch.zeros(5632, dtype=torch.int32, device="cuda"), torch.zeros(M, dtype=torch.int32, device="cuda")
-        y = ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch, unit_counts=uc, row_nnz=nnz, config=cfg)
+        y = ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)
         rel, row = errors(y, ref)
         assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
-        assert torch.equal(uc.long(), pattern.sum(0)) and torch.equal(nnz.long(), pattern.sum(1))
     torch.cuda.synchronize()
-    fires = int(pattern.sum())
+    fires = int(((x @ s.w_gate.T) > 0).sum())
     assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0 and int(scratch.fires()) == fires
-    if splitk > 1:
-        assert torch.all(scratch.partial == 0) and torch.all(scratch.tickets == 0)
     assert capacity > fires or fires > capacity + 100  # the short list does overflow
     out = {}
-    graph = capture(lambda: out.__setitem__("y", ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch, config=cfg)),
-                    warmup=1)
+    graph = capture(lambda: out.__setitem__("y", ffn_decode_split(x, s.w_gate, wdt, w_up=s.w_up, scratch=scratch)), warmup=1)
     for _ in range(3):
         graph.replay()
         torch.cuda.synchronize()
@@ -696,8 +678,7 @@ def _rounding_case(d: int):
     return half(x), half(wg), half(wu), half(wdt), expect, torch.tensor([1, 1, 1, 1] + [0] * (f - 4), dtype=torch.int32)
 
 
-@pytest.mark.parametrize("path", ["split_one_step", "split_steps", "split_past_capacity", "split_desc", "split_k", "fused_dot",
-                                  "fused_gemv"])
+@pytest.mark.parametrize("path", ["split_one_step", "split_steps", "split_past_capacity", "split_desc", "fused_dot", "fused_gemv"])
 def test_decode_kernels_round_as_the_dense_path(path, monkeypatch):
     from twell.kernels import decode_split
     from twell.kernels.decode_fused import decode_fused_launch
@@ -706,7 +687,7 @@ def test_decode_kernels_round_as_the_dense_path(path, monkeypatch):
     if path == "split_desc":  # the gate's tensor-descriptor loads must round as the pointer loads do
         monkeypatch.setattr(decode_split, "GATE_DESC_MIN_ROWS", 1)
 
-    d = 32 if path == "split_k" else 16  # split K: two column ranges of 16, summed before the rounding
+    d = 16
     x, wg, wu, wdt, expect, expect_counts = _rounding_case(d)
     uc = torch.full((16,), -7, dtype=torch.int32)
     nnz = torch.zeros(1, dtype=torch.int32)
@@ -714,8 +695,7 @@ def test_decode_kernels_round_as_the_dense_path(path, monkeypatch):
         capacity = 1 if path == "split_past_capacity" else 64
         BD = 64 if path == "split_one_step" else 8  # one step of d, or steps of 8 columns
         scratch = SplitScratch(d, 16, torch.float16, "cpu", capacity=capacity)
-        cfg = SplitConfig(16, 16, 4, 1, 3, BD, 4, 2 if path == "split_k" else 1)
-        y = decode_split_launch(x, wg, wdt, wu, uc, nnz, scratch=scratch, config=cfg)[0]
+        y = decode_split_launch(x, wg, wdt, wu, uc, nnz, scratch=scratch, config=SplitConfig(16, 16, 4, 1, 3, BD, 4))[0]
     elif path == "fused_dot":
         y = decode_fused_launch(x, wg, wdt, wu, uc, nnz, config=(16, 16, 16, 4, 1))[0]
     else:

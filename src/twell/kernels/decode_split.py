@@ -65,35 +65,34 @@ _MAX_F = 2**31 // SPLIT_MAX_M  # an entry u * 64 + m must fit in int32
 
 
 @triton.jit
-def _gate_tile(x_ptr, stride_xm, wf_ptr, stride_wf, rows, rmask, units, umask, d, k_lo, k_hi,
+def _gate_tile(x_ptr, stride_xm, wf_ptr, stride_wf, rows, rmask, units, umask, d,
                ROWS: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, PREC: tl.constexpr):
-    """``a [ROWS, BU]`` fp32, not rounded: the block's gate products over columns ``k_lo`` to
-    ``k_hi`` (a multiple of BK, or d) on tensor cores. Units as the dot's rows: measured the
-    faster orientation here."""
+    """``a [ROWS, BU]``: the block's gate products on tensor cores, rounded to the weights' dtype
+    as the dense path's product is. Units as the dot's rows: measured the faster orientation here."""
     ks = tl.arange(0, BK)
     acc = tl.zeros([BU, ROWS], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in range(0, d, BK):
         kk = k0 + ks
         kmask = kk < d
         w = tl.load(wf_ptr + units.to(tl.int64)[:, None] * stride_wf + kk[None, :], mask=umask[:, None] & kmask[None, :], other=0.0)
         xt = tl.load(x_ptr + rows.to(tl.int64)[None, :] * stride_xm + kk[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
         acc = tl.dot(w, xt, acc, input_precision=PREC)
-    return tl.trans(acc)
+    return tl.trans(acc.to(wf_ptr.dtype.element_ty).to(tl.float32))
 
 
 @triton.jit
-def _gate_tile_desc(x_desc, w_desc, u0, k_lo, k_hi, ROWS: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr,
-                    PREC: tl.constexpr):
+def _gate_tile_desc(x_desc, w_desc, u0, d, out_ty: tl.constexpr, ROWS: tl.constexpr, BU: tl.constexpr,
+                    BK: tl.constexpr, PREC: tl.constexpr):
     """:func:`_gate_tile` with tensor-descriptor (TMA) loads: the x block ``[ROWS, BK]`` and the
     weight block ``[BU, BK]`` from units ``u0``; loads past the edges of x (tokens past M) and of
     w (units past f, columns past d) read zeros, so the loop needs no masks. Tokens as the dot's
     rows, as in gate_pack's persistent matmul. Used from GATE_DESC_MIN_ROWS tokens (see there)."""
     acc = tl.zeros([ROWS, BU], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BK):
+    for k0 in range(0, d, BK):
         xa = x_desc.load([0, k0])
         wb = w_desc.load([u0, k0])
         acc = tl.dot(xa, wb.T, acc, input_precision=PREC)
-    return acc
+    return acc.to(out_ty).to(tl.float32)
 
 
 @triton.jit
@@ -128,84 +127,25 @@ def _add_fire_in_steps(h, x_row, wu_row, wd_row, acc_row, d, BD: tl.constexpr, G
 
 
 @triton.jit
-def _fence_each_thread(NT: tl.constexpr):
-    """``fence.acq_rel.gpu`` in each of the program's NT threads: every thread's earlier writes
-    (here: its atomic adds) ordered before what it does next, at GPU scope (the CUDA
-    threadfence-reduction pattern; a block barrier after it makes them all precede the ticket)."""
-    tl.inline_asm_elementwise("fence.acq_rel.gpu;\n\tmov.u32 $0, $1;", "=r,r", [tl.arange(0, NT)], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _split_k_handoff(a, part_ptr, ticket_ptr, b, rows, rmask, units, umask,
-                     ROWS: tl.constexpr, BU: tl.constexpr, SPLITK: tl.constexpr, FENCE: tl.constexpr,
-                     NT: tl.constexpr):
-    """Split K: add this program's partial gate ``a [ROWS, BU]`` (fp32) into block ``b``'s sum,
-    then take a ticket. Returns ``(last, sum)``: whether this program was the block's last of
-    SPLITK, and then the whole sum (read from L2, the buffer zeroed and the ticket reset for the
-    next call); otherwise ``sum`` is not meaningful. ``FENCE``: per-thread fences (on a GPU; the
-    interpreter runs programs one after another and needs none)."""
-    off = b * (ROWS * BU) + rows[:, None] * BU + (units - b * BU)[None, :]
-    mask = rmask[:, None] & umask[None, :]
-    tl.atomic_add(part_ptr + off, a, mask=mask, sem="relaxed")
-    if FENCE:
-        _fence_each_thread(NT)
-    tl.debug_barrier()  # every thread's adds (fenced) before the ticket
-    ticket = tl.atomic_add(ticket_ptr + b, 1, sem="acq_rel")
-    last = ticket == SPLITK - 1
-    total = a
-    if last:
-        if FENCE:
-            _fence_each_thread(NT)
-        total = tl.load(part_ptr + off, mask=mask, other=0.0, cache_modifier=".cg")
-        tl.store(part_ptr + off, tl.zeros([ROWS, BU], dtype=tl.float32), mask=mask)
-        tl.store(ticket_ptr + b, 0)
-    return last, total
-
-
-@triton.jit
 def _fire_gate_kernel(
     x_ptr, stride_xm, wf_ptr, stride_wf, wu_ptr, stride_wu, wd_ptr, stride_wd,
     entry_ptr, gate_ptr, count_ptr, acc_ptr, counts_ptr, uc_ptr, nnz_ptr,
-    x_desc, w_desc, part_ptr, ticket_ptr,
+    x_desc, w_desc,
     M, d, f, capacity,
     ROWS: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr,
     GATED: tl.constexpr, TRACK: tl.constexpr, PREC: tl.constexpr, GDC: tl.constexpr, DESC: tl.constexpr,
-    SPLITK: tl.constexpr, FENCE: tl.constexpr, NT: tl.constexpr,
 ):
     if GDC:  # the next launch may start now (it waits for this one's end to read the list)
         tl.extra.cuda.gdc_launch_dependents()
-    pid = tl.program_id(0)
-    b = pid // SPLITK  # the block of units; with split K, SPLITK programs share it, one column range each
+    b = tl.program_id(0)
     rows = tl.arange(0, ROWS)
     rmask = rows < M
     units = b * BU + tl.arange(0, BU)
     umask = units < f
-    steps = tl.cdiv(d, BK)
-    s = pid % SPLITK
-    k_lo = (s * steps // SPLITK) * BK
-    k_hi = tl.minimum(((s + 1) * steps // SPLITK) * BK, d)
     if DESC:  # x_desc, w_desc: tensor descriptors of x and w_first (else unused)
-        a = _gate_tile_desc(x_desc, w_desc, b * BU, k_lo, k_hi, ROWS, BU, BK, PREC)  # [ROWS, BU]
+        a = _gate_tile_desc(x_desc, w_desc, b * BU, d, wf_ptr.dtype.element_ty, ROWS, BU, BK, PREC)  # [ROWS, BU]
     else:
-        a = _gate_tile(x_ptr, stride_xm, wf_ptr, stride_wf, rows, rmask, units, umask, d, k_lo, k_hi, ROWS, BU, BK, PREC)
-    last = True
-    if SPLITK > 1:
-        last, a = _split_k_handoff(a, part_ptr, ticket_ptr, b, rows, rmask, units, umask, ROWS, BU, SPLITK, FENCE, NT)
-    if last:  # with split K the block's last program lists its fires; every program otherwise
-        a = a.to(wf_ptr.dtype.element_ty).to(tl.float32)  # rounded as the dense path's product is
-        _list_fires(a, x_ptr, stride_xm, wu_ptr, stride_wu, wd_ptr, stride_wd, entry_ptr, gate_ptr, count_ptr, acc_ptr,
-                    counts_ptr, uc_ptr, nnz_ptr, b, rows, rmask, units, umask, d, capacity,
-                    ROWS, BU, BK, TOK, GATED, TRACK, PREC)
-
-
-@triton.jit
-def _list_fires(a, x_ptr, stride_xm, wu_ptr, stride_wu, wd_ptr, stride_wd, entry_ptr, gate_ptr, count_ptr, acc_ptr,
-                counts_ptr, uc_ptr, nnz_ptr, b, rows, rmask, units, umask, d, capacity,
-                ROWS: tl.constexpr, BU: tl.constexpr, BK: tl.constexpr, TOK: tl.constexpr, GATED: tl.constexpr,
-                TRACK: tl.constexpr, PREC: tl.constexpr):
-    """Block ``b``'s rounded gate ``a [ROWS, BU]``: its statistics, and every fire appended to the
-    list (one atomic ticket for the block's slots); fires past the list's capacity done here."""
+        a = _gate_tile(x_ptr, stride_xm, wf_ptr, stride_wf, rows, rmask, units, umask, d, ROWS, BU, BK, PREC)
     fires, active, n_active, per_row = _block_activity(a, rows, rmask, units, umask, b, counts_ptr, uc_ptr, nnz_ptr, TRACK)
     n = tl.sum(per_row, axis=0)  # this block's fires
     if n > 0:
@@ -288,22 +228,6 @@ class SplitScratch:
             self.entries = torch.zeros(capacity, dtype=torch.int32, device=device)
             self.gates = torch.zeros(capacity, dtype=dtype, device=device)
             self.count = torch.zeros(2, dtype=torch.int32, device=device)
-        self.partial: Optional[torch.Tensor] = None  # split K: the gate's partial sums, made on first use
-        self.tickets: Optional[torch.Tensor] = None
-
-    def split_k_buffers(self, n: int, blocks: int) -> tuple:
-        """``(partial, tickets)`` for a split-K gate: ``partial`` at least ``n`` fp32 zeros (the
-        blocks' partial gate sums, ``[blocks, ROWS, BU]``), ``tickets [blocks]`` int32 zeros;
-        calls leave both zeroed. Made (or grown) outside a CUDA graph capture only: a buffer from
-        a capture's pool is the graph's."""
-        if self.partial is None or self.partial.numel() < n or self.tickets.numel() < blocks:
-            if self.acc.is_cuda and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("the split-K gate's buffers must be made before a CUDA graph capture: "
-                                   "run the call once outside it first")
-            with torch.inference_mode(False):
-                self.partial = torch.zeros(n, dtype=torch.float32, device=self.acc.device)
-                self.tickets = torch.zeros(blocks, dtype=torch.int32, device=self.acc.device)
-        return self.partial, self.tickets
 
     def fires(self) -> torch.Tensor:
         """The last call's number of fires, of whichever layer sharing the buffers ran last (``[]``
@@ -316,17 +240,11 @@ class SplitScratch:
         number of fires then reads 0)."""
         self.count.zero_()
         self.acc.zero_()
-        if self.partial is not None:
-            self.partial.zero_()
-            self.tickets.zero_()
 
 
 class SplitConfig(NamedTuple):
     """Launch shapes: the gate's ``BU`` units per program, its steps of ``BK`` columns, warps and
-    stages; the up/down launch's ``P`` programs, their steps of at most ``BD`` columns, and warps;
-    ``splitk``: gate programs per block of units, each over a share of the columns (split K: more
-    programs reading the gate at once; the block's last program adds the partial sums up and
-    lists the fires)."""
+    stages; the up/down launch's ``P`` programs, their steps of at most ``BD`` columns, and warps."""
 
     BU: int
     BK: int
@@ -335,7 +253,6 @@ class SplitConfig(NamedTuple):
     P: int
     BD: int
     updown_warps: int
-    splitk: int = 1
 
 
 # benchmarks/decode_gate_probe.py --split --fire (tenth session, call 1): 1056 programs with d in
@@ -424,7 +341,6 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
     dpow = max(16, triton.next_power_of_2(d))
     BK = min(cfg.BK, dpow)
     BD = min(cfg.BD, dpow)
-    splitk = max(1, min(cfg.splitk, triton.cdiv(d, BK)))  # at least one step of columns each
     w_up_ = w_up if w_up is not None else w_first
     prec = "ieee" if x.dtype == torch.float32 else "tf32"
     gated = w_up is not None
@@ -438,19 +354,13 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
         descs = (TensorDescriptor.from_tensor(x, [rows, BK]), TensorDescriptor.from_tensor(w_first, [cfg.BU, BK]))
     else:
         descs = (x, w_first)  # placeholders: the kernel is compiled without the descriptor loads
-    if splitk > 1:
-        split_bufs = scratch.split_k_buffers(NB * rows * cfg.BU, NB)
-    else:
-        split_bufs = (scratch.acc, scratch.count)  # placeholders: compiled without the handoff
     try:
         with on_device_of(x):
             for attempt in (0, 1):
                 try:
-                    _fire_gate_kernel[(NB * splitk,)](
-                        x, x.stride(0), *weights, *lists, *stats, *descs, *split_bufs, M, d, f, scratch.capacity,
-                        ROWS=rows, BU=cfg.BU, BK=BK, TOK=SPLIT_MAX_M, GATED=gated, TRACK=track, PREC=prec, GDC=gdc,
-                        DESC=desc, SPLITK=splitk, FENCE=x.is_cuda, NT=32 * cfg.num_warps, num_warps=cfg.num_warps,
-                        num_stages=stages)
+                    _fire_gate_kernel[(NB,)](x, x.stride(0), *weights, *lists, *stats, *descs, M, d, f, scratch.capacity,
+                                             ROWS=rows, BU=cfg.BU, BK=BK, TOK=SPLIT_MAX_M, GATED=gated, TRACK=track,
+                                             PREC=prec, GDC=gdc, DESC=desc, num_warps=cfg.num_warps, num_stages=stages)
                     break
                 except triton.runtime.errors.OutOfResources:
                     # compiled, not launched: a GPU whose shared memory the estimate above got
