@@ -774,6 +774,28 @@ def test_poll_reads_each_slot_of_a_probe():
     assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.08, rel=1e-6)
 
 
+@pytest.mark.parametrize("mode", ["dense", "prefill", "decode"])
+def test_run_writes_out_where_its_path_can(mode):
+    """``LayerState.run(out=)`` (what an eager graph's capture passes): the dense and prefill paths
+    write their result into ``out`` (pre-filled with NaN) and return it; the decode kernels return
+    their own tensor. Every result equals the call without ``out``. CPU; the kernels run in the
+    interpreter."""
+    torch.manual_seed(3)
+    m = SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = mode
+    s = m._twell_layer
+    x = torch.randn(5, 40)
+    with torch.no_grad():
+        m._set_kernel_layout(mode != "dense")  # as eval() lays out a module whose path is not dense
+        args = (x, m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight)
+        ref = s.run(*args)
+        out = torch.full((5, 40), float("nan"))
+        y = s.run(*args, out=out)
+    assert s.last_path == mode
+    assert (y.data_ptr() == out.data_ptr()) == (mode != "decode")
+    torch.testing.assert_close(y, ref)
+
+
 def test_prefill_overflow_cost_uses_the_tile_within_f():
     """A layer narrower than its TwELL tile (f 100, tile 128) counts an overflowed tile as f units."""
     from twell.ops import default_tile
@@ -1419,11 +1441,11 @@ class _FakeGraph:
 
 
 def _fake_capture(self, state, x, w_first, w_down, w_up, key):
-    from twell.eager_graphs import _Graph, _buffer
+    from twell.eager_graphs import _Graph, _buffer, _output
 
-    xs, ys = _buffer("x", x, key[1]), _buffer("y", x, key[1])  # shared by the layers, as on the GPU
-    ys.fill_(float("nan"))
-    g = self._graphs[key] = _Graph(_FakeGraph(xs, ys), xs, ys, "decode", "fused")
+    xs, out = _buffer(x, key[1]), _output(x, key[1])  # shared by the layers, as on the GPU
+    out.y.fill_(float("nan"))
+    g = self._graphs[key] = _Graph(_FakeGraph(xs, out.y), xs, out, "decode", "fused")
     self.captures += 1
     return g
 
@@ -1447,10 +1469,11 @@ def test_eager_graphs_bookkeeping(monkeypatch):
     x, y = call(3)
     assert g.captures == 1 and g.replays == 1 and g.last and state.last_path == "decode"
     torch.testing.assert_close(y, 2 * x)
-    x2, y2 = call(3, seed=1)  # a replay reads the new input and returns a fresh tensor
+    del y  # (a held output is test_eager_graphs_hand_out_their_buffer's)
+    x2, y2 = call(3, seed=1)  # a replay reads the new input
     torch.testing.assert_close(y2, 2 * x2)
-    torch.testing.assert_close(y, 2 * x)
-    assert g.captures == 1 and g.replays == 2 and len(g) == 1
+    del y2
+    assert g.captures == 1 and g.replays == 2 and len(g) == 1 and g.held_outputs == 0
     with torch.inference_mode():  # its own graph: inference tensors are written only in inference mode
         assert all(call(3)[1] is None for _ in range(EG.CAPTURE_AFTER - 1))
         assert call(3)[1] is not None and len(g) == 2
@@ -1479,15 +1502,84 @@ def test_eager_graphs_bookkeeping(monkeypatch):
     assert g.disabled is not None and "moved" in g.disabled and call(3, w)[1] is None and len(g) == 0
 
 
+def test_eager_graphs_hand_out_their_buffer(monkeypatch):
+    """A replay returns its graph's output buffer (no copy) while nobody holds an earlier output
+    of it; a call that finds one held (by the caller, by a view of it, as its own input, or by a
+    caller of another layer sharing the buffer) leaves it intact: the layer captures again on a
+    new buffer, and that size hands out copies from then on. HAND_OUT False: copies always. CPU,
+    with a stand-in graph."""
+    from twell import eager_graphs as EG
+
+    monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
+    monkeypatch.setattr(EG, "_COPY_KEYS", set())
+    state = LayerState(SparseGatedMLP(4, 8))
+    g, other = EG.EagerGraphs(), EG.EagerGraphs()  # two layers of one model: they share buffers
+    wf, wu, wd = torch.randn(8, 4), torch.randn(8, 4), torch.randn(4, 8)
+
+    def call(layer, M=5, seed=0, x=None):
+        if x is None:
+            x = torch.randn(M, 4, generator=torch.Generator().manual_seed(seed))
+        return x, layer.call(state, x, wf, wd, wu)
+
+    def buffer_of(layer, M=5):
+        return layer._graphs[(M, False)].out.y
+
+    for layer in (g, other):
+        for _ in range(EG.CAPTURE_AFTER - 1):
+            call(layer)
+    x, y = call(g)
+    assert buffer_of(g).data_ptr() == y.data_ptr()  # handed out, not copied
+    torch.testing.assert_close(y, 2 * x)
+    del y
+    x, y = call(other, seed=1)  # the other layer's graph writes the same buffer: nobody holds it
+    assert buffer_of(other).data_ptr() == buffer_of(g).data_ptr() == y.data_ptr()
+    torch.testing.assert_close(y, 2 * x)
+    view, first = y[1:], y.data_ptr()  # the caller keeps a view, not the tensor it got
+    del y
+    x2, y2 = call(g, seed=2)
+    torch.testing.assert_close(view, (2 * x)[1:])  # not written over
+    torch.testing.assert_close(y2, 2 * x2)
+    assert g.held_outputs == 1 and g.captures == 2 and len(g) == 1
+    assert buffer_of(g).data_ptr() != first and y2.data_ptr() != buffer_of(g).data_ptr()
+    # the other layer's graph still writes the held buffer: it captures again too, on the new one
+    x3, y3 = call(other, seed=3)
+    torch.testing.assert_close(view, (2 * x)[1:])
+    torch.testing.assert_close(y3, 2 * x3)
+    assert other.held_outputs == 1 and buffer_of(other).data_ptr() == buffer_of(g).data_ptr() != y3.data_ptr()
+    # copies from then on: outputs kept by the caller cost no more captures
+    kept = [call(layer, seed=4 + i) for i in range(3) for layer in (g, other)]
+    for xi, yi in kept:
+        torch.testing.assert_close(yi, 2 * xi)
+    assert g.captures == other.captures == 2 and g.held_outputs == other.held_outputs == 1
+    # an output passed back in as the input: the buffer it views is not replayed over before it is read
+    layer = EG.EagerGraphs()
+    for _ in range(EG.CAPTURE_AFTER):
+        x, y = call(layer, M=6)
+    assert y.data_ptr() == buffer_of(layer, 6).data_ptr()
+    _, y2 = call(layer, x=y)
+    torch.testing.assert_close(y2, 4 * x)
+    assert layer.held_outputs == 1
+    # HAND_OUT off: a copy every call
+    monkeypatch.setattr(EG, "HAND_OUT", False)
+    layer = EG.EagerGraphs()
+    for _ in range(EG.CAPTURE_AFTER + 1):
+        x, y = call(layer, M=7)
+        assert y is None or y.data_ptr() != buffer_of(layer, 7).data_ptr()
+    torch.testing.assert_close(y, 2 * x)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 4, 16, 64])
+@pytest.mark.parametrize("M", [1, 4, 16, 64, 256, 1024])
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture warns
 def test_eager_graphs_replay_equals_the_plain_path(M, monkeypatch):
     """Eager small calls: captured at the third call of a size and replayed after; every output
     (checked after the later calls ran, with the graphs' output buffers pre-filled with NaN)
-    equals the plain eager path's on the same input, and each layer captured once."""
+    equals the plain eager path's on the same input, and each layer captured once. 256 and 1024
+    tokens with MAX_M raised to them (the dense path's graphs)."""
     from twell import eager_graphs as EG
 
+    monkeypatch.setattr(EG, "MAX_M", max(EG.MAX_M, M))
+    monkeypatch.setattr(EG, "_COPY_KEYS", set())
     stack, xs = _gpu_stack()
     model = _Residual(stack)
     inputs = [xs[i * M:(i + 1) * M].clone() for i in range(5)]
@@ -1497,16 +1589,58 @@ def test_eager_graphs_replay_equals_the_plain_path(M, monkeypatch):
             if i == EG.CAPTURE_AFTER:
                 for m in stack:
                     for g in m.eager_graphs._graphs.values():
-                        g.y.fill_(float("nan"))
+                        g.out.y.fill_(float("nan"))
             outs.append(model(x))
         assert all(m.eager_graphs.captures == 1 and m.eager_graphs.last for m in stack)
         assert [m.eager_graphs.replays for m in stack] == [5 - EG.CAPTURE_AFTER + 1] * 2
         path = stack[0].last_path
         monkeypatch.setattr(EG, "ENABLED", False)
         refs = [model(x) for x in inputs]
-    assert path == "decode"  # as inside a user's capture (test_cuda_graph_replay_equals_eager)
+    # as inside a user's capture (test_cuda_graph_replay_equals_eager)
+    assert path == ("decode" if M <= 64 else "dense")
+    assert all(m.eager_graphs.held_outputs == 0 for m in stack)
     for out, ref in zip(outs, refs):
         assert not torch.isnan(out).any() and rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4, 64, 4096])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture warns
+def test_eager_graphs_outputs_kept_by_hooks_stay_intact(M, monkeypatch):
+    """Replayed outputs are the graphs' shared buffer while the model drops them (a residual
+    stack); forward hooks that keep every MLP output make the layers capture again on copies, and
+    every kept output equals the plain path's (none written over by a later replay). 4096
+    tokens: the prefill band's graphs (k 8), one layer (the second layer's input, x + mlp(x), is
+    not sparse enough for the band to capture it)."""
+    from twell import eager_graphs as EG
+
+    monkeypatch.setattr(EG, "_COPY_KEYS", set())
+    stack, xs = _gpu_stack(layers=1 if M == 4096 else 2, k=8 if M == 4096 else 29, M=max(8192, 6 * M))
+    model = _Residual(stack)
+    inputs = [xs[i * M:(i + 1) * M].clone() for i in range(6)]
+    with torch.no_grad():
+        for x in inputs[:4]:
+            model(x)
+            torch.cuda.synchronize()  # the first sparsity probe arrives: the band captures at the third call
+        assert all(m.eager_graphs.last and m.eager_graphs.held_outputs == 0 for m in stack)
+        buffers = {g.out.y.data_ptr() for m in stack for g in m.eager_graphs._graphs.values()}
+        assert len(buffers) == 1  # one shared output buffer, handed out and dropped
+        if M == 4096:
+            assert stack[0].last_path == "prefill"
+        kept = []
+        hooks = [m.register_forward_hook(lambda mod, inp, out: kept.append(out)) for m in stack]
+        outs = [model(x) for x in inputs[4:]]
+        for h in hooks:
+            h.remove()
+        assert all(m.eager_graphs.held_outputs == 1 and m.eager_graphs.captures == 2 for m in stack)
+        monkeypatch.setattr(EG, "ENABLED", False)
+        ref_kept = []
+        hooks = [m.register_forward_hook(lambda mod, inp, out: ref_kept.append(out)) for m in stack]
+        refs = [model(x) for x in inputs[4:]]
+        for h in hooks:
+            h.remove()
+    for out, ref in zip(kept + outs, ref_kept + refs):
+        assert rel_err(out, ref) < 1e-2
 
 
 @pytest.mark.gpu
@@ -1521,8 +1655,9 @@ def test_eager_graphs_follow_the_weights():
 
     def check(ctx=torch.no_grad):
         with ctx():
-            for _ in range(4):
-                y = m(x)
+            for _ in range(3):
+                m(x)  # dropped: a kept output would make the layer capture again (on copies)
+            y = m(x)
         assert m.eager_graphs.last
         assert rel_err(y.double(), _dense(m, x)) < 1e-2
 
@@ -1762,7 +1897,10 @@ def test_eager_graphs_prefill_band(monkeypatch):
             m(xs[i * 4096:(i + 1) * 4096].clone())
             torch.cuda.synchronize()
         outs = [m(x) for _ in range(3)]
-    assert m.eager_graphs.captures == 1 and m.eager_graphs.last and m.last_path == "prefill"
+    # captured at the third call; the fourth found that output kept (in outs) and captured again
+    # on a new buffer, handing out copies since
+    assert m.eager_graphs.captures == 2 and m.eager_graphs.held_outputs == 1
+    assert m.eager_graphs.last and m.last_path == "prefill"
     ref = _dense(m, x)
     for out in outs:
         assert rel_err(out.double(), ref) < 1e-2

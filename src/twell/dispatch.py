@@ -451,12 +451,15 @@ class LayerState:
         return self.run(x, w_first, w_down, w_up)
 
     def run(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor],
-            make_scratch: bool = True, capturing: Optional[bool] = None) -> torch.Tensor:
+            make_scratch: bool = True, capturing: Optional[bool] = None,
+            out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The FFN of ``x [M, d]`` (unit-stride rows) with ``w_first``/``w_up [f, d]``,
         ``w_down [d, f]``: gated (``relu(x w_first^T) * (x w_up^T)``) when ``w_up`` is given.
         Records the module's statistics when it tracks them. Returns ``y [M, d]``. ``capturing``
         (None: whether the current stream is capturing) makes the choices of a capture: no probe,
-        no poll, no buffers made (:mod:`twell.eager_graphs` warms a graph's path up so)."""
+        no poll, no buffers made (:mod:`twell.eager_graphs` warms a graph's path up so). ``out``
+        (``[M, d]``, x's dtype, contiguous; not with gradients): the dense and prefill paths write
+        ``y`` there and return it; the decode kernels return their own."""
         m = self.module
         M, f = x.shape[0], w_first.shape[0]
         mode = m.kernel_mode
@@ -491,8 +494,8 @@ class LayerState:
             return self._decode(m, x, w_first, w_down_t, w_up, track)
         probe = M > 0 and self._want_probe(mode, capturing, M)
         if path == "prefill":
-            return self._prefill(m, x, w_first, w_down_t, w_up, track, probe)
-        return self._dense(m, x, w_first, w_down, w_up, track, probe, capturing)
+            return self._prefill(m, x, w_first, w_down_t, w_up, track, probe, out)
+        return self._dense(m, x, w_first, w_down, w_up, track, probe, capturing, out)
 
     def _decode(self, m, x, w_first, w_down_t, w_up, track):
         from .kernels.decode import decode_launch
@@ -569,7 +572,7 @@ class LayerState:
             key = ("list", x.device, d, f, x.dtype, None if acc is None else acc.data_ptr(), self._owner())
             self.split_scratch = _shared_scratch(key, lambda: SplitScratch(d, f, x.dtype, x.device, acc=acc))
 
-    def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe):
+    def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe, out=None):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu
         from .kernels.updown import default_config
         from .ops import DEFAULT_COMPRESSION, default_tile
@@ -586,7 +589,7 @@ class LayerState:
         nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
         be, nw = default_config(x.shape[1], self.k_est)
         y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz,
-                           block_e=be, num_warps=nw)
+                           block_e=be, num_warps=nw, out=out)
         if track:
             m._record_counts(nnz, uc)
         if probe:
@@ -594,7 +597,7 @@ class LayerState:
             self._publish_rows(per_row.float(), (self.counters.tiles - before).float() / M)
         return y
 
-    def _dense(self, m, x, w_first, w_down, w_up, track, probe, capturing=False):
+    def _dense(self, m, x, w_first, w_down, w_up, track, probe, capturing=False, out=None):
         # F.linear rather than mm(x, w.t()): one Python-level view fewer per product
         a = F.linear(x, w_first)  # the pre-activation: a > 0 is the ReLU pattern
         if track:
@@ -608,7 +611,7 @@ class LayerState:
             from .kernels.elementwise import relu_mul_
 
             h = relu_mul_(F.linear(x, w_up), a)  # one pass over [M, f] instead of two
-        y = F.linear(h, w_down)
+        y = F.linear(h, w_down) if out is None else torch.mm(h, w_down.t(), out=out)
         del h
         if probe and a.shape[0]:
             # after h is freed, and in a itself, so that the probe never raises the call's peak: a

@@ -24,7 +24,13 @@ only the speed depends on that choice, and the sparsity estimate is not refreshe
 
 Memory. One input and one output buffer per (device, dtype, M, d) serve every layer, and the
 graphs' intermediates come from one memory pool per device: the layers' calls run one after
-another. A call that comes on another stream than the last replay waits for that stream first,
+another. The graph's last kernel writes the output buffer itself (no copy inside the graph), and
+with ``HAND_OUT`` the call returns that buffer (a view of it) instead of a copy: a decoder layer
+adds it into its residual and drops it before the next layer's MLP runs. Before each replay a
+layer checks that no caller still holds an earlier output of the buffer (its storage's reference
+count: a forward hook that keeps the MLP's outputs, ``mlp(mlp(x))``). If one does, that buffer is
+left to the caller, the layer captures again on a new buffer, and outputs of that size are
+copies from then on (:attr:`EagerGraphs.held_outputs` counts such calls). A call that comes on another stream than the last replay waits for that stream first,
 and a lock keeps threads from interleaving one call's copy in, replay and copy out, so calls
 from several threads or streams are right but run one at a time on the GPU: set
 ``ENABLED = False`` to let them overlap.
@@ -44,17 +50,23 @@ from typing import Optional
 
 import torch
 
-__all__ = ["ENABLED", "MAX_M", "PREFILL_BAND", "CAPTURE_AFTER", "MAX_SIZES", "MAX_BAND_SIZES", "BAND_RETRY",
+__all__ = ["ENABLED", "HAND_OUT", "MAX_M", "PREFILL_BAND", "CAPTURE_AFTER", "MAX_SIZES", "MAX_BAND_SIZES", "BAND_RETRY",
            "MAX_RECAPTURES", "EagerGraphs"]
 
 # The switch, read at every call.
 ENABLED = True
-# Up to this many tokens per call: the decode kernels' range. On the H200 (bf16, d 2048, f 5632,
-# k 29; benchmarks/NOTES_decode.md, sixteenth session) replays read 2.56x, 1.72x, 1.63x and 1.34x
-# dense's eager call at 1, 4, 16 and 64 tokens (host time 28 to 30 us against 68 to 73), but
-# 0.97x and 0.98x at 256 and 1024 tokens, where the call is nearly bound by the GPU and the copies
-# in and out cost more than the launches they save.
-MAX_M = 64
+# Whether a replay returns the graph's output buffer itself (safe: see "Memory" above) or a copy.
+# The copy is one more pass over [M, d] and one more launch per call.
+HAND_OUT = True
+# Up to this many tokens per call. On the H200 (bf16, d 2048, f 5632, k 29; benchmarks/NOTES_decode.md,
+# sixteenth session) replays read 2.56x, 1.72x, 1.63x and 1.34x dense's eager call at 1, 4, 16 and
+# 64 tokens (host time 28 to 30 us against 68 to 73), but 0.97x and 0.98x at 256 and 1024 tokens,
+# where the call is nearly bound by the GPU: the output's two copies (into the shared buffer inside
+# the graph, out of it after) cost more than the launches saved. With the output written in place
+# and handed out (twenty-first session, benchmarks/eager_graph_range_probe.py, k 29 and 280, two
+# rounds): 1.01x to 1.11x at 128 to 1024 tokens, against 0.88x to 1.04x eagerly and 0.97x to
+# 1.04x replayed with the copy; host time 23 to 28 us against dense's 69 to 77.
+MAX_M = 1024
 # Eager calls of dispatch.PREFILL_MIN_M to dispatch.EAGER_PREFILL_MIN_M - 1 tokens (4096 to 8191)
 # are replayed too, where the path a capture would take there is the prefill kernels. Eagerly
 # those sizes run dense, because issuing the prefill kernels took the host about as long as
@@ -88,15 +100,56 @@ _LAST_STREAM: dict = {}  # device -> (raw id, stream) of the last replay's strea
 _LOCKS: "collections.defaultdict[int, threading.RLock]" = collections.defaultdict(threading.RLock)
 
 
-def _buffer(kind: str, x: torch.Tensor, inference: bool) -> torch.Tensor:
-    """The shared ``[M, d]`` input or output buffer for ``x``'s device, dtype and shape (made
-    inside inference mode when ``inference``: such tensors can only be written there)."""
-    key = (kind, x.device, x.dtype, x.shape[0], x.shape[1], inference)
+def _buffer(x: torch.Tensor, inference: bool) -> torch.Tensor:
+    """The shared ``[M, d]`` input buffer for ``x``'s device, dtype and shape (made inside
+    inference mode when ``inference``: such tensors can only be written there)."""
+    key = ("x", x.device, x.dtype, x.shape[0], x.shape[1], inference)
     buf = _BUFFERS.get(key)
     if buf is None:
         buf = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         _BUFFERS[key] = buf
     return buf
+
+
+# keys of output buffers that a caller kept: their sizes hand out copies from then on
+_COPY_KEYS: set = set()
+
+
+class _Output:
+    """A shared ``[M, d]`` output buffer ``y``, and whether a caller holds what it handed out.
+
+    ``alone``: the reference count of ``y``'s memory (its storage) with no view of it handed out,
+    taken when it is made; each tensor viewing it (a returned output, a view a caller made of it)
+    adds one."""
+
+    __slots__ = ("y", "key", "copies", "_storage", "_alone", "__weakref__")
+
+    def __init__(self, y: torch.Tensor, key: tuple, copies: bool) -> None:
+        self.y, self.key, self.copies = y, key, copies
+        self._storage = y.untyped_storage()._cdata  # valid while y lives: self holds it
+        self._alone = torch._C._storage_Use_Count(self._storage)
+
+    def held(self) -> bool:
+        """Whether some tensor other than ``y`` views this memory (an output a caller kept)."""
+        return torch._C._storage_Use_Count(self._storage) > self._alone
+
+    def give_away(self) -> None:
+        """Leave this buffer to the caller that holds it: later captures of its size take a new
+        buffer, and every buffer of its size hands out copies."""
+        self.copies = True
+        _COPY_KEYS.add(self.key)
+        if _BUFFERS.get(self.key) is self:
+            del _BUFFERS[self.key]
+
+
+def _output(x: torch.Tensor, inference: bool) -> _Output:
+    """The shared output buffer for ``x``'s device, dtype and shape (see :func:`_buffer`)."""
+    key = ("y", x.device, x.dtype, x.shape[0], x.shape[1], inference)
+    out = _BUFFERS.get(key)
+    if out is None:
+        out = _Output(torch.empty(x.shape, dtype=x.dtype, device=x.device), key, key in _COPY_KEYS)
+        _BUFFERS[key] = out
+    return out
 
 
 def _pool_owner(device: torch.device) -> Optional[torch.cuda.CUDAGraph]:
@@ -132,10 +185,10 @@ def _order_streams(device: torch.device) -> None:
 
 
 class _Graph:
-    __slots__ = ("graph", "x", "y", "path", "kernels")
+    __slots__ = ("graph", "x", "out", "path", "kernels")
 
-    def __init__(self, graph, x, y, path, kernels):
-        self.graph, self.x, self.y, self.path, self.kernels = graph, x, y, path, kernels
+    def __init__(self, graph, x, out, path, kernels):
+        self.graph, self.x, self.out, self.path, self.kernels = graph, x, out, path, kernels
 
 
 class EagerGraphs:
@@ -148,6 +201,7 @@ class EagerGraphs:
         self.recaptures = 0
         self.captures = 0
         self.replays = 0
+        self.held_outputs = 0  # calls that found an earlier output of their buffer still held
         self.last = False
         self.disabled: Optional[str] = None
 
@@ -192,6 +246,13 @@ class EagerGraphs:
                 return None
         if x.is_cuda:
             _order_streams(x.device)
+        if g is not None and g.out.held():
+            # a caller still holds an output of this buffer (or x is one): a replay would write
+            # over it. The buffer is left to the caller; this layer captures again on a new one
+            self.held_outputs += 1
+            g.out.give_away()
+            del self._graphs[key]
+            g = None
         if g is None:
             g = self._capture(state, x, w_first, w_down, w_up, key)
             if g is None:
@@ -201,7 +262,7 @@ class EagerGraphs:
         self.replays += 1
         self.last = True
         state.last_path, state.last_decode_kernels = g.path, g.kernels
-        return g.y.clone()
+        return g.out.y.clone() if g.out.copies or not HAND_OUT else g.out.y.detach()
 
     def _capture(self, state, x, w_first, w_down, w_up, key) -> Optional[_Graph]:
         # a capture's path choices must not move the prefill hysteresis of the layer's eager calls
@@ -221,7 +282,8 @@ class EagerGraphs:
         state._poll()
         if state._event is not None:
             return None  # the first probe has not arrived: capture at a later call
-        xs, ys = _buffer("x", x, key[1]), _buffer("y", x, key[1])
+        xs, out = _buffer(x, key[1]), _output(x, key[1])
+        ys = out.y
         if x.shape[0] <= _fused_max_m() and (state.scratch is None or state.split_scratch is None):
             state._make_scratch(x, w_first.shape[0])  # as an eager call would, before any capture
         current = torch.cuda.current_stream(dev)
@@ -251,7 +313,12 @@ class EagerGraphs:
                     error = e
                 else:
                     try:
-                        ys.copy_(state.run(xs, w_first, w_down, w_up, capturing=True))
+                        # the dense and prefill paths write ys themselves; the decode kernels'
+                        # output (at most 64 rows) is copied in
+                        y = state.run(xs, w_first, w_down, w_up, capturing=True, out=ys)
+                        if y.data_ptr() != ys.data_ptr() or y.stride() != ys.stride():
+                            ys.copy_(y)
+                        del y
                     except Exception as e:  # noqa: BLE001  (reported below, after the capture is ended)
                         error = e
                     try:
@@ -276,6 +343,7 @@ class EagerGraphs:
                           "set twell.eager_graphs.ENABLED = False to silence this", RuntimeWarning, stacklevel=4)
             return None
         _LIVE.setdefault(dev, weakref.WeakSet()).add(graph)
-        g = self._graphs[key] = _Graph(graph, xs, ys, state.last_path, state.last_decode_kernels)
+        del ys
+        g = self._graphs[key] = _Graph(graph, xs, out, state.last_path, state.last_decode_kernels)
         self.captures += 1
         return g
