@@ -1559,6 +1559,26 @@ def test_eager_graphs_hand_out_their_buffer(monkeypatch):
     _, y2 = call(layer, x=y)
     torch.testing.assert_close(y2, 4 * x)
     assert layer.held_outputs == 1
+    # a layer's first capture of a size while another layer's output of that size is kept: the
+    # new graph must not take (and replay into) the kept buffer
+    first, second = EG.EagerGraphs(), EG.EagerGraphs()
+    for _ in range(EG.CAPTURE_AFTER):
+        x, y = call(first, M=8)
+    assert y.data_ptr() == buffer_of(first, 8).data_ptr()
+    for _ in range(EG.CAPTURE_AFTER):
+        x2, y2 = call(second, M=8, seed=5)
+    torch.testing.assert_close(y, 2 * x)
+    torch.testing.assert_close(y2, 2 * x2)
+    assert second.held_outputs == 1 and buffer_of(second, 8).data_ptr() != y.data_ptr()
+    # a caller that keeps only the output's storage object
+    layer = EG.EagerGraphs()
+    for _ in range(EG.CAPTURE_AFTER):
+        x, y = call(layer, M=9)
+    storage, expected = y.untyped_storage(), (2 * x).flatten()
+    del y
+    call(layer, M=9, seed=6)
+    assert layer.held_outputs == 1
+    torch.testing.assert_close(torch.tensor([], dtype=x.dtype).set_(storage), expected)
     # HAND_OUT off: a copy every call
     monkeypatch.setattr(EG, "HAND_OUT", False)
     layer = EG.EagerGraphs()
@@ -1601,6 +1621,39 @@ def test_eager_graphs_replay_equals_the_plain_path(M, monkeypatch):
     assert all(m.eager_graphs.held_outputs == 0 for m in stack)
     for out, ref in zip(outs, refs):
         assert not torch.isnan(out).any() and rel_err(out, ref) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [4, 64, 4096])
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture warns
+def test_eager_graphs_outputs_kept_from_the_first_call_stay_intact(M, monkeypatch):
+    """Forward hooks that keep every MLP output from the first call on: no graph ever replays
+    into a kept output (the second layer's first capture finds the first layer's output held),
+    and every kept output equals the plain path's."""
+    from twell import eager_graphs as EG
+
+    monkeypatch.setattr(EG, "_COPY_KEYS", set())
+    stack, xs = _gpu_stack(layers=1 if M == 4096 else 2, k=8 if M == 4096 else 29, M=max(8192, 6 * M))
+    model = _Residual(stack)
+    inputs = [xs[i * M:(i + 1) * M].clone() for i in range(6)]
+
+    def run(kept):
+        hooks = [m.register_forward_hook(lambda mod, inp, out: kept.append(out)) for m in stack]
+        outs = []
+        for x in inputs:
+            outs.append(model(x))
+            torch.cuda.synchronize()
+        for h in hooks:
+            h.remove()
+        return kept + outs
+
+    with torch.no_grad():
+        got = run([])
+        assert all(m.eager_graphs.last and m.eager_graphs.held_outputs >= 1 for m in stack)
+        monkeypatch.setattr(EG, "ENABLED", False)
+        ref = run([])
+    for out, r in zip(got, ref):
+        assert rel_err(out, r) < 1e-2
 
 
 @pytest.mark.gpu

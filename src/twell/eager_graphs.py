@@ -8,8 +8,8 @@ token, take longer still to issue (Triton launches: 160 to 250 us,
 
 What. Each layer (:class:`twell.dispatch.LayerState`) captures its call of ``M`` tokens in a CUDA
 graph the ``CAPTURE_AFTER``-th time it sees ``M`` (``1 <= M <= MAX_M``) and later calls of ``M``
-copy their input into the graph's input buffer, replay the graph and return a copy of its
-output: three host operations, whatever the path inside. The path is chosen as inside a user's
+copy their input into the graph's input buffer, replay the graph and return its output (see
+"Memory"): two host operations, whatever the path inside. The path is chosen as inside a user's
 capture (:meth:`twell.dispatch.LayerState.choose`): the decode kernels where the layer's measured
 sparsity makes them pay, else dense. A call takes this route only in eager mode (not while
 ``torch.compile`` traces, not inside a capture), on CUDA, with ``kernel_mode`` "auto", statistics
@@ -30,19 +30,23 @@ adds it into its residual and drops it before the next layer's MLP runs. Before 
 layer checks that no caller still holds an earlier output of the buffer (its storage's reference
 count: a forward hook that keeps the MLP's outputs, ``mlp(mlp(x))``). If one does, that buffer is
 left to the caller, the layer captures again on a new buffer, and outputs of that size are
-copies from then on (:attr:`EagerGraphs.held_outputs` counts such calls). A call that comes on another stream than the last replay waits for that stream first,
-and a lock keeps threads from interleaving one call's copy in, replay and copy out, so calls
-from several threads or streams are right but run one at a time on the GPU: set
-``ENABLED = False`` to let them overlap.
+copies from then on, for the rest of the process (:attr:`EagerGraphs.held_outputs` counts such
+calls): one debugging hook that keeps outputs costs that size a copy per call afterwards. A
+caller that reads an output on another stream and drops it there (``record_stream``) is not
+waited for by the next replay: set ``HAND_OUT = False`` for such use. A call that comes on
+another stream than the last replay waits for that stream first, and a lock keeps threads from
+interleaving one call's copy in, replay and hand-out, so calls from several threads or streams
+are right but run one at a time on the GPU: set ``ENABLED = False`` to let them overlap.
 
-Observability: :attr:`EagerGraphs.replays` and :attr:`EagerGraphs.captures` per layer
-(``module.eager_graphs``), :attr:`EagerGraphs.last` (whether the last eager call was a replay),
+Observability: :attr:`EagerGraphs.replays`, :attr:`EagerGraphs.captures` and
+:attr:`EagerGraphs.held_outputs` per layer (``module.eager_graphs``), :attr:`EagerGraphs.last` (whether the last eager call was a replay),
 :attr:`EagerGraphs.disabled` (why a layer stopped capturing, or None).
 """
 
 from __future__ import annotations
 
 import collections
+import sys
 import threading
 import warnings
 import weakref
@@ -96,7 +100,7 @@ _LIVE: dict = {}  # device -> WeakSet of the graphs made here: a live one lends 
 _STREAMS: dict = {}  # device -> (warm-up stream, capture stream)
 _BROKEN: dict = {}  # device -> why captures stopped there (a failed capture)
 _LAST_STREAM: dict = {}  # device -> (raw id, stream) of the last replay's stream
-# device index -> lock: one call's copy in, replay and copy out at a time (threads)
+# device index -> lock: one call's copy in, replay and hand-out at a time (threads)
 _LOCKS: "collections.defaultdict[int, threading.RLock]" = collections.defaultdict(threading.RLock)
 
 
@@ -122,16 +126,22 @@ class _Output:
     taken when it is made; each tensor viewing it (a returned output, a view a caller made of it)
     adds one."""
 
-    __slots__ = ("y", "key", "copies", "_storage", "_alone", "__weakref__")
+    __slots__ = ("y", "key", "copies", "_storage", "_alone", "_storage_refs", "__weakref__")
 
     def __init__(self, y: torch.Tensor, key: tuple, copies: bool) -> None:
         self.y, self.key, self.copies = y, key, copies
-        self._storage = y.untyped_storage()._cdata  # valid while y lives: self holds it
-        self._alone = torch._C._storage_Use_Count(self._storage)
+        # y's one Python storage object (every untyped_storage() of y or of a view of it returns
+        # it): a caller may keep that alone, which adds to its Python references, not to the
+        # storage's count
+        self._storage = y.untyped_storage()
+        self._alone = torch._C._storage_Use_Count(self._storage._cdata)
+        self._storage_refs = sys.getrefcount(self._storage)
 
     def held(self) -> bool:
-        """Whether some tensor other than ``y`` views this memory (an output a caller kept)."""
-        return torch._C._storage_Use_Count(self._storage) > self._alone
+        """Whether a caller holds this memory: a tensor other than ``y`` viewing it (an output
+        kept, a view of it), or its storage object."""
+        return (torch._C._storage_Use_Count(self._storage._cdata) > self._alone
+                or sys.getrefcount(self._storage) > self._storage_refs)
 
     def give_away(self) -> None:
         """Leave this buffer to the caller that holds it: later captures of its size take a new
@@ -142,9 +152,13 @@ class _Output:
             del _BUFFERS[self.key]
 
 
+def _output_key(x: torch.Tensor, inference: bool) -> tuple:
+    return ("y", x.device, x.dtype, x.shape[0], x.shape[1], inference)
+
+
 def _output(x: torch.Tensor, inference: bool) -> _Output:
     """The shared output buffer for ``x``'s device, dtype and shape (see :func:`_buffer`)."""
-    key = ("y", x.device, x.dtype, x.shape[0], x.shape[1], inference)
+    key = _output_key(x, inference)
     out = _BUFFERS.get(key)
     if out is None:
         out = _Output(torch.empty(x.shape, dtype=x.dtype, device=x.device), key, key in _COPY_KEYS)
@@ -244,15 +258,22 @@ class EagerGraphs:
             band = key[0] > MAX_M  # (the prefill band has slots of its own)
             if sum(1 for k in self._graphs if (k[0] > MAX_M) == band) >= (MAX_BAND_SIZES if band else MAX_SIZES):
                 return None
-        if x.is_cuda:
-            _order_streams(x.device)
+        # A caller still holding an output of the buffer this call would write (or x is one): a
+        # replay would write over it. The buffer is left to the caller, and this layer captures
+        # on a new one. Checked before the streams are ordered: work a caller queued on its
+        # stream before dropping an output is then waited for.
         if g is not None and g.out.held():
-            # a caller still holds an output of this buffer (or x is one): a replay would write
-            # over it. The buffer is left to the caller; this layer captures again on a new one
             self.held_outputs += 1
             g.out.give_away()
             del self._graphs[key]
             g = None
+        if g is None:
+            out = _BUFFERS.get(_output_key(x, key[1]))  # the buffer a capture would take
+            if out is not None and out.held():
+                self.held_outputs += 1
+                out.give_away()
+        if x.is_cuda:
+            _order_streams(x.device)
         if g is None:
             g = self._capture(state, x, w_first, w_down, w_up, key)
             if g is None:
