@@ -69,7 +69,11 @@ HAND_OUT = True
 # the graph, out of it after) cost more than the launches saved. With the output written in place
 # and handed out (twenty-first session, benchmarks/eager_graph_range_probe.py, k 29 and 280, two
 # rounds): 1.01x to 1.11x at 128 to 1024 tokens, against 0.88x to 1.04x eagerly and 0.97x to
-# 1.04x replayed with the copy; host time 23 to 28 us against dense's 69 to 77.
+# 1.04x replayed with the copy; host time 23 to 28 us against dense's 69 to 77. Memory: the first
+# graph of the dense path on a device most likely makes cuBLAS's workspace for the capture stream
+# (32 MiB) in the graphs' pool; the 2b model's lean decoding, whose 128-token prompts were then
+# captured, peaked 36.8 MiB above dense's (0.7 MiB with MAX_M 64). Set 64 to keep larger calls
+# out of graphs.
 MAX_M = 1024
 # Eager calls of dispatch.PREFILL_MIN_M to dispatch.EAGER_PREFILL_MIN_M - 1 tokens (4096 to 8191)
 # are replayed too, where the path a capture would take there is the prefill kernels. Eagerly
