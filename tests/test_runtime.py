@@ -774,23 +774,25 @@ def test_poll_reads_each_slot_of_a_probe():
     assert s._union_fit_m == 16 and s.union_share(16, 5632) == pytest.approx(0.08, rel=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["dense", "prefill", "decode"])
-def test_run_writes_out_where_its_path_can(mode):
+@pytest.mark.parametrize("mode, M, capturing", [("dense", 5, False), ("dense", 70, True), ("prefill", 5, False),
+                                                ("decode", 5, False)])
+def test_run_writes_out_where_its_path_can(mode, M, capturing):
     """``LayerState.run(out=)`` (what an eager graph's capture passes): the dense and prefill paths
     write their result into ``out`` (pre-filled with NaN) and return it; the decode kernels return
-    their own tensor. Every result equals the call without ``out``. CPU; the kernels run in the
-    interpreter."""
+    their own tensor. Every result equals the call without ``out``. 70 tokens as in a capture: the
+    dense path's fused ``relu(g) * u`` pass. CPU; the kernels run in the interpreter."""
     torch.manual_seed(3)
     m = SparseGatedMLP(40, 100).eval()
     m.kernel_mode = mode
     s = m._twell_layer
-    x = torch.randn(5, 40)
+    assert (M > s.GRAPH_SMALL_M) == capturing
+    x = torch.randn(M, 40)
     with torch.no_grad():
         m._set_kernel_layout(mode != "dense")  # as eval() lays out a module whose path is not dense
         args = (x, m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight)
-        ref = s.run(*args)
-        out = torch.full((5, 40), float("nan"))
-        y = s.run(*args, out=out)
+        ref = s.run(*args, capturing=capturing)
+        out = torch.full((M, 40), float("nan"))
+        y = s.run(*args, capturing=capturing, out=out)
     assert s.last_path == mode
     assert (y.data_ptr() == out.data_ptr()) == (mode != "decode")
     torch.testing.assert_close(y, ref)
