@@ -1515,7 +1515,7 @@ def test_eager_graphs_hand_out_their_buffer(monkeypatch):
     monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
     monkeypatch.setattr(EG, "_COPY_KEYS", set())
     state = LayerState(SparseGatedMLP(4, 8))
-    g, other = EG.EagerGraphs(), EG.EagerGraphs()  # two layers of one model: they share buffers
+    g, other, third = EG.EagerGraphs(), EG.EagerGraphs(), EG.EagerGraphs()  # layers sharing buffers
     wf, wu, wd = torch.randn(8, 4), torch.randn(8, 4), torch.randn(4, 8)
 
     def call(layer, M=5, seed=0, x=None):
@@ -1529,6 +1529,8 @@ def test_eager_graphs_hand_out_their_buffer(monkeypatch):
     for layer in (g, other):
         for _ in range(EG.CAPTURE_AFTER - 1):
             call(layer)
+    for _ in range(EG.CAPTURE_AFTER):
+        call(third)  # captured on the shared buffer; its outputs dropped
     x, y = call(g)
     assert buffer_of(g).data_ptr() == y.data_ptr()  # handed out, not copied
     torch.testing.assert_close(y, 2 * x)
@@ -1548,6 +1550,12 @@ def test_eager_graphs_hand_out_their_buffer(monkeypatch):
     torch.testing.assert_close(view, (2 * x)[1:])
     torch.testing.assert_close(y3, 2 * x3)
     assert other.held_outputs == 1 and buffer_of(other).data_ptr() == buffer_of(g).data_ptr() != y3.data_ptr()
+    # a layer whose graph still writes the given-away buffer, once its holder let go: it
+    # replays there (nobody holds it) but hands out a copy, as every buffer of that size now does
+    del view
+    x4, y4 = call(third, seed=9)
+    torch.testing.assert_close(y4, 2 * x4)
+    assert third.held_outputs == 0 and third.captures == 1 and y4.data_ptr() != first
     # copies from then on: outputs kept by the caller cost no more captures
     kept = [call(layer, seed=4 + i) for i in range(3) for layer in (g, other)]
     for xi, yi in kept:
@@ -1762,6 +1770,63 @@ def test_eager_graphs_prefill_band_slots_and_hysteresis(monkeypatch):
             g.call(state, torch.randn(M, 4), *w)
     sizes = sorted(k[0] for k in g._graphs)
     assert sizes == [1, 2, 3, 4, 5, 6] and EG.MAX_BAND_SIZES == 2
+
+
+def test_eager_graphs_weights_key_and_recapture_limit(monkeypatch):
+    """What test_eager_graphs_bookkeeping leaves out: a replaced up weight or an input of another
+    dtype drops the layer's graphs; a layer still captures after exactly MAX_RECAPTURES moves and
+    stops at the next; a size captured in inference mode first and in no_grad after gets an input
+    buffer per mode (an inference tensor cannot be written outside inference mode). CPU, with a
+    stand-in graph."""
+    from twell import eager_graphs as EG
+
+    monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
+    state = LayerState(SparseGatedMLP(4, 8))
+    wf, wu, wd = torch.randn(8, 4), torch.randn(8, 4), torch.randn(4, 8)
+
+    def capture(g, M=11, w_up=wu, w_down=wd, dtype=torch.float32):
+        for _ in range(EG.CAPTURE_AFTER):
+            x = torch.randn(M, 4, dtype=dtype)
+            y = g.call(state, x, wf, w_down, w_up)
+        torch.testing.assert_close(y, 2 * x)
+        return x
+
+    g = EG.EagerGraphs()
+    capture(g)
+    assert len(g) == 1 and g.call(state, torch.randn(11, 4), wf, wd, wu.clone()) is None and len(g) == 0
+    capture(g)
+    assert g.call(state, torch.randn(11, 4, dtype=torch.float64), wf, wd, wu) is None and len(g) == 0
+    assert g.recaptures == 2
+    g = EG.EagerGraphs()
+    capture(g)
+    for _ in range(EG.MAX_RECAPTURES):
+        capture(g, w_down=wd.clone())
+    assert g.disabled is None and len(g) == 1 and g.recaptures == EG.MAX_RECAPTURES
+    assert g.call(state, torch.randn(11, 4), wf, wd.clone(), wu) is None and g.disabled is not None
+    g = EG.EagerGraphs()
+    with torch.inference_mode():
+        capture(g, M=12)
+    with torch.no_grad():
+        capture(g, M=12)
+    assert len(g) == 2
+
+
+def test_eager_graphs_band_sizes_leave_the_decode_slots_free(monkeypatch):
+    """The decode sizes' MAX_SIZES slots and the band's MAX_BAND_SIZES are counted apart whatever
+    the order: band sizes captured after the decode slots are full still get theirs, and neither
+    kind takes more than its own. CPU, stand-in graphs."""
+    from twell import eager_graphs as EG
+
+    monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
+    monkeypatch.setattr(EG, "MAX_M", 4)
+    monkeypatch.setattr(EG, "MAX_SIZES", 3)
+    w = torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4)
+    state = LayerState(SparseGatedMLP(4, 8))
+    g = EG.EagerGraphs()
+    for M in (1, 2, 3, 5, 6, 4, 7):
+        for _ in range(EG.CAPTURE_AFTER):
+            g.call(state, torch.randn(M, 4), *w)
+    assert sorted(k[0] for k in g._graphs) == [1, 2, 3, 5, 6] and EG.MAX_BAND_SIZES == 2
 
 
 def test_eager_graphs_threads_share_the_buffers_one_call_at_a_time(monkeypatch):
