@@ -795,6 +795,7 @@ def test_run_writes_out_where_its_path_can(mode, M, capturing):
         y = s.run(*args, capturing=capturing, out=out)
     assert s.last_path == mode
     assert (y.data_ptr() == out.data_ptr()) == (mode != "decode")
+    assert (y is out) == (mode != "decode")  # the capture copies in only what is not out itself
     torch.testing.assert_close(y, ref)
 
 

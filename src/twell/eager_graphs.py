@@ -108,10 +108,16 @@ _LAST_STREAM: dict = {}  # device -> (raw id, stream) of the last replay's strea
 _LOCKS: "collections.defaultdict[int, threading.RLock]" = collections.defaultdict(threading.RLock)
 
 
+def _key(kind: str, x: torch.Tensor, inference: bool) -> tuple:
+    """The key of the shared input ("x") or output ("y") buffer for ``x``'s device, dtype and
+    shape, in or out of inference mode."""
+    return (kind, x.device, x.dtype, x.shape[0], x.shape[1], inference)
+
+
 def _buffer(x: torch.Tensor, inference: bool) -> torch.Tensor:
     """The shared ``[M, d]`` input buffer for ``x``'s device, dtype and shape (made inside
     inference mode when ``inference``: such tensors can only be written there)."""
-    key = ("x", x.device, x.dtype, x.shape[0], x.shape[1], inference)
+    key = _key("x", x, inference)
     buf = _BUFFERS.get(key)
     if buf is None:
         buf = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -119,21 +125,22 @@ def _buffer(x: torch.Tensor, inference: bool) -> torch.Tensor:
     return buf
 
 
-# keys of output buffers that a caller kept: their sizes hand out copies from then on
+# keys of output buffers that a caller kept: every buffer of such a key hands out copies from then on
 _COPY_KEYS: set = set()
 
 
 class _Output:
-    """A shared ``[M, d]`` output buffer ``y``, and whether a caller holds what it handed out.
+    """A shared ``[M, d]`` output buffer ``y`` (under ``key``), and whether a caller holds what it
+    handed out.
 
     ``alone``: the reference count of ``y``'s memory (its storage) with no view of it handed out,
     taken when it is made; each tensor viewing it (a returned output, a view a caller made of it)
     adds one."""
 
-    __slots__ = ("y", "key", "copies", "_storage", "_alone", "_storage_refs", "__weakref__")
+    __slots__ = ("y", "key", "_storage", "_alone", "_storage_refs", "__weakref__")
 
-    def __init__(self, y: torch.Tensor, key: tuple, copies: bool) -> None:
-        self.y, self.key, self.copies = y, key, copies
+    def __init__(self, y: torch.Tensor, key: tuple) -> None:
+        self.y, self.key = y, key
         # y's one Python storage object (every untyped_storage() of y or of a view of it returns
         # it): a caller may keep that alone, which adds to its Python references, not to the
         # storage's count
@@ -150,22 +157,17 @@ class _Output:
     def give_away(self) -> None:
         """Leave this buffer to the caller that holds it: later captures of its size take a new
         buffer, and every buffer of its size hands out copies."""
-        self.copies = True
         _COPY_KEYS.add(self.key)
         if _BUFFERS.get(self.key) is self:
             del _BUFFERS[self.key]
 
 
-def _output_key(x: torch.Tensor, inference: bool) -> tuple:
-    return ("y", x.device, x.dtype, x.shape[0], x.shape[1], inference)
-
-
 def _output(x: torch.Tensor, inference: bool) -> _Output:
     """The shared output buffer for ``x``'s device, dtype and shape (see :func:`_buffer`)."""
-    key = _output_key(x, inference)
+    key = _key("y", x, inference)
     out = _BUFFERS.get(key)
     if out is None:
-        out = _Output(torch.empty(x.shape, dtype=x.dtype, device=x.device), key, key in _COPY_KEYS)
+        out = _Output(torch.empty(x.shape, dtype=x.dtype, device=x.device), key)
         _BUFFERS[key] = out
     return out
 
@@ -266,16 +268,13 @@ class EagerGraphs:
         # replay would write over it. The buffer is left to the caller, and this layer captures
         # on a new one. Checked before the streams are ordered: work a caller queued on its
         # stream before dropping an output is then waited for.
-        if g is not None and g.out.held():
+        out = g.out if g is not None else _BUFFERS.get(_key("y", x, key[1]))  # (a capture's buffer)
+        if out is not None and out.held():
             self.held_outputs += 1
-            g.out.give_away()
-            del self._graphs[key]
-            g = None
-        if g is None:
-            out = _BUFFERS.get(_output_key(x, key[1]))  # the buffer a capture would take
-            if out is not None and out.held():
-                self.held_outputs += 1
-                out.give_away()
+            out.give_away()
+            if g is not None:
+                del self._graphs[key]
+                g = None
         if x.is_cuda:
             _order_streams(x.device)
         if g is None:
@@ -287,7 +286,7 @@ class EagerGraphs:
         self.replays += 1
         self.last = True
         state.last_path, state.last_decode_kernels = g.path, g.kernels
-        return g.out.y.clone() if g.out.copies or not HAND_OUT else g.out.y.detach()
+        return g.out.y.clone() if not HAND_OUT or g.out.key in _COPY_KEYS else g.out.y.detach()
 
     def _capture(self, state, x, w_first, w_down, w_up, key) -> Optional[_Graph]:
         # a capture's path choices must not move the prefill hysteresis of the layer's eager calls
@@ -341,7 +340,7 @@ class EagerGraphs:
                         # the dense and prefill paths write ys themselves; the decode kernels'
                         # output (at most 64 rows) is copied in
                         y = state.run(xs, w_first, w_down, w_up, capturing=True, out=ys)
-                        if y.data_ptr() != ys.data_ptr() or y.stride() != ys.stride():
+                        if y is not ys:
                             ys.copy_(y)
                         del y
                     except Exception as e:  # noqa: BLE001  (reported below, after the capture is ended)
@@ -368,7 +367,6 @@ class EagerGraphs:
                           "set twell.eager_graphs.ENABLED = False to silence this", RuntimeWarning, stacklevel=4)
             return None
         _LIVE.setdefault(dev, weakref.WeakSet()).add(graph)
-        del ys
         g = self._graphs[key] = _Graph(graph, xs, out, state.last_path, state.last_decode_kernels)
         self.captures += 1
         return g
