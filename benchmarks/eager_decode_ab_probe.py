@@ -8,6 +8,10 @@ bench model` runs them).
 
     python benchmarks/eager_decode_ab_probe.py [PRESET] [NEW_TOKENS] [--hooks]
 
+``--profile``: after the timed runs, 16 more eager steps of each model at each batch under
+cProfile; the 25 functions with the most own time are printed and written beside the results
+(where the host time of a step goes, twell's modules against Hugging Face's MLPs).
+
 ``--hooks``: forward pre- and post-hooks on every decoder layer's ``mlp`` and ``self_attn`` (both
 models) add up the host's time inside each (eager: the time to issue its work), reported as us
 per decode-step call (one token per sequence; the prompt's calls are left out) beside the step
@@ -33,6 +37,7 @@ args = [a for a in sys.argv[1:] if not a.startswith("--")]
 preset = args[0] if args else "0.5b"
 new_tokens = int(args[1]) if len(args) > 1 else 128
 HOOKS = "--hooks" in sys.argv
+PROFILE = "--profile" in sys.argv
 dense = random_model(preset)
 vocab = dense.config.vocab_size
 gen = torch.Generator(device="cuda").manual_seed(1)
@@ -84,7 +89,36 @@ with torch.no_grad():
         print(f"batch {b}: median step dense {pair['dense']['step_ms']:.2f} ms, twell {pair['twell']['step_ms']:.2f} ms, "
               f"twell / dense tokens/s {out[f'b{b}']['speedup']:.3f} (pairs' quartiles "
               f"{out[f'b{b}']['ratio_quartiles']}), tokens match {out[f'b{b}']['tokens_match']}")
+        if PROFILE:
+            import cProfile
+            import io
+            import pstats
+
+            from twell.bench.model import _GreedyState
+
+            for name, model in (("dense", dense), ("twell", twell_model)):
+                st = _GreedyState(model, p, 32)
+                for _ in range(8):  # past the captures
+                    st.step()
+                torch.cuda.synchronize()
+                import gc
+
+                gc0 = [g["collections"] for g in gc.get_stats()]
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(16):
+                    st.step()
+                torch.cuda.synchronize()
+                prof.disable()
+                gcs = [g["collections"] - c for g, c in zip(gc.get_stats(), gc0)]
+                print(f"{name} batch {b}: garbage collections by generation over 16 steps {gcs}")
+                buf = io.StringIO()
+                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+                out[f"profile_{name}_b{b}"] = buf.getvalue()
+                print(f"== cProfile, {name}, batch {b}, 16 eager steps\n" + "\n".join(buf.getvalue().splitlines()[:45]))
 mods = [m for m in twell_model.modules() if hasattr(m, "eager_graphs")]
+out["held_outputs"] = sum(m.eager_graphs.held_outputs for m in mods)
+print("held_outputs", out["held_outputs"])
 out["replays"] = sum(m.eager_graphs.replays for m in mods)
 out["captures"] = sum(m.eager_graphs.captures for m in mods)
 print("replays", out["replays"], "captures", out["captures"])
