@@ -1973,6 +1973,40 @@ def test_eager_graphs_across_streams():
 
 
 @pytest.mark.gpu
+def test_eager_graphs_warm_up_on_the_callers_stream(monkeypatch):
+    """A capture's warm-up runs on the caller's stream and the capture on twell's capture stream:
+    a warm-up stream of its own would keep a second cuBLAS workspace (32 MiB on the H200) once a
+    dense-path call was captured (twenty-second session, benchmarks/capture_memory_probe.py)."""
+    from twell import dispatch
+    from twell import eager_graphs as EG
+
+    stack, xs = _gpu_stack(layers=1)
+    m = stack[0]
+    x = xs[:128].clone()  # 128 tokens: the dense path, whose matmuls call cuBLAS
+    seen = []
+    run = dispatch.LayerState.run
+
+    def recording(self, *args, **kwargs):
+        seen.append((torch.cuda.current_stream().cuda_stream, torch.cuda.is_current_stream_capturing()))
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(dispatch.LayerState, "run", recording)
+    caller = torch.cuda.Stream()
+    caller.wait_stream(torch.cuda.current_stream())
+    with torch.no_grad(), torch.cuda.stream(caller):
+        outs = [m(x).clone() for _ in range(EG.CAPTURE_AFTER + 1)]  # (no output held: one capture)
+    torch.cuda.synchronize()
+    assert m.eager_graphs.captures == 1 and m.last_path == "dense"
+    capture_stream = EG._capture_stream(x.device).cuda_stream
+    # eager calls, then the warm-up (caller's stream, not capturing), then the capture
+    assert seen[-2] == (caller.cuda_stream, False), seen
+    assert seen[-1] == (capture_stream, True), seen
+    ref = _dense(m, x)
+    for out in outs:
+        assert rel_err(out.double(), ref) < 1e-2
+
+
+@pytest.mark.gpu
 def test_hf_generate_with_eager_graphs_follows_the_dense_model(monkeypatch):
     """Hugging Face ``generate`` as most users call it (eager, dynamic cache) on a sparsified
     Llama: from the third step each MLP replays its graph, and every step's logits equal a

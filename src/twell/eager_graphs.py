@@ -70,10 +70,11 @@ HAND_OUT = True
 # and handed out (twenty-first session, benchmarks/eager_graph_range_probe.py, k 29 and 280, two
 # rounds): 1.01x to 1.11x at 128 to 1024 tokens, against 0.88x to 1.04x eagerly and 0.97x to
 # 1.04x replayed with the copy; host time 23 to 28 us against dense's 69 to 77. Memory: the first
-# graph of the dense path on a device most likely makes cuBLAS's workspace for the capture stream
-# (32 MiB) in the graphs' pool; the 2b model's lean decoding, whose 128-token prompts were then
-# captured, peaked 36.8 MiB above dense's (0.7 MiB with MAX_M 64). Set 64 to keep larger calls
-# out of graphs.
+# graph of the dense path on a device makes cuBLAS's workspace for the capture stream (32 MiB on
+# the H200) in the graphs' pool, kept while the graphs live (benchmarks/capture_memory_probe.py,
+# twenty-second session: one layer's first 128-token capture kept 33 MiB); the 2b model's lean
+# batch-1 decoding, whose 128-token prompts are captured, peaked 4.8 MiB above dense's (0.7 MiB
+# with MAX_M 64). Set 64 to keep larger calls out of graphs.
 MAX_M = 1024
 # Eager calls of dispatch.PREFILL_MIN_M to dispatch.EAGER_PREFILL_MIN_M - 1 tokens (4096 to 8191)
 # are replayed too, where the path a capture would take there is the prefill kernels. Eagerly
@@ -101,7 +102,7 @@ MAX_RECAPTURES = 8
 
 _BUFFERS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 _LIVE: dict = {}  # device -> WeakSet of the graphs made here: a live one lends its memory pool
-_STREAMS: dict = {}  # device -> (warm-up stream, capture stream)
+_STREAMS: dict = {}  # device -> capture stream
 _BROKEN: dict = {}  # device -> why captures stopped there (a failed capture)
 _LAST_STREAM: dict = {}  # device -> (raw id, stream) of the last replay's stream
 # device index -> lock: one call's copy in, replay and hand-out at a time (threads)
@@ -182,13 +183,17 @@ def _pool_owner(device: torch.device) -> Optional[torch.cuda.CUDAGraph]:
     return None
 
 
-def _streams(device: torch.device) -> tuple:
-    """(warm-up stream, capture stream) of ``device``. Two streams because cuBLAS keeps a workspace
-    per stream: one first made by eager work on the capture stream would live outside the graphs'
-    pool, and PyTorch frees a capture stream's workspace when a graph captured on it is destroyed;
-    made inside the first capture, it lives in the pool as long as the graphs that use it."""
+def _capture_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream twell's captures on ``device`` run on. cuBLAS keeps a workspace per stream
+    (32 MiB on the H200), which PyTorch frees when a graph captured on that stream is destroyed:
+    made by eager work on this stream it would lie outside the graphs' pool and could be freed
+    under the other graphs, so nothing but captures runs here, and the workspace is made inside
+    the first capture that calls cuBLAS, in the pool, alive as long as the graphs that use it.
+    The warm-up before a capture runs on the caller's stream instead, whose workspace exists
+    wherever the model has run a matmul: a warm-up stream of its own would add a second
+    workspace (32 MiB more kept, twenty-second session, benchmarks/capture_memory_probe.py)."""
     if device not in _STREAMS:
-        _STREAMS[device] = (torch.cuda.Stream(device), torch.cuda.Stream(device))
+        _STREAMS[device] = torch.cuda.Stream(device)
     return _STREAMS[device]
 
 
@@ -312,23 +317,21 @@ class EagerGraphs:
             state._make_scratch(x, w_first.shape[0])  # as an eager call would, before any capture
         current = torch.cuda.current_stream(dev)
         xs.copy_(x)
-        warm, side = _streams(dev)
+        side = _capture_stream(dev)
         owner = _pool_owner(dev)  # held until the capture ends: it keeps the pool alive
         graph = torch.cuda.CUDAGraph()
         error, clean = None, False
         with torch.cuda.device(dev):
-            warm.wait_stream(current)
-            with torch.cuda.stream(warm):
-                # the path as the capture will run it: its kernels compile outside the capture
-                state.run(xs, w_first, w_down, w_up, capturing=True)
+            # the path as the capture will run it, on the caller's stream (see _capture_stream):
+            # its kernels compile outside the capture
+            state.run(xs, w_first, w_down, w_up, capturing=True)
             band = x.shape[0] > MAX_M
             if band and state.last_path != "prefill":
                 # the prefill band is worth a graph only where a capture takes the kernels: asked
                 # again after BAND_RETRY more calls (the estimate moves)
-                current.wait_stream(warm)
                 self._seen[key] = -BAND_RETRY
                 return None
-            side.wait_stream(warm)
+            side.wait_stream(current)
             with torch.cuda.stream(side):
                 try:
                     graph.capture_begin(**({} if owner is None else {"pool": owner.pool()}),
