@@ -24,7 +24,9 @@ only the speed depends on that choice, and the sparsity estimate is not refreshe
 
 Memory. One input and one output buffer per (device, dtype, M, d) serve every layer, and the
 graphs' intermediates come from one memory pool per device: the layers' calls run one after
-another. The graph's last kernel writes the output buffer itself (no copy inside the graph), and
+another. The first capture that calls cuBLAS (the dense path) also makes cuBLAS's workspace for
+twell's capture stream in that pool, 32 MiB on the H200, once per device; the eager warm-up
+before each capture runs on the caller's stream, so it adds no workspace of its own. The graph's last kernel writes the output buffer itself (no copy inside the graph), and
 with ``HAND_OUT`` the call returns that buffer (a view of it) instead of a copy: a decoder layer
 adds it into its residual and drops it before the next layer's MLP runs. Before each replay a
 layer checks that no caller still holds an earlier output of the buffer (its storage's reference
