@@ -112,6 +112,33 @@ def test_twell_bad_input():
         pack_twell([[1.0, 0.0]], tile=16, compression=4)
 
 
+def test_unpack_twell_of_a_kernel_written_twell():
+    """As the pack kernels leave it (an overflowed tile's slots unwritten: NaN values and
+    out-of-tile columns under the tests' fixture), after fill_overflow: the exact matrix."""
+    from kernel_cases import packed
+    from twell.reference import fill_overflow
+
+    a = torch.randn(4, 40, generator=torch.Generator().manual_seed(0))
+    a[2] = 1.0  # every tile of row 2 overflows
+    t = packed(a, 16, 4)
+    assert bool(t.overflowed().any())
+    t = fill_overflow(t, a, torch.eye(40))  # the gate recomputed as relu(a eye^T) = relu(a)
+    assert torch.equal(unpack_twell(t), torch.relu(a))
+
+
+@pytest.mark.parametrize("call, error, match", [
+    (lambda: unpack_twell(torch.ones(2, 8)), TypeError, "must be a twell.TwELL, got Tensor"),
+    (lambda: unpack_hybrid(torch.ones(2, 8)), TypeError, "must be a twell.Hybrid, got Tensor"),
+    (lambda: pack_hybrid(torch.ones(2, 8), width=2.5), ValueError, "width must be an int >= 1, got 2.5"),
+    (lambda: pack_hybrid(torch.ones(2, 8), width=None), ValueError, "width must be an int >= 1, got None"),
+    (lambda: pack_twell(torch.ones(2, 8, device="meta"), tile=16, compression=4), ValueError, "meta device"),
+    (lambda: pack_hybrid(torch.ones(2, 8, device="meta")), ValueError, "meta device"),
+], ids=["unpack_twell", "unpack_hybrid", "width-float", "width-None", "pack_twell-meta", "pack_hybrid-meta"])
+def test_format_bad_arguments(call, error, match):
+    with pytest.raises(error, match=match):
+        call()
+
+
 def test_twell_slots():
     assert twell_slots(256, 8) == 31 and twell_slots(256, 2) == 127 and twell_slots(16, 4) == 3
     # the widest tile int16 columns can index, accepted

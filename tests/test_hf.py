@@ -80,6 +80,11 @@ def test_sparsify_filter_and_idempotence():
     assert all(isinstance(layer.mlp, SparseGatedMLP) for layer in model.model.layers)
 
 
+def test_sparsify_needs_a_module():
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module, got dict"):
+        sparsify({"model": None})
+
+
 def test_sparsify_without_gated_mlp_raises():
     with pytest.raises(ValueError, match="no gated MLP"):
         sparsify(torch.nn.Sequential(torch.nn.Linear(4, 4)))

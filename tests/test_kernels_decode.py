@@ -11,6 +11,7 @@ from kernel_cases import case_id, gate_case, rel_err
 from twell import reference as R
 from twell.kernels import decode
 from twell.kernels.decode import ffn_decode
+from twell.kernels.decode_fused import ffn_decode_fused
 from twell.kernels.decode_fused import GemvConfig
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
@@ -119,6 +120,11 @@ def test_validation():
         ffn_decode(x, wg, wdt, out=torch.empty(5, 23))
     with pytest.raises(TypeError, match="dtype"):
         ffn_decode(x.long(), wg, wdt)
+    meta = [t.to("meta") for t in (x, wg, wdt, wu)]  # under the interpreter too: no data to run on
+    with pytest.raises(ValueError, match="x is on the meta device"):
+        ffn_decode(*meta[:3], w_up=meta[3])
+    with pytest.raises(ValueError, match="x is on the meta device"):
+        ffn_decode_fused(*meta[:3], w_up=meta[3])
 
 
 # --- GPU, bf16, real shapes --------------------------------------------------------------------

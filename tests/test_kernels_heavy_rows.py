@@ -99,3 +99,5 @@ def test_validation():
         heavy_rows_forward(x, a.half(), rows, n, y, wd, wu)
     with pytest.raises(ValueError, match="w_up"):
         heavy_rows_forward(x, a, rows, n, y, wd, wu[:, :20])
+    with pytest.raises(TypeError, match="y must be a torch.Tensor, got NoneType"):
+        heavy_rows_forward(x, a, rows, n, None, wd, wu)

@@ -192,6 +192,8 @@ def test_pack_validation():
         pack_relu(torch.zeros(3, 4), tile=24)
     with pytest.raises(ValueError, match="compression"):
         pack_relu(torch.zeros(3, 4), compression=3)
+    with pytest.raises(ValueError, match="a is on the meta device"):
+        pack_relu(torch.zeros(3, 4, device="meta"))
 
 
 # --- GPU, bf16, real shapes --------------------------------------------------------------------

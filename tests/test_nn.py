@@ -178,6 +178,44 @@ def test_bad_inputs(module):
 
 
 
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+@pytest.mark.parametrize("path", ["decode", "prefill", "train-sparse", "train-dense"])
+def test_forced_kernel_paths_leave_meta_and_float64_to_the_dense_math(cls, path):
+    """Under the interpreter with a kernel path forced: a meta module gives a meta result (it
+    raised from torch.is_autocast_enabled("meta")), a float64 one the dense answer."""
+    def forced(m):
+        if path.startswith("train"):
+            m.train_kernels = path[6:]
+        else:
+            m.eval().kernel_mode = path
+        return m
+
+    y = forced(cls(8, 16, device="meta"))(torch.randn(3, 8, device="meta"))
+    assert y.is_meta and y.shape == (3, 8)
+    m = forced(cls(8, 16).double())
+    x = torch.randn(3, 8, dtype=torch.float64)
+    w = [m.gate_proj.weight] if cls is SparseGatedMLP else []
+    want = (ref.gated_mlp if w else ref.mlp)(x, *w, m.up_proj.weight, m.down_proj.weight)
+    with torch.set_grad_enabled(path.startswith("train")):
+        assert rel_err(m(x), want) < 1e-10
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_a_projection_changed_alone_is_refused_on_the_kernel_paths(cls, mode):
+    """The inference kernels read rows of the weights unchecked: a first projection cast or
+    replaced on its own got a Triton error, or a read past the other weights' end."""
+    m = cls(8, 16).eval()
+    m.kernel_mode = mode
+    first = m.gate_proj if cls is SparseGatedMLP else m.up_proj
+    first.half()
+    with torch.no_grad(), pytest.raises(TypeError, match=r"w_first \(torch.float16, cpu\) must match x"):
+        m(torch.randn(3, 8))
+    first.weight = torch.nn.Parameter(torch.randn(17, 8))
+    with torch.no_grad(), pytest.raises(ValueError, match=r"must be \[f, d\] = \[17, 8\], got \[16, 8\]"):
+        m(torch.randn(3, 8))
+
+
 def test_dispatcher_hysteresis():
     """Near the threshold a layer keeps its branch: on the kernels it stays up to 5% past the
     threshold, on dense it needs the threshold itself (the two branches estimate differently)."""

@@ -916,6 +916,34 @@ def test_custom_op_passes_opcheck():
     assert rel_err(y2, _dense(m, x)) < 1e-5
 
 
+@pytest.mark.parametrize("mode", ["auto", "decode", "prefill"])
+def test_custom_op_checks_its_arguments(mode):
+    """The op validates what it is given before any path runs: a wrong dtype, rank or size
+    reached the decode kernels unchecked (an int64 "result", a read past the weights' end)."""
+    from twell import library  # noqa: F401
+
+    m = SparseGatedMLP(16, 40).eval()
+    m.kernel_mode = mode
+    x = torch.randn(3, 16)
+    wg, wd, wu = (p.detach() for p in (m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight))
+    op = torch.ops.twell.ffn_infer
+    with torch.no_grad():
+        assert rel_err(op(x, wg, wd, wu), _dense(m, x)) < 1e-5
+        assert op(x[:0], wg, wd, wu).shape == (0, 16)
+        for args, error, match in [
+            ((x.long(), wg, wd, wu), TypeError, "x must have dtype"),
+            ((x.half(), wg, wd, wu), TypeError, "w_gate has dtype torch.float32 but x has torch.float16"),
+            ((x[0], wg, wd, wu), ValueError, "x must be 2-D"),
+            ((x[None], wg, wd, wu), ValueError, "x must be 2-D"),
+            ((x[:, :8], wg, wd, wu), ValueError, r"w_gate must be \[40, 8\]"),
+            ((x, wg, wd, wu[:30]), ValueError, r"w_gate must be \[30, 16\]"),
+            ((x, wg, wd[:, :30], wu), ValueError, r"w_down must be \[16, 40\]"),
+            ((x.t().contiguous().t(), wg, wd, wu), ValueError, "unit-stride rows"),
+        ]:
+            with pytest.raises(error, match=match):
+                op(*args)
+
+
 def test_split_decode_kernels_and_their_rule(monkeypatch):
     """DECODE_SPLIT off: decode calls run the fused kernels and make no split buffers. On (the
     default): calls of SPLIT_MIN_M to 64 tokens whose expected fires (tokens times the measured

@@ -432,6 +432,22 @@ def test_validation():
         sparse_ffn(x, wu[:, :20], wd, 16)
 
 
+def test_meta_tensors_and_a_missing_up_weight_are_refused():
+    """Meta tensors (shapes only) get a clear error before any kernel, under the interpreter too;
+    the row backward needs w_up (the first projection, non-gated) even without w_gate."""
+    from twell.kernels.train_ffn import ffn_rows_backward
+
+    x, wg, wu, wd = (t.float().to("meta") for t in make_case(5, 24, 37, adversarial=False))
+    for call in (lambda: sparse_gated_ffn(x, wg, wu, wd, 16), lambda: sparse_ffn(x, wu, wd, 16),
+                 lambda: T.dense_gated_ffn(x, wg, wu, wd), lambda: T.dense_ffn(x, wu, wd)):
+        with pytest.raises(ValueError, match="x is on the meta device"):
+            call()
+    x, wg, wu, wd = (t.float() for t in make_case(5, 24, 37, adversarial=False))
+    cols, h, counts = pack_rows(torch.relu(x @ wu.T), 16)
+    with pytest.raises(TypeError, match="w_up must be a torch.Tensor, got NoneType"):
+        ffn_rows_backward(torch.randn(5, 24), cols, h, None, counts, wd.t().contiguous(), None, None, torch.zeros(1))
+
+
 def test_cpu_tensors_need_the_interpreter(monkeypatch):
     x, wg, wu, wd = (t.float().cpu() for t in make_case(5, 24, 37, adversarial=False))
     if not torch.cuda.is_available():

@@ -78,7 +78,9 @@ def triton_interpreting() -> bool:
 
 
 def check_launchable(t: torch.Tensor, name: str) -> None:
-    """Raise ValueError unless a Triton kernel can run on ``t``: a CUDA tensor, or any tensor
-    under the interpreter."""
+    """Raise ValueError unless a Triton kernel can run on ``t``: a CUDA tensor, or under the
+    interpreter any tensor with data (not on the meta device)."""
     if not t.is_cuda and not triton_interpreting():
         raise ValueError(f"{name} must be a CUDA tensor (or run under TRITON_INTERPRET=1), got {t.device}")
+    if t.is_meta:
+        raise ValueError(f"{name} is on the meta device (shapes only, no data): a Triton kernel cannot run on it")

@@ -487,6 +487,12 @@ class LayerState:
                 if _distributed() and not m.training:
                     _warn_distributed_layout()
                 path = "dense"
+        if path != "dense":
+            # the kernels read rows of these weights unchecked: a projection replaced or cast on its
+            # own (another f, another dtype) gets a clear error here, not a read past its end
+            from .kernels.decode import check_decode_args
+
+            check_decode_args(x, w_first, w_down_t, w_up)
         self.last_path = path
         track = m._tracking()
         if path == "decode":

@@ -71,6 +71,8 @@ def _check_hidden(h: torch.Tensor, name: str = "h") -> None:
         raise ValueError(f"{name} must be 2-D [M, f], got shape {tuple(h.shape)}")
     if h.dtype not in _FLOAT_DTYPES:
         raise TypeError(f"{name} must be float16, bfloat16, float32 or float64, got {h.dtype}")
+    if h.is_meta:
+        raise ValueError(f"{name} is on the meta device (shapes only, no data): packing needs its values")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,6 +195,8 @@ def pack_twell(h: torch.Tensor, tile: int = 256, compression: int = 8) -> TwELL:
 def unpack_twell(t: TwELL) -> torch.Tensor:
     """Dense ``[M, f]`` matrix of a TwELL. Needs the overflow tiles' values when any overflowed
     (kernel-written TwELL: rebuild them with :func:`twell.reference.fill_overflow` first)."""
+    if not isinstance(t, TwELL):
+        raise TypeError(f"t must be a twell.TwELL, got {type(t).__name__}")
     M, n_tiles, slots = t.values.shape
     over = t.overflowed()
     if t.overflow_values is None and bool(over.any()):
@@ -202,6 +206,9 @@ def unpack_twell(t: TwELL) -> torch.Tensor:
         )
     tiles = t.values.new_zeros(M, n_tiles, t.tile)
     keep = torch.arange(slots, device=t.values.device) < t.counts.clamp(max=slots).unsqueeze(-1)
+    # Overflowed tiles come whole from overflow_values below; their slots are never read (a
+    # kernel-written TwELL leaves them unwritten: a column read there could be out of the tile).
+    keep &= ~over.unsqueeze(-1)
     src = torch.where(keep, t.values, torch.zeros((), dtype=t.values.dtype, device=t.values.device))
     # Unused slots (whatever they hold) become a zero added to column 0: adding, not
     # assigning, so that they can never overwrite a real entry of that column.
@@ -296,8 +303,8 @@ def hybrid_from_coo(
         rows, cols: ``[nnz]`` integer coordinates; values: ``[nnz]``.
         shape: ``(n_rows, n_cols)``; width: ELL width W (rows with more non-zeros go dense).
     """
-    if width < 1:
-        raise ValueError(f"width must be at least 1, got {width}")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be an int >= 1, got {width!r}")
     n_rows, n_cols = shape
     device, dtype = values.device, values.dtype
     rows, cols = rows.long(), cols.long()
@@ -339,6 +346,8 @@ def pack_hybrid(h: torch.Tensor, width: int = 128) -> Hybrid:
 
 def unpack_hybrid(hy: Hybrid) -> torch.Tensor:
     """Dense ``[n_rows, n_cols]`` matrix of a :class:`Hybrid`."""
+    if not isinstance(hy, Hybrid):
+        raise TypeError(f"hy must be a twell.Hybrid, got {type(hy).__name__}")
     rows, cols, vals = hy.to_coo()
     out = hy.values.new_zeros(hy.values.shape[0], hy.n_cols)
     out[rows, cols] = vals

@@ -81,6 +81,8 @@ def sparsify(
     Raises:
         ValueError: if no gated MLP was found (nothing would be sparse).
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     targets = [
         (name, mod)
         for name, mod in model.named_modules()

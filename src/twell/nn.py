@@ -321,15 +321,16 @@ class _SparseFFN(nn.Module):
 
     def _inference_ok(self, x: torch.Tensor, w: torch.Tensor) -> bool:
         """True when this call may take the inference path (:mod:`twell.dispatch`): fp16/bf16 on
-        CUDA (or any dtype under the Triton interpreter with a kernel path forced, for tests), no
+        CUDA (or fp16/bf16/fp32 under the Triton interpreter with a kernel path forced, for tests), no
         bias, no forward hooks on the projections, no autocast, and no gradient needed (grad mode
         off, or in eval mode with neither the input nor a weight requiring grad). ``w``:
         ``down_proj.weight``."""
         if x.is_cuda:
             if x.dtype not in _HALF:
                 return False
-        elif self.kernel_mode in ("auto", "dense") or not triton_interpreting():
-            return False
+        elif self.kernel_mode in ("auto", "dense") or not triton_interpreting() or x.dtype not in KERNEL_DTYPES \
+                or x.is_meta:
+            return False  # (float64 and the like, or the meta device: the dense math)
         if torch.is_grad_enabled() and (self.training or x.requires_grad or self._weights_require_grad()):
             return False
         if torch.is_autocast_enabled("cuda" if x.is_cuda else x.device.type):
@@ -352,7 +353,7 @@ class _SparseFFN(nn.Module):
             return None
         if torch.compiler.is_compiling():
             return None  # the training ops are not custom ops yet: compiled training runs the dense math
-        if not x.is_cuda and not (self.train_kernels != "auto" and triton_interpreting()):
+        if not x.is_cuda and not (self.train_kernels != "auto" and triton_interpreting() and not x.is_meta):
             return None
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype

@@ -167,6 +167,7 @@ def heavy_rows_forward(
     if not x.is_contiguous() or a.shape[0] != M or a.stride(1) != 1 or a.dtype != x.dtype or a.device != x.device:
         raise ValueError(f"x must be contiguous [M, d] and a [M, f] of its dtype and device with unit-stride rows, "
                          f"got x {list(x.shape)} {x.dtype}, a {list(a.shape)} {a.dtype} strides {a.stride()}")
+    check_tensor(y, "y", dim=2, dtypes=KERNEL_DTYPES)
     if y.shape != (M, d) or y.dtype != x.dtype or y.device != x.device or y.stride(1) != 1:
         raise ValueError(f"y must be [M, d] = {[M, d]} of x's dtype and device, got {list(y.shape)} {y.dtype}")
     for t, name in ((rows, "rows"), (n_rows, "n_rows")):

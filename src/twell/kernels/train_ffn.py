@@ -537,6 +537,7 @@ def ffn_rows_backward(
         _check_same(u, "u", dy, "dy")
     check_tensor(w_down_t, "w_down_t", dim=2, dtypes=KERNEL_DTYPES)
     f = w_down_t.shape[0]
+    check_tensor(w_up, "w_up", dim=2, dtypes=KERNEL_DTYPES)  # required: the up rows (the first projection non-gated)
     for w, name in ((w_down_t, "w_down_t"), (w_up, "w_up"), (w_gate, "w_gate")):
         check_weight_rows(w, name, f, d, dy)
     check_tensor(l1_scale, "l1_scale", dtypes=(torch.float32,))
