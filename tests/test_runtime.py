@@ -918,8 +918,10 @@ def test_custom_op_passes_opcheck():
 
 @pytest.mark.parametrize("mode", ["auto", "decode", "prefill"])
 def test_custom_op_checks_its_arguments(mode):
-    """The op validates what it is given before any path runs: a wrong dtype, rank or size
-    reached the decode kernels unchecked (an int64 "result", a read past the weights' end)."""
+    """Bad arguments to the op raise before any kernel: a wrong dtype, rank or size reached the
+    decode kernels unchecked (an int64 "result", a read past the weights' end). The kernel paths
+    name the argument (LayerState.run's check); the dense path (mode "auto" on the CPU) raises
+    torch's own error, and takes any strides."""
     from twell import library  # noqa: F401
 
     m = SparseGatedMLP(16, 40).eval()
@@ -927,21 +929,30 @@ def test_custom_op_checks_its_arguments(mode):
     x = torch.randn(3, 16)
     wg, wd, wu = (p.detach() for p in (m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight))
     op = torch.ops.twell.ffn_infer
+    kernels = mode != "auto"
     with torch.no_grad():
         assert rel_err(op(x, wg, wd, wu), _dense(m, x)) < 1e-5
         assert op(x[:0], wg, wd, wu).shape == (0, 16)
-        for args, error, match in [
-            ((x.long(), wg, wd, wu), TypeError, "x must have dtype"),
-            ((x.half(), wg, wd, wu), TypeError, "w_gate has dtype torch.float32 but x has torch.float16"),
+        strided = x.t().contiguous().t()
+        if not kernels:
+            assert rel_err(op(strided, wg, wd, wu), _dense(m, x)) < 1e-5
+        cases = [
             ((x[0], wg, wd, wu), ValueError, "x must be 2-D"),
             ((x[None], wg, wd, wu), ValueError, "x must be 2-D"),
-            ((x[:, :8], wg, wd, wu), ValueError, r"w_gate must be \[40, 8\]"),
-            ((x, wg, wd, wu[:30]), ValueError, r"w_gate must be \[30, 16\]"),
-            ((x, wg, wd[:, :30], wu), ValueError, r"w_down must be \[16, 40\]"),
-            ((x.t().contiguous().t(), wg, wd, wu), ValueError, "unit-stride rows"),
-        ]:
-            with pytest.raises(error, match=match):
-                op(*args)
+            ((x.long(), wg, wd, wu), TypeError, "x must have dtype"),
+            ((x.half(), wg, wd, wu), TypeError, "w_first .* must match x"),
+            ((x[:, :8], wg, wd, wu), ValueError, r"w_first must be \[f, d\] = \[40, 8\]"),
+            ((x, wg, wd, wu[:30]), ValueError, r"w_up must be \[f, d\] = \[40, 16\], got \[30, 16\]"),
+            ((x, wg, wd[:, :30], wu), ValueError, r"w_down_t must be \[f, d\] = \[40, 16\], got \[30, 16\]"),
+            ((strided, wg, wd, wu), ValueError, "unit-stride rows"),
+        ]
+        for args, error, match in cases if kernels else cases[:2] + cases[2:7]:
+            if kernels or match == "x must be 2-D":
+                with pytest.raises(error, match=match):
+                    op(*args)
+            else:
+                with pytest.raises(RuntimeError):
+                    op(*args)
 
 
 def test_split_decode_kernels_and_their_rule(monkeypatch):
