@@ -21,9 +21,13 @@ One untimed decode of each first (kernels compile, each layer captures its graph
 median step of each variant and batch, their ratio and the quartiles of the pairs' ratios; writes
 $OUT/eager_decode_ab_<preset>.json."""
 
+import cProfile
 import copy
+import gc
+import io
 import json
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -31,7 +35,7 @@ import time
 import torch
 
 from twell import sparsify
-from twell.bench.model import calibrate_sparsity, eager_decode_interleaved, greedy_decode, random_model
+from twell.bench.model import _GreedyState, calibrate_sparsity, eager_decode_interleaved, greedy_decode, random_model
 
 args = [a for a in sys.argv[1:] if not a.startswith("--")]
 preset = args[0] if args else "0.5b"
@@ -68,6 +72,29 @@ def add_host_hooks(model, name: str) -> None:
             mod.register_forward_hook(post)
 
 
+def profile_steps(name: str, model, prompt, b: int, steps: int = 16) -> str:
+    """cProfile of ``steps`` eager decode steps of ``model`` (after 8 untimed ones: past the
+    captures): the 25 functions with the most own time, printed and returned; the garbage
+    collections that ran, printed."""
+    st = _GreedyState(model, prompt, steps + 16)
+    for _ in range(8):
+        st.step()
+    torch.cuda.synchronize()
+    gc0 = [g["collections"] for g in gc.get_stats()]
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        st.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    gcs = [g["collections"] - c for g, c in zip(gc.get_stats(), gc0)]
+    print(f"{name} batch {b}: garbage collections by generation over {steps} steps {gcs}")
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    print(f"== cProfile, {name}, batch {b}, {steps} eager steps\n" + "\n".join(buf.getvalue().splitlines()[:45]))
+    return buf.getvalue()
+
+
 with torch.no_grad():
     for model in (dense, twell_model):  # untimed: kernels compile, each layer captures its graphs
         for p in prompts.values():
@@ -90,32 +117,8 @@ with torch.no_grad():
               f"twell / dense tokens/s {out[f'b{b}']['speedup']:.3f} (pairs' quartiles "
               f"{out[f'b{b}']['ratio_quartiles']}), tokens match {out[f'b{b}']['tokens_match']}")
         if PROFILE:
-            import cProfile
-            import io
-            import pstats
-
-            from twell.bench.model import _GreedyState
-
             for name, model in (("dense", dense), ("twell", twell_model)):
-                st = _GreedyState(model, p, 32)
-                for _ in range(8):  # past the captures
-                    st.step()
-                torch.cuda.synchronize()
-                import gc
-
-                gc0 = [g["collections"] for g in gc.get_stats()]
-                prof = cProfile.Profile()
-                prof.enable()
-                for _ in range(16):
-                    st.step()
-                torch.cuda.synchronize()
-                prof.disable()
-                gcs = [g["collections"] - c for g, c in zip(gc.get_stats(), gc0)]
-                print(f"{name} batch {b}: garbage collections by generation over 16 steps {gcs}")
-                buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-                out[f"profile_{name}_b{b}"] = buf.getvalue()
-                print(f"== cProfile, {name}, batch {b}, 16 eager steps\n" + "\n".join(buf.getvalue().splitlines()[:45]))
+                out[f"profile_{name}_b{b}"] = profile_steps(name, model, p, b)
 mods = [m for m in twell_model.modules() if hasattr(m, "eager_graphs")]
 out["held_outputs"] = sum(m.eager_graphs.held_outputs for m in mods)
 print("held_outputs", out["held_outputs"])

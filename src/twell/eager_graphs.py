@@ -26,8 +26,9 @@ Memory. One input and one output buffer per (device, dtype, M, d) serve every la
 graphs' intermediates come from one memory pool per device: the layers' calls run one after
 another. The first capture that calls cuBLAS (the dense path) also makes cuBLAS's workspace for
 twell's capture stream in that pool, 32 MiB on the H200, once per device; the eager warm-up
-before each capture runs on the caller's stream, so it adds no workspace of its own. The graph's last kernel writes the output buffer itself (no copy inside the graph), and
-with ``HAND_OUT`` the call returns that buffer (a view of it) instead of a copy: a decoder layer
+before each capture runs on the caller's stream, so it adds no workspace of its own. The
+graph's last kernel writes the output buffer itself (no copy inside the graph), and with
+``HAND_OUT`` the call returns that buffer (a view of it) instead of a copy: a decoder layer
 adds it into its residual and drops it before the next layer's MLP runs. Before each replay a
 layer checks that no caller still holds an earlier output of the buffer (its storage's reference
 count: a forward hook that keeps the MLP's outputs, ``mlp(mlp(x))``). If one does, that buffer is
@@ -41,8 +42,9 @@ interleaving one call's copy in, replay and hand-out, so calls from several thre
 are right but run one at a time on the GPU: set ``ENABLED = False`` to let them overlap.
 
 Observability: :attr:`EagerGraphs.replays`, :attr:`EagerGraphs.captures` and
-:attr:`EagerGraphs.held_outputs` per layer (``module.eager_graphs``), :attr:`EagerGraphs.last` (whether the last eager call was a replay),
-:attr:`EagerGraphs.disabled` (why a layer stopped capturing, or None).
+:attr:`EagerGraphs.held_outputs` per layer (``module.eager_graphs``), :attr:`EagerGraphs.last`
+(whether the last eager call was a replay), :attr:`EagerGraphs.disabled` (why a layer stopped
+capturing, or None).
 """
 
 from __future__ import annotations
