@@ -56,7 +56,7 @@ def train_parser() -> argparse.ArgumentParser:
     m.add_argument("--num-heads", type=int, help="override the preset's attention heads")
     g = p.add_argument_group("data")
     g.add_argument("--data", nargs="+", help="'stdlib' (default: this Python's standard library sources), "
-                   "files/folders/globs of .txt .md .py .jsonl .parquet, hf:NAME[:CONFIG], or a folder "
+                   "files/folders/globs of .txt .md .rst .py .jsonl .parquet, hf:NAME[:CONFIG], or a folder "
                    "from `twell data prepare` (read from disk; it brings its tokenizer and split)")
     g.add_argument("--tokenizer", help="'bytes' (default) or a Hugging Face tokenizer path or name")
     g.add_argument("--text-field", help=f"JSONL field / Parquet column with the text (default {d.text_field})")
