@@ -236,11 +236,14 @@ def test_compiled_training_runs_the_dense_math():
 
 
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_trains_dense_or_says_why():
+def test_gpu_cuda_graph_capture_trains_dense_or_says_why(monkeypatch):
     """A training step captured in a CUDA graph (PyTorch's whole-network recipe: warm-up on a side
     stream, gradients set to None before the capture): on "auto" a layer that trains sparse
     eagerly takes the dense op inside the capture, and a replay gives eager's gradients; "sparse"
     forced raises one clear error before anything is recorded."""
+    from twell import train_path
+
+    monkeypatch.setattr(train_path, "MIN_SPARSE_TOKENS", 1)  # 40 tokens would train dense
     torch.manual_seed(0)
     m = SparseGatedMLP(64, 96).cuda()
     m.train()
@@ -312,6 +315,60 @@ def test_probe_cadence_after_a_measurement():
 def test_width_comes_from_the_mean_and_max_density_reaches_the_choice():
     assert _measured([29.0, 40.0, 0.0]).choose("auto", 5632) == ("sparse", 64)  # not narrowed by the max
     assert _measured([60.0, 180.0, 0.0]).choose("auto", 5632, max_density=0.06)[0] == "sparse"
+
+
+def test_auto_trains_small_calls_dense():
+    """Below MIN_SPARSE_TOKENS tokens per call "auto" trains dense on a measurement that makes
+    larger calls sparse (the measurement is still read); forced "sparse" ignores the size; no
+    size given: the measured path."""
+    from twell.train_path import MIN_SPARSE_TOKENS
+
+    tp = _measured([29.0, 40.0, 0.0])
+    assert tp.choose("auto", 5632, tokens=MIN_SPARSE_TOKENS - 1) == ("dense", 64)
+    assert tp.k_mean == 29.0 and tp.path == "sparse"
+    assert tp.choose("auto", 5632, tokens=MIN_SPARSE_TOKENS) == ("sparse", 64)
+    assert tp.choose("auto", 5632) == ("sparse", 64)
+    assert tp.choose("sparse", 5632, tokens=1) == ("sparse", 64)
+    assert tp.choose("dense", 5632, tokens=10**6) == ("dense", 64)
+
+
+def test_module_passes_its_tokens_to_the_path_choice(monkeypatch):
+    """The module asks for its path with the call's tokens (every leading dimension)."""
+    seen = []
+    real = TrainPath.choose
+
+    def spy(self, mode, f, max_density=None, capturing=False, tokens=None):
+        seen.append(tokens)
+        return real(self, mode, f, max_density, capturing, tokens)
+
+    monkeypatch.setattr(TrainPath, "choose", spy)
+    m = SparseGatedMLP(16, 40)
+    m.train()
+    m.train_kernels = "dense"  # the interpreter takes a kernel path only when one is forced
+    x = torch.randn(3, 5, 16, requires_grad=True)
+    m(x)
+    assert seen == [15] and m.last_train_path == "dense"
+
+
+@pytest.mark.gpu
+def test_gpu_auto_trains_small_calls_dense(monkeypatch):
+    """On CUDA a layer sparse enough for the sparse kernels trains a call below
+    MIN_SPARSE_TOKENS on the dense path; with the floor lowered the same layer takes the sparse
+    kernels."""
+    from twell import train_path
+
+    torch.manual_seed(0)
+    m = SparseGatedMLP(64, 96).cuda()
+    m.train()
+    m.train_max_density = 1.0
+    x = torch.randn(40, 64, device="cuda")
+    for _ in range(3):  # the first call measures, the next read it
+        m(x).sum().backward()
+        torch.cuda.synchronize()
+    assert m._twell_train.path == "sparse" and m.last_train_path == "dense"
+    monkeypatch.setattr(train_path, "MIN_SPARSE_TOKENS", 1)
+    m(x).sum().backward()
+    assert m.last_train_path == "sparse"
 
 
 def test_a_capture_reads_no_measurement():

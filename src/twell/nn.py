@@ -116,7 +116,8 @@ class _SparseFFN(nn.Module):
         self.kernel_mode = "auto"
         self.kernel_max_density: Optional[float] = None
         # Training path (gradients wanted) on CUDA, see twell.train_path: "auto" takes the sparse
-        # training kernels while this layer's measured sparsity makes them pay, "dense" or
+        # training kernels while this layer's measured sparsity makes them pay (on calls of at least
+        # train_path.MIN_SPARSE_TOKENS tokens), "dense" or
         # "sparse" force one; train_max_density (None: the measured default) is the break-even.
         self.train_kernels = "auto"
         self.train_max_density: Optional[float] = None
@@ -361,7 +362,7 @@ class _SparseFFN(nn.Module):
             return None  # float64 and the like: the dense math
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path, width = self._twell_train.choose(self.train_kernels, self.intermediate_size, self.train_max_density,
-                                               capturing)
+                                               capturing, x.numel() // max(self.hidden_size, 1))
         if capturing and self.train_kernels == "auto":
             path = "dense"  # the sparse ops cannot be captured (see twell.train_ops); the dense op can
         return path, width

@@ -2,14 +2,17 @@
 
 A module in training (gradients wanted) on CUDA calls :meth:`TrainPath.choose` once per
 forward. With ``train_kernels = "auto"`` (the default) the sparse kernels
-(:mod:`twell.train_ops`) run while the layer's measured mean of active units per token is at
+(:mod:`twell.train_ops`) run while the call has at least ``MIN_SPARSE_TOKENS`` tokens, the
+layer's measured mean of active units per token is at
 most ``MAX_DENSITY * f`` (:func:`use_sparse`), at most ``HEAVY_SHARE_MAX`` of its tokens have more
 active units than the ELL width that mean gives (:func:`twell.train_ops.choose_width`, about
 twice the mean: the rows the sparse op computes dense), and ``AUTO_SPARSE`` is on (the
 default), with that width; else the dense path. ``"dense"`` and
 ``"sparse"`` force one. The dense path is :func:`twell.train_ops.dense_gated_ffn` (cuBLAS
 products, the relu, product, L1 term and statistics in one fused pass each way) while
-``FUSED_DENSE`` is on, as by default; else the module's plain PyTorch math.
+``FUSED_DENSE`` is on, as by default; else the module's plain PyTorch math. Calls below
+``MIN_SPARSE_TOKENS`` are bound by the host: the sparse op's Python and launches cost more than
+the GPU work it saves.
 
 The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the layer copies the
 mean and max of its row counts and the share of rows above the width to pinned host memory
@@ -31,7 +34,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["TrainPath", "use_sparse", "device_width", "TRAIN_MODES", "MAX_DENSITY", "HEAVY_SHARE_MAX"]
+__all__ = ["TrainPath", "use_sparse", "device_width", "TRAIN_MODES", "MAX_DENSITY", "HEAVY_SHARE_MAX",
+           "MIN_SPARSE_TOKENS"]
 
 TRAIN_MODES = ("auto", "dense", "sparse")
 
@@ -58,6 +62,19 @@ AUTO_SPARSE = True
 # Measured in `twell bench training` (dense_path_ms and twell_ms against plain_module_ms, at
 # M 16384: 4.70 against 6.43 ms, k 8 even; benchmarks/NOTES_training.md, run 6).
 FUSED_DENSE = True
+
+
+# Fewest tokens per call (the module's input, all leading dimensions together) for which "auto"
+# takes the sparse kernels. Below it a call is bound by the host: on the H200 machine here the
+# sparse op took about 3.3 ms of host time per forward + backward (about 60 launches and their
+# Python) against 0.4 ms for dense PyTorch and 1.3 ms for the fused dense op, whose GPU work at
+# 2048 tokens is about 0.8 ms (benchmarks/train_small_m_profile.py). Whole training steps of the
+# 0.5b preset (8 layers, k 29 constructed, lr 0; benchmarks/train_auto_rule_probe.py --steps, two
+# runs; benchmarks/NOTES_training.md, twenty-third session), sparse against the fused dense op:
+# 1 x 2048 tokens per call 0.86x / 0.93x, 2 x 2048 0.77x / 0.96x, 4 x 2048 1.02x / 1.06x; 8 x 2048
+# 1.08x (training_mlp_h200.json). One layer alone at 8192 tokens, k 29 / k 8 even: 1.00x / 1.18x
+# and 1.35x / 1.88x of dense PyTorch in the two runs; at 4096 0.55x to 0.94x.
+MIN_SPARSE_TOKENS = 8192
 
 
 # Whether a module in training on CUDA keeps ``down_proj.weight`` as the transpose of a contiguous
@@ -128,9 +145,12 @@ class TrainPath:
         self._host: Optional[torch.Tensor] = None
         self._event = None
 
-    def choose(self, mode: str, f: int, max_density: Optional[float] = None, capturing: bool = False) -> tuple[str, int]:
+    def choose(self, mode: str, f: int, max_density: Optional[float] = None, capturing: bool = False,
+               tokens: Optional[int] = None) -> tuple[str, int]:
         """``(path, width)`` for this call; ``mode`` one of :data:`TRAIN_MODES`; ``capturing``:
-        inside a CUDA graph capture (no measurement is read there)."""
+        inside a CUDA graph capture (no measurement is read there); ``tokens``: the call's
+        tokens (None: as many as the sparse kernels need), "auto" trains dense below
+        ``MIN_SPARSE_TOKENS``. The measurement is read whatever the size of the call."""
         from .train_ops import choose_width
 
         if mode not in TRAIN_MODES:
@@ -147,6 +167,8 @@ class TrainPath:
             return "dense", self.width
         if mode == "sparse":
             return "sparse", self.width if self.k_mean is not None else 64
+        if tokens is not None and tokens < MIN_SPARSE_TOKENS:
+            return "dense", self.width
         return self.path, self.width
 
     def want_probe(self) -> bool:
