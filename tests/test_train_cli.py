@@ -28,6 +28,7 @@ def test_train_then_eval(tmp_path, capsys):
         assert (out / name).is_file(), name
     rows = read_history(out / "log.csv")
     assert [r["step"] for r in rows] == [2, 4, 6] and "active_mean_L1" in rows[0] and "val_loss" in rows[-1]
+    assert all(r["sparse_layers"] == 0 for r in rows)  # "auto" on the CPU: the plain math in every layer
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["active_per_token_by_layer"]) == 2 and summary["tokens"] == 6 * 4 * 32
 

@@ -207,6 +207,8 @@ def test_trainer_step_on_the_sparse_kernels_equals_dense(tmp_path):
         runs[kernels] = (ce, l1, {n: p.grad.clone() for n, p in t.model.named_parameters()},
                          [m.last_train_path for m in t.modules])
     assert runs["sparse"][3] == ["sparse", "sparse"] and runs["dense"][3] == ["dense", "dense"]
+    t.ce_acc, t.l1_acc, t.gn_acc, t.n_acc = torch.zeros(()), torch.zeros(()), torch.zeros(()), 1
+    assert t._log_row(1.0)["sparse_layers"] == 2  # the log counts the layers on the sparse kernels
     for kernels in ("dense", "sparse"):
         torch.testing.assert_close(runs[kernels][0], runs["auto"][0], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(runs[kernels][1], runs["auto"][1], rtol=1e-5, atol=1e-6)

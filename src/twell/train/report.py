@@ -132,7 +132,9 @@ class RunLogger:
             tqdm.write(
                 f"step {row['step']:>6} | loss {row['ce']:.4f} | val {row['val_loss']:.4f} | active/token "
                 f"{row['active_mean']:.1f} of {f} ({100 * (1 - row['active_mean'] / f):.2f}% sparse), max {row['active_max']}"
-                f" | dead {'-' if math.isnan(dead) else f'{100 * dead:.1f}%'} | {speed:,.0f} tok/s")
+                f" | dead {'-' if math.isnan(dead) else f'{100 * dead:.1f}%'} | {speed:,.0f} tok/s"
+                + (f" | sparse kernels in {row['sparse_layers']} of {len(self.t.modules)} layers"
+                   if self.t.device.type == "cuda" and "sparse_layers" in row else ""))
 
     def close(self) -> None:
         """Close the progress bar and TensorBoard (also when the run stops early)."""

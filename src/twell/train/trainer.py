@@ -647,7 +647,10 @@ class Trainer:
         penalty = l1 if cfg.l1_target is None else sum(c * v for c, v in zip(self.l1_scale, layers["l1"])) / len(self.l1_scale)
         row = {"step": self.step, "tokens": self.samples_seen * cfg.seq_len, "lr": self.scheduler.get_last_lr()[0],
                "lambda": lam, "ce": ce, "l1": l1, "loss": ce + lam * penalty, "grad_norm": grad_norm,
-               "skipped": self.skipped, "tokens_per_s": tokens_per_s, **self._layer_row(layers)}
+               "skipped": self.skipped, "tokens_per_s": tokens_per_s, **self._layer_row(layers),
+               # layers whose last training call ran the sparse kernels (twell.train_path: "auto" takes
+               # them only on sparse enough layers and calls of at least MIN_SPARSE_TOKENS tokens)
+               "sparse_layers": sum(m.last_train_path == "sparse" for m in self.modules)}
         if cfg.l1_target is not None:  # the lambdas this interval trained with
             row.update({f"lambda_L{i}": lam * c for i, c in enumerate(self.l1_scale)})
         self.ce_acc.zero_(), self.l1_acc.zero_(), self.gn_acc.zero_()
