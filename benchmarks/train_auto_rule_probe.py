@@ -1,20 +1,22 @@
 """Data for the training path's "auto" rule (``twell.train_path.use_sparse``): where the sparse
 training op beats the dense one, by tokens per call M, mean active units k, and heavy rows.
 
-The rule today reads only the layer's mean of active units per token (sparse at most
+Written when the rule read only the layer's mean of active units per token (sparse at most
 ``MAX_DENSITY * f``, 34 of 5632) and the share of rows above the ELL width that mean gives (at
-most ``HEAVY_SHARE_MAX``). Two questions it cannot answer from the grid of ``twell bench
-training`` (M 16384 and 65536 only):
+most ``HEAVY_SHARE_MAX``), for two questions the grid of ``twell bench training`` (M 16384 and
+65536 only) could not answer:
 
 - small calls: does the sparse op still win at 2048 to 8192 tokens per call (a fine-tuning
-  micro-batch), where its fixed costs (about 70 launches, the host's Python) weigh more?
+  micro-batch), where its fixed costs (63 CUDA launches, the host's Python) weigh more? (It
+  does not: ``twell.train_path.MIN_SPARSE_TOKENS`` came from this probe.)
 - heavy-tailed layers: a few rows with hundreds of units raise the mean past the cutoff while
   the ELL rows stay light (the synthetic "heavy" layers at k 56: the sparse op 1.64x, but
   "auto" trains them dense at 1.01x).
 
 Forward + backward of the gated FFN (bf16, d 2048, f 5632), timed call by call in turn
-(``twell.bench.timing.interleaved_ms``): dense PyTorch (no L1 term), twell's dense op and the
-sparse op (both with the L1 term), the latter at the width "auto" would give (from the mean) and,
+(``twell.bench.timing.interleaved_ms``): dense PyTorch (no L1 term), twell's dense op, the
+module with default settings (``module_ms``, ``module_path``) and the sparse op (all three with
+the L1 term), the latter at the width "auto" would give (from the mean) and,
 for heavy-tailed layers, at other widths. Each record has the row counts' mean, max, the share of
 rows above the width and the ELL rows' entries per token (the light rows' units over M). Each
 variant is timed in turn with dense PyTorch alone. ``--steps`` adds whole training steps of the

@@ -780,3 +780,56 @@ def test_a_frozen_w_up_gets_no_gradient_product(monkeypatch):
     (out.y.sum() + out.l1).backward()
     _, (dw_up, dw_gate, dw_down) = seen[0]
     assert dw_up is None and dw_gate is not None and dw_down is not None
+
+
+# --- a second mutation round: these had survived ------------------------------------------------
+
+
+def test_to_host_reads_the_sentinel_until_the_copy_lands():
+    """Until its copy lands the buffer reads -1 (what _host_counts waits past: every count is
+    >= 0) and its last element tags it with its own address. On the CPU the copy is immediate,
+    so a tensor whose copy is dropped plays one still in flight (a buffer that started at 0
+    survived every other test: the backward would read 0 heavy rows before the copy landed)."""
+    class InFlight(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.copy_:
+                return args[0]
+            return super().__torch_function__(func, types, args, kwargs or {})
+
+    host = T._to_host(torch.tensor([3, 0, 7]).as_subclass(InFlight))
+    assert type(host) is torch.Tensor and host.dtype == torch.int64
+    assert host.tolist() == [-1, -1, -1, host.data_ptr()]
+
+
+def test_a_bool_width_is_refused():
+    """width=True is an int to isinstance, but not a width: refused like 0."""
+    x, wg, wu, wd = (t.float() for t in make_case(5, 24, 37, adversarial=False))
+    for call in (lambda: sparse_gated_ffn(x, wg, wu, wd, True), lambda: sparse_ffn(x, wu, wd, True)):
+        with pytest.raises(ValueError, match="width must be an int"):
+            call()
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_a_single_heavy_row_takes_the_dense_backup(gated):
+    """Exactly one row heavier than W: its gradients come from the dense backup (a backward that
+    ran the backup only from two heavy rows on survived every other test)."""
+    x, wg, wu, wd = make_case(6, 16, 24, seed=2, density=0.1, adversarial=False)
+    x[2, 0] = -40.0  # every unit fires in row 2
+    out, _, _ = compare((x, wg, wu, wd) if gated else (x, wg, wd), 8, torch.float32, gated=gated)
+    assert int(out.n_heavy) == 1
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_backward_takes_a_broadcast_dy(gated):
+    """``y.sum()`` hands the backward an expanded dy (stride 0): the ops make it contiguous
+    before their kernels (dropping that in the non-gated op survived every other test)."""
+    x, wg, wu, wd = (t.float() for t in make_case(6, 16, 24, seed=3, density=0.2, adversarial=False))
+    tensors = (x, wg, wu, wd) if gated else (x, wg, wd)
+    fn = (lambda *t: sparse_gated_ffn(*t, 8)) if gated else (lambda *t: sparse_ffn(*t, 8))
+    leaves = [t.clone().requires_grad_() for t in tensors]
+    fn(*leaves).y.sum().backward()
+    ref = [t.double().requires_grad_() for t in tensors]
+    dense_ffn(ref[0], ref[1], ref[2] if gated else None, ref[-1])[0].sum().backward()
+    for got, want in zip((t.grad for t in leaves), (t.grad for t in ref)):
+        assert rel_err(got, want) < TOL[torch.float32]

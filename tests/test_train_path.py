@@ -327,6 +327,7 @@ def test_auto_trains_small_calls_dense():
 
     tp = _measured([29.0, 40.0, 0.0])
     assert tp.choose("auto", 5632, tokens=MIN_SPARSE_TOKENS - 1) == ("dense", 64)
+    assert tp.choose("auto", 5632, tokens=0) == ("dense", 64)  # an empty call too
     assert tp.k_mean == 29.0 and tp.path == "sparse"
     assert tp.choose("auto", 5632, tokens=MIN_SPARSE_TOKENS) == ("sparse", 64)
     assert tp.choose("auto", 5632) == ("sparse", 64)
@@ -377,3 +378,66 @@ def test_a_capture_reads_no_measurement():
     tp = _measured([29.0, 40.0, 0.0])
     assert tp.choose("auto", 5632, capturing=True) == ("dense", 16)
     assert tp.k_mean is None and tp._event is not None and tp._calls == 0
+
+
+# --- a second mutation round: these had survived --------------------------------------------------
+
+
+class _Recorded(_Landed):
+    """Stands in for a CUDA event that publish records."""
+
+    def record(self, stream):
+        pass
+
+
+def test_publish_measures_mean_max_and_the_share_strictly_above_the_width(monkeypatch):
+    """What publish copies (it runs on CUDA only; here a tensor that says it is on CUDA, a plain
+    host buffer and stub CUDA calls): the mean and the max of the row counts and the share of rows
+    with *more* units than the width of the mean (a row of exactly W units is light). Catches
+    ``>=`` for ``>`` in the share and a wrong statistic (min for max)."""
+    import contextlib
+
+    class OnCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "Event", _Recorded)
+    tp = TrainPath()
+    tp._host = torch.zeros(3)  # pinned memory needs CUDA
+    counts = torch.tensor([16, 17, 0, 0, 0, 0, 0, 3], dtype=torch.int32)  # mean 4.5: width 16
+    tp.publish(counts.as_subclass(OnCuda), 5632)
+    assert tp._event is not None and not tp.want_probe()  # one probe in flight
+    tp.choose("auto", 5632)
+    assert (tp.k_mean, tp.k_max, tp.heavy_share, tp.width) == (4.5, 17, 0.125, 16)
+
+
+def test_in_backward_is_seen_from_a_real_backward():
+    """The check that keeps a checkpoint's recomputation on its forward's path, against autograd
+    itself rather than a stub: true while a backward runs, false outside; a choice made in the
+    backward reads no landed measurement and counts no call."""
+    from twell.train_path import _in_backward
+
+    tp = _measured([29.0, 40.0, 0.0])
+    seen = []
+    x = torch.ones(3, requires_grad=True)
+    y = x * 2
+    y.register_hook(lambda g: seen.append((_in_backward(), tp.choose("auto", 5632))))
+    y.sum().backward()
+    assert seen == [(True, ("dense", 16))] and not _in_backward()
+    assert tp.k_mean is None and tp._calls == 0
+
+
+def test_readme_states_the_auto_rule_constants():
+    """The README's statement of the "auto" rule gives the thresholds the code uses (a changed
+    MIN_SPARSE_TOKENS with the README left behind survived every other test)."""
+    from pathlib import Path
+
+    from twell.train_path import MIN_SPARSE_TOKENS
+
+    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert f"at most {MAX_DENSITY * 100:g}% of f" in text
+    assert f"at most {HEAVY_SHARE_MAX * 100:g}% of its tokens" in text
+    assert f"at least {MIN_SPARSE_TOKENS} tokens (`twell.train_path.MIN_SPARSE_TOKENS`)" in text

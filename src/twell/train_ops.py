@@ -427,7 +427,8 @@ class DenseTrainFFNFunction(torch.autograd.Function):
     """The FFN with every row held dense, and its L1 term and statistics: cuBLAS products and one
     fused element-wise pass each way (:mod:`twell.kernels.dense_rows`). What a layer trains with
     where the sparse kernels would not pay (``train_kernels = "dense"``, or ``"auto"`` on a layer
-    with many active units: early in training, before the L1 term has made it sparse).
+    with many active units, early in training before the L1 term has made it sparse, or on a
+    call of fewer than ``twell.train_path.MIN_SPARSE_TOKENS`` tokens).
 
     Against dense autograd of the same math, which walks ``[M, f]`` tensors for relu, the
     product, ``|h|``, the active mask and their gradients (six to nine passes), this makes one

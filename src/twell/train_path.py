@@ -66,14 +66,14 @@ FUSED_DENSE = True
 
 # Fewest tokens per call (the module's input, all leading dimensions together) for which "auto"
 # takes the sparse kernels. Below it a call is bound by the host: on the H200 machine here the
-# sparse op took about 3.3 ms of host time per forward + backward (about 60 launches and their
-# Python) against 0.4 ms for dense PyTorch and 1.3 ms for the fused dense op, whose GPU work at
-# 2048 tokens is about 0.8 ms (benchmarks/train_small_m_profile.py). Whole training steps of the
-# 0.5b preset (8 layers, k 29 constructed, lr 0; benchmarks/train_auto_rule_probe.py --steps, two
-# runs; benchmarks/NOTES_training.md, twenty-third session), sparse against the fused dense op:
-# 1 x 2048 tokens per call 0.86x / 0.93x, 2 x 2048 0.77x / 0.96x, 4 x 2048 1.02x / 1.06x; 8 x 2048
-# 1.08x (training_mlp_h200.json). One layer alone at 8192 tokens, k 29 / k 8 even: 1.00x / 1.18x
-# and 1.35x / 1.88x of dense PyTorch in the two runs; at 4096 0.55x to 0.94x.
+# sparse op's Python and its 63 CUDA launches took about 3.3 ms per forward + backward (an upper
+# bound: its backward waits until the GPU has passed the forward's pack), dense PyTorch's 0.4 ms
+# (benchmarks/train_small_m_profile.py). In whole 0.5b training steps (k 29 constructed, lr 0)
+# the sparse kernels read 0.77x to 0.96x of the fused dense path at 1 and 2 x 2048 tokens per
+# call and 1.02x to 1.06x at 4 x 2048 (benchmarks/train_auto_rule_probe.py --steps;
+# benchmarks/NOTES_training.md, twenty-third session). At 8192 tokens, k 29, one layer read 1.00x
+# and 1.35x in two runs: the floor sits near the break-even on this host. Measured at d 2048, f
+# 5632 only; at larger d and f the GPU work per token grows and the break-even falls.
 MIN_SPARSE_TOKENS = 8192
 
 
@@ -149,8 +149,8 @@ class TrainPath:
                tokens: Optional[int] = None) -> tuple[str, int]:
         """``(path, width)`` for this call; ``mode`` one of :data:`TRAIN_MODES`; ``capturing``:
         inside a CUDA graph capture (no measurement is read there); ``tokens``: the call's
-        tokens (None: as many as the sparse kernels need), "auto" trains dense below
-        ``MIN_SPARSE_TOKENS``. The measurement is read whatever the size of the call."""
+        tokens (None: no floor), "auto" trains dense below ``MIN_SPARSE_TOKENS``. The
+        measurement is read whatever the size of the call."""
         from .train_ops import choose_width
 
         if mode not in TRAIN_MODES:

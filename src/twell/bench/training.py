@@ -23,7 +23,8 @@ warm-up):
 - ``breakeven_path``: the rule :func:`twell.train_path.use_sparse` for this sparsity (mean and
   share of rows above its width);
   ``auto_path``: what the modules' ``train_kernels = "auto"`` trains with (the same rule while
-  ``twell.train_path.AUTO_SPARSE`` is on, as it is by default).
+  ``twell.train_path.AUTO_SPARSE`` is on, as it is by default, on calls of at least
+  ``twell.train_path.MIN_SPARSE_TOKENS`` tokens).
 
 Gradients are compared with fp32 autograd of the same bf16 inputs: relative error of each
 (x, gate, up, down), and the worst row of dx against dense bf16's worst row. ``saved_bytes`` are
@@ -196,7 +197,8 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 del module, m, dense_path
                 rec["heavy_share"] = heavy_share
                 rec["breakeven_path"] = "sparse" if use_sparse(k_mean, f, heavy_share=heavy_share) else "dense"
-                rec["auto_path"] = "sparse" if (train_path.AUTO_SPARSE and rec["breakeven_path"] == "sparse") else "dense"
+                rec["auto_path"] = ("sparse" if (train_path.AUTO_SPARSE and rec["breakeven_path"] == "sparse"
+                                                 and M >= train_path.MIN_SPARSE_TOKENS) else "dense")
                 F = torch.nn.functional
                 rec["dense_saved_bytes"] = saved_bytes(lambda a, b, c, e: F.linear(torch.relu(F.linear(a, b)) * F.linear(a, c), e),
                                                        x, wg, wu, wd)

@@ -106,7 +106,8 @@ def train_parser() -> argparse.ArgumentParser:
     r.add_argument("--precision", choices=["bf16", "fp32"], help="bf16 autocast (default on GPUs) or fp32")
     r.add_argument("--kernels", choices=["auto", "dense", "sparse"], help="the MLPs' training kernels on GPUs: "
                    "sparse (twell's exact sparse forward and backward), dense (cuBLAS and fused element-wise passes), or auto (default: sparse "
-                   "for each layer while its measured sparsity makes them faster)")
+                   "for each layer while its measured sparsity makes them faster, on micro-batches of at least "
+                   "twell.train_path.MIN_SPARSE_TOKENS = 8192 tokens)")
     r.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in the backward pass")
     r.add_argument("--fsdp", action="store_true", help="under torchrun: shard parameters, optimizer state and "
                    "checkpoints with FSDP2 instead of DDP (built on the meta device: no rank holds the whole model)")
