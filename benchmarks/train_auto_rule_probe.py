@@ -37,6 +37,7 @@ import time
 
 import torch
 
+from heavy_share_probe import tensors as mixture  # light k 29 rows, a share p with ~600 units (benchmarks/ is on the path)
 from twell.bench.inference import machine_info
 from twell.bench.synthetic import make_ffn
 from twell.bench.timing import interleaved_ms
@@ -47,22 +48,6 @@ ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 OUT = ARGS[0] if ARGS else os.environ.get("OUT", "/tmp")
 QUICK = "--quick" in sys.argv
 D, F = 2048, 5632
-
-
-def mixture(M: int, p: float, k: int = 29, heavy_k: int = 600):
-    """Light rows with about ``k`` units, a share ``p`` of the rows with about ``heavy_k``."""
-    g = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(M, D, generator=g, device="cuda")
-    wg = torch.randn(F, D, generator=g, device="cuda") / math.sqrt(D - 1)
-    thr = float(torch.special.ndtri(torch.tensor(1.0 - k / F, dtype=torch.float64)))
-    thr_heavy = float(torch.special.ndtri(torch.tensor(1.0 - heavy_k / F, dtype=torch.float64)))
-    x[:, 0] = 1.0
-    wg[:, 0] = -thr
-    n = int(round(p * M))
-    x[torch.randperm(M, generator=g, device="cuda")[:n], 0] = thr_heavy / thr
-    wu = torch.randn(F, D, generator=g, device="cuda") / math.sqrt(D)
-    wd = torch.randn(D, F, generator=g, device="cuda") / math.sqrt(F)
-    return [t.to(torch.bfloat16) for t in (x, wg, wu, wd)]
 
 
 def synthetic(M: int, k: float, dist: str):
@@ -124,7 +109,7 @@ def main() -> None:
     for k in ((29, 56) if QUICK else (29, 56, 100, 160)):
         records.append(case(f"heavy k{k}", 16384, synthetic(16384, k, "heavy"), widths_extra=(32, 64, 128)))
     for p in ((0.02, 0.1) if QUICK else (0.01, 0.03, 0.1, 0.2)):
-        records.append(case(f"mix k29 p{p}", 16384, mixture(16384, p), widths_extra=(64,)))
+        records.append(case(f"mix k29 p{p}", 16384, mixture(p), widths_extra=(64,)))
     steps = []
     if "--steps" in sys.argv:
         from twell.bench.training import train_step_records

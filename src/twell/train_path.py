@@ -34,7 +34,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["TrainPath", "use_sparse", "device_width", "TRAIN_MODES", "MAX_DENSITY", "HEAVY_SHARE_MAX",
+__all__ = ["TrainPath", "use_sparse", "large_enough", "device_width", "TRAIN_MODES", "MAX_DENSITY", "HEAVY_SHARE_MAX",
            "MIN_SPARSE_TOKENS"]
 
 TRAIN_MODES = ("auto", "dense", "sparse")
@@ -116,6 +116,12 @@ def use_sparse(active_mean: float, f: int, max_density: Optional[float] = None, 
     return active_mean <= (MAX_DENSITY if max_density is None else max_density) * f and heavy_share <= HEAVY_SHARE_MAX
 
 
+def large_enough(tokens: Optional[int]) -> bool:
+    """Whether a call of ``tokens`` tokens (None: unknown) may take the sparse kernels under
+    ``"auto"``: at least ``MIN_SPARSE_TOKENS``."""
+    return tokens is None or tokens >= MIN_SPARSE_TOKENS
+
+
 def _in_backward() -> bool:
     """True inside autograd's backward (where checkpointed forwards are recomputed)."""
     task = getattr(torch._C, "_current_graph_task_id", None)
@@ -167,9 +173,7 @@ class TrainPath:
             return "dense", self.width
         if mode == "sparse":
             return "sparse", self.width if self.k_mean is not None else 64
-        if tokens is not None and tokens < MIN_SPARSE_TOKENS:
-            return "dense", self.width
-        return self.path, self.width
+        return (self.path if large_enough(tokens) else "dense"), self.width
 
     def want_probe(self) -> bool:
         """Whether this call should publish its row counts (every ``PROBE_EVERY`` calls, one in flight)."""

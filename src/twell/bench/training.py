@@ -198,7 +198,7 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 rec["heavy_share"] = heavy_share
                 rec["breakeven_path"] = "sparse" if use_sparse(k_mean, f, heavy_share=heavy_share) else "dense"
                 rec["auto_path"] = ("sparse" if (train_path.AUTO_SPARSE and rec["breakeven_path"] == "sparse"
-                                                 and M >= train_path.MIN_SPARSE_TOKENS) else "dense")
+                                                 and train_path.large_enough(M)) else "dense")
                 F = torch.nn.functional
                 rec["dense_saved_bytes"] = saved_bytes(lambda a, b, c, e: F.linear(torch.relu(F.linear(a, b)) * F.linear(a, c), e),
                                                        x, wg, wu, wd)

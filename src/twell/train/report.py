@@ -134,7 +134,7 @@ class RunLogger:
                 f"{row['active_mean']:.1f} of {f} ({100 * (1 - row['active_mean'] / f):.2f}% sparse), max {row['active_max']}"
                 f" | dead {'-' if math.isnan(dead) else f'{100 * dead:.1f}%'} | {speed:,.0f} tok/s"
                 + (f" | sparse kernels in {row['sparse_layers']} of {len(self.t.modules)} layers"
-                   if self.t.device.type == "cuda" and "sparse_layers" in row else ""))
+                   if self.t.device.type == "cuda" else ""))
 
     def close(self) -> None:
         """Close the progress bar and TensorBoard (also when the run stops early)."""
