@@ -22,7 +22,10 @@ rows above the width and the ELL rows' entries per token (the light rows' units 
 variant is timed in turn with dense PyTorch alone. ``--steps`` adds whole training steps of the
 0.5b preset at 1, 2 and 4 x 2048 tokens (``twell.bench.training.train_step_records``, lr 0).
 
-    python benchmarks/train_auto_rule_probe.py [OUTDIR] [--quick] [--steps]
+    python benchmarks/train_auto_rule_probe.py [OUTDIR] [--quick] [--steps] [--small]
+
+``--small`` instead times one layer with default settings against dense PyTorch at 1 to 4096
+tokens per call, with each call's peak memory (``train_auto_rule_probe_small.json``).
 
 Writes OUTDIR/train_auto_rule_probe.json; prints one line per case.
 """
@@ -96,7 +99,40 @@ def case(name: str, M: int, tensors, widths_extra=(), calls: int = 20) -> dict:
     return rec
 
 
+def peak_mib(fn) -> float:
+    """Memory one call allocates at its peak above what was live before it, MiB."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def small_calls() -> list:
+    """One layer (k 29 even) at 1 to 4096 tokens per call: the module with default settings
+    against dense PyTorch, time (in turn) and peak memory of a call."""
+    out = []
+    for M in (1, 16, 256, 1024, 2048, 4096):
+        x, wg, wu, wd = (t.detach().requires_grad_(True) for t in synthetic(max(M, 64), 29, "even"))
+        x = x[:M].detach().requires_grad_(True)
+        dy = torch.randn_like(x) / math.sqrt(D)
+        module, m = _module_fn(x, wg, wu, wd, dy)
+        dense = _dense_fn(x, wg, wu, wd, dy)
+        d_ms, m_ms = interleaved_ms([dense, module], calls=50, warmup=3)
+        rec = dict(M=M, dense_ms=d_ms, module_ms=m_ms, speedup=d_ms / m_ms, module_path=m.last_train_path,
+                   dense_peak_mib=peak_mib(dense), module_peak_mib=peak_mib(module))
+        out.append(rec)
+        print(f"small M {M:5d} dense {d_ms:.3f} module {m_ms:.3f} ms ({rec['speedup']:.2f}x, {rec['module_path']}) "
+              f"peak {rec['module_peak_mib']:.1f} / {rec['dense_peak_mib']:.1f} MiB", flush=True)
+    return out
+
+
 def main() -> None:
+    if "--small" in sys.argv:
+        with open(os.path.join(OUT, "train_auto_rule_probe_small.json"), "w") as fh:
+            json.dump(dict(machine=machine_info(), small=small_calls()), fh, indent=1)
+        return
     records = []
     Ms = (2048, 8192, 16384) if QUICK else (2048, 4096, 8192, 16384, 32768)
     for M in Ms:
