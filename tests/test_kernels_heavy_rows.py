@@ -66,6 +66,26 @@ def test_listed_rows_only(dtype, gated, n):
     assert torch.equal(counts.long(), counts_ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64], ids=case_id)
+def test_counts_added_to_a_given_buffer(dtype):
+    """``unit_counts=`` adds the listed rows' counts to the caller's buffer (the light rows'
+    counts, in the training op) in place and returns it; a wrong buffer is refused."""
+    M, d, f = 37, 40, 75
+    x, wg, wu, wd = _case(M, d, f, torch.float32, seed=8)
+    a = x @ wg.T
+    rows = torch.tensor([5, 30, 11, 0], device=DEV)
+    base = torch.arange(f, dtype=dtype, device=DEV)
+    buf = base.clone()
+    _, counts = heavy_rows_forward(x, a.clone(), rows, torch.tensor([4], device=DEV), torch.zeros(M, d, device=DEV), wd, wu,
+                                   unit_counts=buf, **SMALL)
+    assert counts is buf and counts.dtype == dtype
+    assert torch.equal((buf - base).long(), _reference(x, a, rows, wd, wu)[3])
+    for bad in (torch.zeros(f, dtype=torch.float32, device=DEV), torch.zeros(f - 1, dtype=dtype, device=DEV)):
+        with pytest.raises(ValueError, match="unit_counts"):
+            heavy_rows_forward(x, a.clone(), rows, torch.tensor([4], device=DEV), torch.zeros(M, d, device=DEV), wd, wu,
+                               unit_counts=bad, **SMALL)
+
+
 def test_transposed_w_down_and_nan_gate():
     """w_down as a transpose (the modules' eval layout) gives the same rows; a NaN pre-activation
     stays NaN in h and in its row of y, as torch.relu keeps it."""

@@ -1839,8 +1839,11 @@ def test_eager_graphs_weights_key_and_recapture_limit(monkeypatch):
     assert g.recaptures == 2
     g = EG.EagerGraphs()
     capture(g)
-    for _ in range(EG.MAX_RECAPTURES):
-        capture(g, w_down=wd.clone())
+    # each move a new address: the clones are held, since a freed clone's memory may come back
+    # for the next one (the key reads addresses; same address, same graph, rightly)
+    moves = [wd.clone() for _ in range(EG.MAX_RECAPTURES)]
+    for w in moves:
+        capture(g, w_down=w)
     assert g.disabled is None and len(g) == 1 and g.recaptures == EG.MAX_RECAPTURES
     assert g.call(state, torch.randn(11, 4), wf, wd.clone(), wu) is None and g.disabled is not None
     g = EG.EagerGraphs()

@@ -319,30 +319,6 @@ def test_dense_op_only_the_gradients_asked_for_and_ignores_autocast():
         assert rel_err(g, g_ref) < 1e-6
 
 
-def test_unit_index_groups_slots_by_unit():
-    """unit_index against a plain Python grouping, with heavy rows, padding and excluded units;
-    light_unit_counts against the same."""
-    from twell.kernels.train_ffn import light_unit_counts, unit_index
-
-    g = torch.Generator().manual_seed(3)
-    M, W, f = 23, 6, 19
-    cols = torch.stack([torch.randperm(f, generator=g)[:W] for _ in range(M)]).to(torch.int16)
-    counts = torch.randint(0, W + 3, (M,), generator=g, dtype=torch.int32)  # > W: heavy
-    exclude = torch.zeros(f, dtype=torch.bool)
-    exclude[[2, 7]] = True
-    for ex in (None, exclude):
-        order, offsets = unit_index(cols.to(DEV), counts.to(DEV), f, None if ex is None else ex.to(DEV))
-        order, offsets = order.cpu(), offsets.cpu()
-        assert offsets.dtype == torch.int64 and offsets.shape == (f + 1,) and int(offsets[0]) == 0
-        for j in range(f):
-            want = [m * W + s for m in range(M) if counts[m] <= W for s in range(int(counts[m]))
-                    if int(cols[m, s]) == j and (ex is None or not ex[j])]
-            assert order[offsets[j]:offsets[j + 1]].tolist() == want, j
-    per = light_unit_counts(cols.to(DEV), counts.to(DEV), f).cpu()
-    order, offsets = unit_index(cols.to(DEV), counts.to(DEV), f)
-    assert torch.equal(per, offsets.cpu().diff())
-
-
 def test_all_units_active(small_blocks):
     """a = +1 everywhere and W = f (and a width above f): every row fills its ELL row, none is heavy."""
     x, wg, wu, wd = make_case(3, 24, 21, seed=6, adversarial=False)
@@ -673,7 +649,7 @@ def test_hot_units_take_the_dense_columns(gated, monkeypatch):
     a = x @ wg.T
     counts = (a > 0).sum(1).int()
     cols, _, cnt = pack_rows(a, 12)
-    from twell.kernels.train_ffn import light_unit_counts
+    from twell.kernels.train_index import light_unit_counts
 
     _, _, hot_mask, info = T._heavy_and_hot(cnt, 12, light_unit_counts(cols, cnt, 75), 75)
     hot = torch.nonzero(hot_mask).flatten()
@@ -689,7 +665,7 @@ def test_hot_unit_cutoff_is_strict():
     f = 100
     per_unit = torch.zeros(f, dtype=torch.int64)
     per_unit[0], per_unit[1] = T.HOT_MIN, T.HOT_MIN + 1  # the limit is HOT_MIN here
-    _, _, hot, info = T._heavy_and_hot(torch.zeros(4, dtype=torch.int32), 16, per_unit, f)
+    _, _, hot, info = T._heavy_and_hot(torch.zeros(4, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), f)
     assert hot.nonzero().flatten().tolist() == [1]
     assert info.tolist() == [0, 1, T.HOT_MIN + 1]
 

@@ -49,7 +49,8 @@ from torch.autograd.function import once_differentiable
 from .checks import KERNEL_DTYPES, check_launchable, check_mlp_args, check_tensor
 from .kernels.dense_rows import dense_rows_backward, dense_rows_forward
 from .kernels.heavy_rows import heavy_rows_forward
-from .kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, light_unit_counts, pack_rows, unit_index
+from .kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, pack_rows
+from .kernels.train_index import heavy_and_hot, light_unit_counts, unit_index
 
 __all__ = [
     "TrainFFNOutput",
@@ -151,14 +152,9 @@ def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int)
     lists the rows with more than W active units first (the rest is padding), ``n_heavy`` (int64
     scalar) counts them; ``hot_mask [f]`` marks the hot units (see HOT_MIN) of the light rows
     (``per_unit``: their slots per unit); ``info [3]`` int64 = (n_heavy, hot units, light slots
-    at hot units), what the backward needs on the host (:func:`_to_host`)."""
-    heavy_mask = counts > W
-    heavy = torch.nonzero_static(heavy_mask, size=counts.shape[0], fill_value=0).flatten()
-    n_heavy = heavy_mask.sum(dtype=torch.int64)
-    limit = torch.clamp(per_unit.sum() * (HOT_FACTOR / max(f, 1)), min=HOT_MIN)
-    hot_mask = per_unit > limit
-    info = torch.stack([n_heavy, hot_mask.sum(dtype=torch.int64), torch.where(hot_mask, per_unit, 0).sum()])
-    return heavy, n_heavy, hot_mask, info
+    at hot units), what the backward needs on the host (:func:`_to_host`). One launch
+    (:func:`twell.kernels.train_index.heavy_and_hot`)."""
+    return heavy_and_hot(counts, W, per_unit, HOT_MIN, HOT_FACTOR)
 
 
 def _to_host(values: torch.Tensor) -> torch.Tensor:
@@ -249,9 +245,10 @@ def _light_forward(x, a, W, w_down, w_up=None):
     heavy, n_heavy, hot_mask, info = _heavy_and_hot(counts, W, per_unit, f)
     host = _to_host(info)  # before the row kernels: the backward waits at most for this point
     y, u, l1_rows = ffn_rows_forward(x, cols, values, counts, _rows_of(w_down), w_up, **ROWS_CONFIG)
-    l1_heavy, heavy_counts = heavy_rows_forward(x, a, heavy, n_heavy, y, w_down, w_up, **HEAVY_CONFIG)
+    # the heavy rows' unit counts are added to the light rows' (read above, in stream order)
+    l1_heavy, unit_counts = heavy_rows_forward(x, a, heavy, n_heavy, y, w_down, w_up, unit_counts=per_unit, **HEAVY_CONFIG)
     l1 = (l1_rows + l1_heavy).sum() / max(M, 1)
-    return cols, values, counts, y, u, l1, per_unit + heavy_counts, heavy, n_heavy, hot_mask, host
+    return cols, values, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, host
 
 
 def kernel_layout(w: torch.Tensor) -> bool:

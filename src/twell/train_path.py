@@ -73,7 +73,10 @@ FUSED_DENSE = True
 # call and 1.02x to 1.06x at 4 x 2048 (benchmarks/train_auto_rule_probe.py --steps;
 # benchmarks/NOTES_training.md, twenty-third session). At 8192 tokens, k 29, one layer read 1.00x
 # and 1.35x in two runs: the floor sits near the break-even on this host. Measured at d 2048, f
-# 5632 only; at larger d and f the GPU work per token grows and the break-even falls.
+# 5632 only; at larger d and f the GPU work per token grows and the break-even falls. With the
+# op's bookkeeping in three Triton kernels (twell.kernels.train_index, twenty-fourth session)
+# the forced sparse op read 0.67x of dense PyTorch at 4096 tokens and 1.33x at 8192 (k 29, one
+# layer, benchmarks/train_op_ab.py): the floor stays.
 MIN_SPARSE_TOKENS = 8192
 
 

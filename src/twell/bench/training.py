@@ -354,6 +354,7 @@ def tune_configs(M: int = 16384, k: float = 29, d: int = 2048, f: int = 5632, re
 
     from .. import train_ops
     from ..kernels import train_ffn as K
+    from ..kernels.train_index import heavy_and_hot, light_unit_counts, unit_index
 
     ffn = make_ffn(M, d, f, k, "even", torch.bfloat16, "cuda", seed=1)
     x, wg, wu, wd = ffn.x, ffn.w_gate, ffn.w_up, ffn.w_down
@@ -367,15 +368,16 @@ def tune_configs(M: int = 16384, k: float = 29, d: int = 2048, f: int = 5632, re
     y, u, _ = K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **train_ops.ROWS_CONFIG)
     c = torch.zeros(1, device="cuda")
     dx, du, da = K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **train_ops.ROWS_CONFIG)
-    order, offsets = K.unit_index(cols, cnt, f)
+    order, offsets = unit_index(cols, cnt, f)
     stages = {
         "gate_mm": lambda: torch.mm(x, wg.t()),
         "w_down_t": lambda: wd.t().contiguous(),
         "pack": lambda: K.pack_rows(a, W, **train_ops.PACK_CONFIG),
-        "heavy_nonzero": lambda: torch.nonzero(cnt > W),
+        "unit_counts": lambda: light_unit_counts(cols, cnt, f),
+        "heavy_and_hot": lambda: heavy_and_hot(cnt, W, light_unit_counts(cols, cnt, f), train_ops.HOT_MIN, train_ops.HOT_FACTOR),
         "forward_rows": lambda: K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **train_ops.ROWS_CONFIG),
         "backward_rows": lambda: K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **train_ops.ROWS_CONFIG),
-        "unit_index": lambda: K.unit_index(cols, cnt, f),
+        "unit_index": lambda: unit_index(cols, cnt, f),
         "weight_grads": lambda: K.ffn_weight_grads(order, offsets, x, dy, g, u, du, da, dtype=wu.dtype, **train_ops.GRADS_CONFIG),
         "dense_gate_mm_x3": lambda: (torch.mm(x, wg.t()), torch.mm(x, wu.t())),
     }

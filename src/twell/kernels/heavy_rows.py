@@ -82,7 +82,7 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
         tl.store(l1_ptr + pid_n.to(tl.int64) * M + r, tl.sum(tl.abs(h.to(tl.float32)), axis=1), mask=valid)
         active = (fires(a) & ok).to(tl.int32)
         per_col = tl.sum(active, axis=0)
-        tl.atomic_add(cnt_ptr + cols, per_col, mask=cmask & (per_col > 0), sem="relaxed")
+        tl.atomic_add(cnt_ptr + cols, per_col.to(cnt_ptr.dtype.element_ty), mask=cmask & (per_col > 0), sem="relaxed")
 
 
 @triton.jit
@@ -141,6 +141,7 @@ def heavy_rows_forward(
     block_k: int = 64,
     num_warps: int = 4,
     num_stages: int = 3,
+    unit_counts: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of the listed rows held dense, with no host synchronisation.
 
@@ -155,10 +156,14 @@ def heavy_rows_forward(
         w_down: ``[d, f]`` (any strides: in eval mode the modules keep it as a transpose);
             w_up: ``[f, d]`` (gated) or None (non-gated: h = relu(a)).
         block_*, num_warps, num_stages: tuning knobs.
+        unit_counts: optional ``[f]`` int32/int64 tensor on x's device to add the listed rows'
+            counts to (in place; the light rows' counts, so that no second buffer is made and
+            added), returned as the second result.
 
     Returns:
-        ``(l1_rows [M] fp32, unit_counts [f] int32)``: the listed rows' sum of ``|h|`` (zero for
-        the other rows) and how many listed rows each unit is active in (``a > 0`` or NaN).
+        ``(l1_rows [M] fp32, unit_counts [f])``: the listed rows' sum of ``|h|`` (zero for
+        the other rows) and how many listed rows each unit is active in (``a > 0`` or NaN),
+        int32 in a new tensor, or added to ``unit_counts``.
     """
     check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
     check_tensor(a, "a", dim=2, dtypes=KERNEL_DTYPES)
@@ -180,8 +185,13 @@ def heavy_rows_forward(
         raise ValueError(f"w_down must be [d, f] = {[d, f]} of x's dtype and device, got {list(w_down.shape)} {w_down.dtype}")
     check_weight_rows(w_up, "w_up", f, d, x)
     check_launchable(x, "x")
+    if unit_counts is None:
+        unit_counts = torch.zeros(f, dtype=torch.int32, device=x.device)
+    elif unit_counts.shape != (f,) or unit_counts.dtype not in (torch.int32, torch.int64) or unit_counts.device != x.device \
+            or not unit_counts.is_contiguous():
+        raise ValueError(f"unit_counts must be a contiguous [f] = [{f}] int32/int64 tensor on {x.device}, got "
+                         f"{list(unit_counts.shape)} {unit_counts.dtype} on {unit_counts.device}")
     partial = torch.zeros(triton.cdiv(f, block_n), M, dtype=torch.float32, device=x.device)
-    unit_counts = torch.zeros(f, dtype=torch.int32, device=x.device)
     if M == 0 or f == 0 or rows.numel() == 0:
         return partial.sum(0), unit_counts
     ieee = _dot_in_fp32(x)

@@ -7,7 +7,8 @@ backward, see :mod:`twell.train_ops`)::
     forward   a [M, f] --pack_rows--> cols, g [M, W], counts [M]
               x, cols, g --ffn_rows_forward--> y [M, d], u [M, W], |h| summed per row [M]
     backward  dy, cols, g, u --ffn_rows_backward--> dx [M, d], du, da [M, W]
-              cols, counts --unit_index--> the slots of each unit (CSC view, built on the GPU)
+              cols, counts --unit_index--> the slots of each unit (CSC view, built on the GPU:
+                                           twell.kernels.train_index)
               x, dy, du, da, g, u --ffn_weight_grads--> dw_up, dw_gate, dw_down^T [f, d]
 
 Non-gated (``h = relu(x w_up^T)``): the ELL values are h itself, there is no u, and the
@@ -42,8 +43,6 @@ __all__ = [
     "pack_rows",
     "ffn_rows_forward",
     "ffn_rows_backward",
-    "unit_index",
-    "light_unit_counts",
     "ffn_weight_grads",
     "col_dtype",
 ]
@@ -580,56 +579,6 @@ def ffn_rows_backward(
 # ---------------------------------------------------------------------------------------------
 
 
-# Unused slots (padding, heavy rows) are keyed past the units, spread over TRASH_KEYS keys: one
-# shared key would send every unused slot's atomic add in the per-unit count to one address
-# (measured 0.77 ms per count at M 16384 when most rows were heavy).
-TRASH_KEYS = 1024
-
-
-def _slot_keys(cols: torch.Tensor, counts: torch.Tensor, f: int) -> torch.Tensor:
-    """``[M W]`` int32: the unit of each used slot of a light row; every other slot gets a key in
-    ``[f, f + TRASH_KEYS)``."""
-    M, W = cols.shape
-    used = torch.arange(W, device=cols.device) < torch.where(counts > W, 0, counts).unsqueeze(1)
-    trash = torch.arange(M * W, dtype=torch.int32, device=cols.device).remainder_(TRASH_KEYS).add_(f)
-    return torch.where(used.flatten(), cols.to(torch.int32).flatten(), trash)
-
-
-def light_unit_counts(cols: torch.Tensor, counts: torch.Tensor, f: int) -> torch.Tensor:
-    """``[f]`` int64: how many light rows' used slots hold each unit (no host sync)."""
-    key = _slot_keys(cols, counts, f)
-    # scatter_add, not bincount: bincount on CUDA reads the maximum back to the host
-    ones = torch.ones_like(key, dtype=torch.int64)
-    return torch.zeros(f + TRASH_KEYS, dtype=torch.int64, device=key.device).scatter_add_(0, key.long(), ones)[:f]
-
-
-def unit_index(cols: torch.Tensor, counts: torch.Tensor, f: int,
-               exclude: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """The transposed (per-unit, CSC) view of the light rows' used slots, in PyTorch, on the
-    device, with no host sync.
-
-    Args:
-        cols ``[M, W]``, counts ``[M]`` int32: ELL rows; f: number of units.
-        exclude: optional ``[f]`` bool, units to leave out (their ranges come out empty: the
-            caller handles them otherwise, e.g. densely).
-
-    Returns:
-        ``(order [M W] int64, offsets [f + 1] int64)``: the flat slot indices ``m W + s``
-        grouped by unit (unit j's are ``order[offsets[j]:offsets[j + 1]]``, ascending, so its
-        tokens come in order). Unused slots, heavy rows' slots and excluded units' slots are
-        keyed f or above and sorted past every unit.
-    """
-    key = _slot_keys(cols, counts, f)
-    if exclude is not None:
-        out = torch.cat([exclude.to(torch.bool), exclude.new_zeros(TRASH_KEYS, dtype=torch.bool)])
-        key = torch.where(out[key.long()], f, key)
-    sorted_key, order = torch.sort(key, stable=True)
-    # unit j's slots start at the first key >= j: a binary search per unit, no atomics
-    units = torch.arange(f + 1, dtype=sorted_key.dtype, device=key.device)
-    offsets = torch.searchsorted(sorted_key, units)
-    return order, offsets
-
-
 @triton.jit
 def _weight_grads_kernel(
     order_ptr, off_ptr,
@@ -699,7 +648,7 @@ def ffn_weight_grads(
     """Weight gradients from the light rows' slots, unit by unit.
 
     Args:
-        order, offsets: from :func:`unit_index` (f = ``offsets.numel() - 1``).
+        order, offsets: from :func:`twell.kernels.train_index.unit_index` (f = ``offsets.numel() - 1``).
         x, dy: ``[M, d]`` contiguous; values ``[M, W]`` (g gated, h non-gated); u ``[M, W]``
             or None (non-gated); du, da ``[M, W]`` fp32 from :func:`ffn_rows_backward`.
         base: optional ``(dw_up, dw_gate or None, dw_down_t)`` ``[f, d]`` contiguous tensors of
