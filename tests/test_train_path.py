@@ -7,7 +7,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from twell import SparseGatedMLP, SparseMLP
-from twell.train_path import HEAVY_SHARE_MAX, MAX_DENSITY, TrainPath, use_sparse
+from twell.train_path import HEAVY_COST, HEAVY_FIXED, HEAVY_SHARE_MAX, MAX_DENSITY, PROBE_WIDTHS, TrainPath, light_rule_width, use_sparse
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
@@ -406,12 +406,18 @@ def test_publish_measures_mean_max_and_the_share_strictly_above_the_width(monkey
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "Event", _Recorded)
     tp = TrainPath()
-    tp._host = torch.zeros(3)  # pinned memory needs CUDA
+    tp._host = torch.zeros(3 + 2 * len(PROBE_WIDTHS))  # pinned memory needs CUDA
     counts = torch.tensor([16, 17, 0, 0, 0, 0, 0, 3], dtype=torch.int32)  # mean 4.5: width 16
     tp.publish(counts.as_subclass(OnCuda), 5632)
     assert tp._event is not None and not tp.want_probe()  # one probe in flight
+    host = tp._host.tolist()
     tp.choose("auto", 5632)
     assert (tp.k_mean, tp.k_max, tp.heavy_share, tp.width) == (4.5, 17, 0.125, 16)
+    # at each probe width: the share of rows *above* it, and the units of the rows at or below it per token
+    assert PROBE_WIDTHS[:2] == (16, 32)
+    n = len(PROBE_WIDTHS)
+    assert host[3:3 + n] == [0.125] + [0.0] * (n - 1)
+    assert host[3 + n:] == pytest.approx([19 / 8] + [36 / 8] * (n - 1))
 
 
 def test_in_backward_is_seen_from_a_real_backward():
@@ -441,3 +447,96 @@ def test_readme_states_the_auto_rule_constants():
     assert f"at most {MAX_DENSITY * 100:g}% of f" in text
     assert f"at most {HEAVY_SHARE_MAX * 100:g}% of its tokens" in text
     assert f"at least {MIN_SPARSE_TOKENS} tokens (`twell.train_path.MIN_SPARSE_TOKENS`)" in text
+
+
+# --- the light-row rule: heavy-tailed layers ----------------------------------------------------
+
+
+def _probe(**by_width):
+    """(shares, lights) at PROBE_WIDTHS from {W: (share, light)}; widths not given: every row above."""
+    shares = [by_width.get(f"w{w}", (1.0, 0.0))[0] for w in PROBE_WIDTHS]
+    lights = [by_width.get(f"w{w}", (1.0, 0.0))[1] for w in PROBE_WIDTHS]
+    return shares, lights
+
+
+@pytest.mark.parametrize("name,probe,width", [
+    # measured on the H200 (twenty-fourth session, M 16384): (share, light) at W 32 / 64 / 128
+    ("heavy k56, 1.78x at W64", _probe(w32=(0.218, 2.0), w64=(0.170, 4.3), w128=(0.123, 8.6)), 64),
+    ("heavy k100, 1.39x at W64", _probe(w32=(0.337, 2.3), w64=(0.274, 5.2), w128=(0.206, 11.6)), 64),
+    ("heavy k160, 1.17x at W64: kept dense", _probe(w32=(0.457, 2.4), w64=(0.386, 5.7), w128=(0.310, 12.8)), None),
+    ("light k29 + 1% heavy rows, 1.29x", _probe(w64=(0.010, 29.0), w128=(0.010, 29.0)), 64),
+    ("light k29 + 3% heavy rows, 1.27x: kept dense", _probe(w64=(0.030, 28.4), w128=(0.030, 28.4)), None),
+    ("light k29 + 10% heavy rows, 1.19x: kept dense", _probe(w64=(0.100, 26.3), w128=(0.100, 26.3)), None),
+    ("even k48, 1.00x", _probe(w64=(0.0005, 47.4), w128=(0.0, 47.5)), None),
+    ("even k29: no heavy row at 64", _probe(w32=(0.6, 9.0), w64=(0.0, 29.3), w128=(0.0, 29.3)), 64),
+])
+def test_light_rule_on_measured_layers(name, probe, width):
+    assert light_rule_width(*probe, 5632) == width, name
+
+
+def test_light_rule_boundaries():
+    """At the bar exactly: sparse (<=); a share exactly HEAVY_SHARE_MAX allowed, above it not; any
+    heavy row costs HEAVY_FIXED f; the cheapest width wins; no width above f; max_density scales the bar."""
+    f = 10000
+    bar = MAX_DENSITY * f
+    assert light_rule_width(*_probe(w64=(0.0, bar)), f) == 64
+    assert light_rule_width(*_probe(w64=(0.0, bar + 0.01)), f) is None
+    share = 0.01
+    at_bar = bar - HEAVY_FIXED * f - HEAVY_COST * f * share
+    assert light_rule_width(*_probe(w64=(share, at_bar)), f) == 64
+    assert light_rule_width(*_probe(w64=(share, at_bar + 0.01)), f) is None
+    assert light_rule_width(*_probe(w16=(HEAVY_SHARE_MAX, 0.0)), 10 ** 6) == 16
+    assert light_rule_width(*_probe(w16=(HEAVY_SHARE_MAX + 1e-6, 0.0)), 10 ** 6) is None
+    assert light_rule_width(*_probe(w32=(0.001, 3.0), w64=(0.0, 10.5)), f) == 32  # 3 + 7 + 0.137 < 10.5
+    assert light_rule_width(*_probe(w32=(0.001, 3.0), w64=(0.0, 10.0)), f) == 64
+    assert light_rule_width(*_probe(w64=(0.0, 1.0)), 63) is None and light_rule_width(*_probe(w16=(0.0, 0.05)), 16) == 16
+    assert light_rule_width(*_probe(w64=(0.0, 2 * bar)), f) is None
+    assert light_rule_width(*_probe(w64=(0.0, 2 * bar)), f, max_density=2 * MAX_DENSITY) == 64
+
+
+def test_train_path_takes_heavy_tailed_layers_sparse_at_the_rule_width(monkeypatch):
+    """A measured heavy-tailed layer (mean 61 of 5632, above the mean rule's bar; at W 64 a share
+    0.17 of rows above, 4.3 light units per token): "auto" trains it sparse at W 64; with
+    AUTO_SPARSE off, dense at the mean's width; the 3-value probe of older code reads as before."""
+    import twell.train_path as train_path
+
+    host = [61.2, 2116.0, 0.123] + _probe(w32=(0.218, 2.0), w64=(0.170, 4.3), w128=(0.123, 8.6))[0] \
+        + _probe(w32=(0.218, 2.0), w64=(0.170, 4.3), w128=(0.123, 8.6))[1]
+    assert len(host) == 3 + 2 * len(PROBE_WIDTHS)
+    assert _measured(host).choose("auto", 5632) == ("sparse", 64)
+    assert _measured(host).choose("auto", 5632, tokens=4096) == ("dense", 64)  # below the token floor
+    monkeypatch.setattr(train_path, "AUTO_SPARSE", False)
+    assert _measured(host).choose("auto", 5632) == ("dense", 64)
+    monkeypatch.setattr(train_path, "AUTO_SPARSE", True)
+    assert _measured(host[:3]).choose("auto", 5632) == ("dense", 128)
+
+
+@pytest.mark.gpu
+def test_gpu_heavy_tailed_layer_trains_sparse_at_the_rule_width():
+    """The synthetic heavy-row layer at k 56 (d 2048, f 5632, 16384 tokens: mean about 61, above
+    the mean rule's bar; at W 64 about 4 light units per token and 17% of the rows above): "auto"
+    measures it and trains it on the sparse kernels at W 64, with the dense op's gradients."""
+    from twell.bench.synthetic import make_ffn
+
+    s = make_ffn(16384, 2048, 5632, 56, "heavy", device="cuda")
+    m = SparseGatedMLP(2048, 5632, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for lin, w in ((m.gate_proj, s.w_gate), (m.up_proj, s.w_up), (m.down_proj, s.w_down)):
+            lin.weight.copy_(w)
+    m.train()
+    x = s.x.detach().requires_grad_(True)
+    r = torch.randn_like(x)
+    for _ in range(3):  # the first call runs dense and measures; the next read it
+        m(x)
+        torch.cuda.synchronize()
+    tp = m._twell_train
+    assert tp.k_mean > MAX_DENSITY * 5632 and m.last_train_path == "sparse" and tp.width == 64
+    grads = []
+    for kernels in ("sparse", "dense"):
+        m.train_kernels = kernels
+        m.zero_grad(set_to_none=True)
+        x.grad = None
+        ((m(x).float() * r).sum() + 0.1 * m.l1).backward()
+        grads.append([x.grad.float()] + [p.grad.float() for p in m.parameters()])
+    for a, b in zip(*grads):
+        assert (a - b).norm() <= 2e-2 * b.norm()

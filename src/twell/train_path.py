@@ -7,7 +7,10 @@ layer's measured mean of active units per token is at
 most ``MAX_DENSITY * f`` (:func:`use_sparse`), at most ``HEAVY_SHARE_MAX`` of its tokens have more
 active units than the ELL width that mean gives (:func:`twell.train_ops.choose_width`, about
 twice the mean: the rows the sparse op computes dense), and ``AUTO_SPARSE`` is on (the
-default), with that width; else the dense path. ``"dense"`` and
+default), with that width. A layer with a heavy tail (a few rows with hundreds of units that raise
+the mean) goes sparse too where its light rows are light enough and its heavy rows few enough, at
+the width that costs least (:func:`light_rule_width`, ``PROBE_WIDTHS``). Else the dense path.
+``"dense"`` and
 ``"sparse"`` force one. The dense path is :func:`twell.train_ops.dense_gated_ffn` (cuBLAS
 products, the relu, product, L1 term and statistics in one fused pass each way) while
 ``FUSED_DENSE`` is on, as by default; else the module's plain PyTorch math. Calls below
@@ -15,8 +18,8 @@ products, the relu, product, L1 term and statistics in one fused pass each way) 
 the GPU work it saves.
 
 The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the layer copies the
-mean and max of its row counts and the share of rows above the width to pinned host memory
-without blocking, and a later call reads
+mean and max of its row counts, the share of rows above the width, and the share and light units
+at each probe width to pinned host memory without blocking, and a later call reads
 them once their CUDA event has completed (the first calls run dense until then).
 
 Inside a CUDA graph capture nothing is measured or read, and ``"auto"`` trains on the dense
@@ -34,8 +37,8 @@ from typing import Optional
 
 import torch
 
-__all__ = ["TrainPath", "use_sparse", "large_enough", "device_width", "TRAIN_MODES", "MAX_DENSITY", "HEAVY_SHARE_MAX",
-           "MIN_SPARSE_TOKENS"]
+__all__ = ["TrainPath", "use_sparse", "light_rule_width", "choose_path", "large_enough", "device_width", "TRAIN_MODES",
+           "MAX_DENSITY", "HEAVY_SHARE_MAX", "MIN_SPARSE_TOKENS", "PROBE_WIDTHS", "HEAVY_FIXED", "HEAVY_COST"]
 
 TRAIN_MODES = ("auto", "dense", "sparse")
 
@@ -104,6 +107,26 @@ KERNEL_LAYOUT = True
 HEAVY_SHARE_MAX = 0.3
 
 
+# The light-row rule, for layers the mean rule above trains dense: a few very heavy rows raise the
+# mean past MAX_DENSITY f while the ELL rows stay light (heavy-tailed layers). At each width W of
+# PROBE_WIDTHS the probe measures the light rows' entries per token (light_W: units of rows with
+# at most W, over all tokens) and the share of rows above W (share_W). On the H200 (bf16, d 2048,
+# f 5632, M 16384, forward + backward; benchmarks/train_auto_rule_probe.py, twenty-fourth
+# session) the sparse op's time over dense PyTorch's fitted
+#     r = 0.25 + 0.0155 light_W + (0.06 + 1.2 share_W if any row is heavy)
+# within 0.02 on 15 layers (even k 8 to 48; light k 29 with 1% to 20% of the rows at about 600
+# units; synthetic heavy k 29 to 160 at W 32 to 128). Written in units of f, as MAX_DENSITY is:
+# a layer goes sparse at the W of least cost light_W + HEAVY_FIXED f [share_W > 0] +
+# HEAVY_COST f share_W when that cost is at most MAX_DENSITY f and share_W at most
+# HEAVY_SHARE_MAX (at the bar the fit gives r 0.77, 1.3x). Measured there: heavy k 56 1.78x, heavy
+# k 100 1.39x, light k 29 with 1% heavy rows 1.29x, each of which the mean rule trains dense
+# (1.01x); the fit keeps light k 29 with 3% to 20% heavy rows (1.08x to 1.27x) and heavy k 160
+# (share 0.39 at W 64, 1.17x) dense.
+PROBE_WIDTHS = (16, 32, 64, 128)
+HEAVY_FIXED = 0.0007
+HEAVY_COST = 0.0137
+
+
 def device_width(mean: torch.Tensor, f: int) -> torch.Tensor:
     """:func:`twell.train_ops.choose_width` of ``mean`` (a float32 scalar on the device; no
     ``active_max``), computed on the device: the multiple of 16 at or above twice the mean,
@@ -119,10 +142,51 @@ def use_sparse(active_mean: float, f: int, max_density: Optional[float] = None, 
     return active_mean <= (MAX_DENSITY if max_density is None else max_density) * f and heavy_share <= HEAVY_SHARE_MAX
 
 
+def light_rule_width(shares, lights, f: int, max_density: Optional[float] = None) -> Optional[int]:
+    """The ELL width at which ``"auto"`` trains a layer sparse by the light-row rule (see
+    ``PROBE_WIDTHS``), or None (the rule says dense). ``shares``, ``lights``: the share of tokens
+    above each width of ``PROBE_WIDTHS`` and the light rows' units per token at it."""
+    limit = (MAX_DENSITY if max_density is None else max_density) * f
+    best = None
+    for w, share, light in zip(PROBE_WIDTHS, shares, lights):
+        if w > f or share > HEAVY_SHARE_MAX:
+            continue
+        cost = light + (HEAVY_FIXED * f if share > 0 else 0.0) + HEAVY_COST * f * share
+        if cost <= limit and (best is None or cost < best[0]):
+            best = (cost, w)
+    return None if best is None else best[1]
+
+
+def choose_path(mean: float, heavy_share: float, shares, lights, f: int, max_density: Optional[float] = None) -> tuple[str, int]:
+    """``(path, width)`` that ``"auto"`` takes for a layer measured so (before the token floor and
+    ``AUTO_SPARSE``): the mean rule (:func:`use_sparse`) at the width of the mean, else the
+    light-row rule (:func:`light_rule_width`), else dense at the width of the mean."""
+    from .train_ops import choose_width
+
+    width = choose_width(mean, None, f)
+    if use_sparse(mean, f, max_density, heavy_share):
+        return "sparse", width
+    w = light_rule_width(shares, lights, f, max_density)
+    return ("sparse", w) if w is not None else ("dense", width)
+
+
 def large_enough(tokens: Optional[int]) -> bool:
     """Whether a call of ``tokens`` tokens (None: unknown) may take the sparse kernels under
     ``"auto"``: at least ``MIN_SPARSE_TOKENS``."""
     return tokens is None or tokens >= MIN_SPARSE_TOKENS
+
+
+_WIDTHS: dict = {}
+
+
+def _probe_widths(device: torch.device) -> torch.Tensor:
+    """``PROBE_WIDTHS`` as a float32 tensor on ``device``, copied there once (a copy per probe
+    would be a host-to-device copy from pageable memory)."""
+    key = (device, PROBE_WIDTHS)
+    w = _WIDTHS.get(key)
+    if w is None:
+        w = _WIDTHS[key] = torch.tensor(PROBE_WIDTHS, dtype=torch.float32, device=device)
+    return w
 
 
 def _in_backward() -> bool:
@@ -160,18 +224,19 @@ class TrainPath:
         inside a CUDA graph capture (no measurement is read there); ``tokens``: the call's
         tokens (None: no floor), "auto" trains dense below ``MIN_SPARSE_TOKENS``. The
         measurement is read whatever the size of the call."""
-        from .train_ops import choose_width
-
         if mode not in TRAIN_MODES:
             raise ValueError(f"train_kernels must be one of {TRAIN_MODES}, got {mode!r}")
         if not _in_backward() and not capturing:
             self._calls += 1
             if self._event is not None and self._event.query():
-                mean, top, share = (float(v) for v in self._host.tolist())
+                values = [float(v) for v in self._host.tolist()]
+                mean, top, share = values[:3]
+                n = len(PROBE_WIDTHS)
+                shares, lights = values[3:3 + n], values[3 + n:3 + 2 * n]  # (absent: the light-row rule is skipped)
                 self.k_mean, self.k_max, self.heavy_share = mean, int(top), share
                 self._event = None
-                self.width = choose_width(mean, None, f)
-                self.path = "sparse" if AUTO_SPARSE and use_sparse(mean, f, max_density, share) else "dense"
+                path, self.width = choose_path(mean, share, shares, lights, f, max_density)
+                self.path = "sparse" if AUTO_SPARSE and path == "sparse" else "dense"
         if mode == "dense":
             return "dense", self.width
         if mode == "sparse":
@@ -183,17 +248,20 @@ class TrainPath:
         return self._event is None and (self.k_mean is None or self._calls % self.PROBE_EVERY == 1)
 
     def publish(self, row_counts: torch.Tensor, f: int) -> None:
-        """Copy the mean and max of ``row_counts [M]`` (active units per token, of ``f``), and the
-        share of rows above the ELL width of that mean (:func:`device_width`), to pinned host
-        memory without blocking."""
+        """Copy the mean and max of ``row_counts [M]`` (active units per token, of ``f``), the
+        share of rows above the ELL width of that mean (:func:`device_width`), and at each width
+        of ``PROBE_WIDTHS`` the share of rows above it and the light rows' units per token, to
+        pinned host memory without blocking."""
         if not row_counts.is_cuda or row_counts.numel() == 0:
             return
         with torch.no_grad():
             rc = row_counts.float()
             mean = rc.mean()
-            values = torch.stack([mean, rc.max(), (rc > device_width(mean, f)).float().mean()])
-            if self._host is None:
-                self._host = torch.empty(3, dtype=torch.float32, pin_memory=True)
+            light = rc <= _probe_widths(rc.device)[:, None]  # [widths, M]
+            values = torch.cat([torch.stack([mean, rc.max(), (rc > device_width(mean, f)).float().mean()]),
+                                1 - light.float().mean(1), (rc * light).mean(1)])
+            if self._host is None or self._host.numel() != values.numel():
+                self._host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
             with torch.cuda.device(rc.device):
                 self._host.copy_(values, non_blocking=True)
                 self._event = torch.cuda.Event()

@@ -20,8 +20,8 @@ warm-up):
 - ``plain_module_ms`` (only where ``plain_module`` asks, M 16384 by default): the module on
   its dense path with ``twell.train_path.FUSED_DENSE`` off, i.e. PyTorch ops for the relu, the
   product, the L1 term and the statistics: what the dense path cost before the fused op;
-- ``breakeven_path``: the rule :func:`twell.train_path.use_sparse` for this sparsity (mean and
-  share of rows above its width);
+- ``breakeven_path``, ``auto_width``: the rule :func:`twell.train_path.choose_path` for this
+  sparsity (mean and share of rows above its width, else the light-row rule at the probe widths);
   ``auto_path``: what the modules' ``train_kernels = "auto"`` trains with (the same rule while
   ``twell.train_path.AUTO_SPARSE`` is on, as it is by default, on calls of at least
   ``twell.train_path.MIN_SPARSE_TOKENS`` tokens).
@@ -127,7 +127,7 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
 
     from .. import train_path
     from ..train_ops import choose_width, dense_gated_ffn, saved_bytes, sparse_gated_ffn
-    from ..train_path import use_sparse
+    from ..train_path import PROBE_WIDTHS, choose_path
 
     info = machine_info()
     records = []
@@ -145,6 +145,9 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                     counts = (torch.mm(x, wg.t()) > 0).sum(1)
                 k_mean, k_max = float(counts.float().mean()), int(counts.max())
                 heavy_share = float((counts > choose_width(k_mean, None, f)).float().mean())  # as train_path measures it
+                cf = counts.float()
+                probe = ([float((cf > w).float().mean()) for w in PROBE_WIDTHS],
+                         [float((cf * (cf <= w)).mean()) for w in PROBE_WIDTHS])
                 width = choose_width(k_mean, k_max, f)
                 dense, sparse = _dense_fn(x, wg, wu, wd, dy), _sparse_fn(x, wg, wu, wd, dy, width)
                 ref = _fp32_grads(x, wg, wu, wd, dy)
@@ -196,7 +199,7 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 rec["twell_path"] = m.last_train_path
                 del module, m, dense_path
                 rec["heavy_share"] = heavy_share
-                rec["breakeven_path"] = "sparse" if use_sparse(k_mean, f, heavy_share=heavy_share) else "dense"
+                rec["breakeven_path"], rec["auto_width"] = choose_path(k_mean, heavy_share, *probe, f)
                 rec["auto_path"] = ("sparse" if (train_path.AUTO_SPARSE and rec["breakeven_path"] == "sparse"
                                                  and train_path.large_enough(M)) else "dense")
                 F = torch.nn.functional
