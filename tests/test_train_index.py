@@ -111,6 +111,10 @@ def test_empty_and_bad_input():
     assert torch.equal(TI.light_unit_counts(cols, counts, 5).cpu(), torch.zeros(5, dtype=torch.int64))
     heavy, n, hot, info = TI.heavy_and_hot(counts, 4, torch.zeros(5, dtype=torch.int64, device=DEV), 1.0, 1.0)
     assert heavy.numel() == 0 and int(n) == 0 and not bool(hot.any()) and info.cpu().tolist() == [0, 0, 0]
+    per_unit = torch.tensor([1000, 0, 3, 0, 0], dtype=torch.int64)  # no row, yet a hot unit: as PyTorch says
+    heavy, n, hot, info = TI.heavy_and_hot(counts, 4, per_unit.to(DEV), 16.0, 2.0)
+    want = reference_heavy_and_hot(counts.cpu(), 4, per_unit, 16.0, 2.0)
+    assert heavy.numel() == 0 and torch.equal(hot.cpu(), want[1]) and torch.equal(info.cpu(), want[2]) and bool(want[1][0])
     with pytest.raises(ValueError, match="counts must be"):
         TI.light_unit_counts(torch.zeros(3, 4, dtype=torch.int16, device=DEV), torch.zeros(3, dtype=torch.int64, device=DEV), 5)
     with pytest.raises(ValueError, match="cols must be"):

@@ -540,3 +540,20 @@ def test_gpu_heavy_tailed_layer_trains_sparse_at_the_rule_width():
         grads.append([x.grad.float()] + [p.grad.float() for p in m.parameters()])
     for a, b in zip(*grads):
         assert (a - b).norm() <= 2e-2 * b.norm()
+
+
+@pytest.mark.gpu
+def test_gpu_publish_never_synchronises():
+    """A layer's first probe (fresh TrainPath, so its pinned buffer is made too) issues no
+    synchronising CUDA call: a widths tensor made on the device from Python values had waited
+    for all queued work once per process (0.9 s behind 40 large matmuls)."""
+    counts = torch.randint(0, 200, (4096,), device="cuda", dtype=torch.int32)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tp = TrainPath()
+        tp.publish(counts, 5632)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert tp._event is not None and tp._host.numel() == 3 + 2 * len(PROBE_WIDTHS)

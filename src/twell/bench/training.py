@@ -372,12 +372,13 @@ def tune_configs(M: int = 16384, k: float = 29, d: int = 2048, f: int = 5632, re
     c = torch.zeros(1, device="cuda")
     dx, du, da = K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **train_ops.ROWS_CONFIG)
     order, offsets = unit_index(cols, cnt, f)
+    per = light_unit_counts(cols, cnt, f)
     stages = {
         "gate_mm": lambda: torch.mm(x, wg.t()),
         "w_down_t": lambda: wd.t().contiguous(),
         "pack": lambda: K.pack_rows(a, W, **train_ops.PACK_CONFIG),
         "unit_counts": lambda: light_unit_counts(cols, cnt, f),
-        "heavy_and_hot": lambda: heavy_and_hot(cnt, W, light_unit_counts(cols, cnt, f), train_ops.HOT_MIN, train_ops.HOT_FACTOR),
+        "heavy_and_hot": lambda: heavy_and_hot(cnt, W, per, train_ops.HOT_MIN, train_ops.HOT_FACTOR),
         "forward_rows": lambda: K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **train_ops.ROWS_CONFIG),
         "backward_rows": lambda: K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **train_ops.ROWS_CONFIG),
         "unit_index": lambda: unit_index(cols, cnt, f),

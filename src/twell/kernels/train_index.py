@@ -1,5 +1,7 @@
 """The hybrid format's bookkeeping on the device: which slots are used, by which units, and which
-rows and units leave the common path. Each is one Triton launch with no host synchronisation.
+rows and units leave the common path. No host synchronisation; the unit counts, the slot keys and
+the heavy rows with the hot units are one Triton launch each (the unit index adds PyTorch's sort
+and binary search).
 
 The sparse training op (:mod:`twell.train_ops`) needs, after the pack (``cols [M, W]``,
 ``counts [M]``; :func:`twell.kernels.train_ffn.pack_rows`)::
@@ -189,11 +191,11 @@ def heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, hot_min:
         raise ValueError(f"counts must be contiguous int32 and per_unit contiguous int64 on one device, got "
                          f"{counts.dtype} on {counts.device} and {per_unit.dtype} on {per_unit.device}")
     dev = counts.device
-    heavy = torch.empty(M, dtype=torch.int64, device=dev)
+    heavy = torch.empty(max(M, 1), dtype=torch.int64, device=dev)[:M]  # (a valid pointer at M = 0)
     hot = torch.empty(f, dtype=torch.bool, device=dev)
     info = torch.empty(3, dtype=torch.int64, device=dev)
-    if M == 0 or f == 0:  # no row is heavy (with f = 0 no count exceeds W >= 1), no unit hot
-        heavy.zero_(), hot.zero_(), info.zero_()
+    if f == 0:  # no unit: no count exceeds W >= 1, no row is heavy, no unit hot
+        heavy.zero_(), info.zero_()
     else:
         with on_device_of(counts):
             _heavy_hot_kernel[(1,)](counts, per_unit, heavy, hot.view(torch.int8), info, M, W, f,
