@@ -86,6 +86,24 @@ def test_counts_added_to_a_given_buffer(dtype):
                                unit_counts=bad, **SMALL)
 
 
+def test_given_buffer_kept_with_no_rows_and_strided_refused():
+    """With no row listed the caller's buffer comes back untouched (the light rows' counts, which
+    a fresh zero buffer would lose); a strided buffer is refused (the kernel adds at unit
+    offsets). Both survived a mutation round."""
+    M, d, f = 37, 40, 75
+    x, wg, wu, wd = _case(M, d, f, torch.float32, seed=8)
+    a = x @ wg.T
+    base = torch.arange(f, dtype=torch.int64, device=DEV)
+    buf = base.clone()
+    _, counts = heavy_rows_forward(x, a.clone(), torch.zeros(0, dtype=torch.int64, device=DEV), torch.tensor([0], device=DEV),
+                                   torch.zeros(M, d, device=DEV), wd, wu, unit_counts=buf, **SMALL)
+    assert counts is buf and torch.equal(buf, base)
+    with pytest.raises(ValueError, match="unit_counts"):
+        heavy_rows_forward(x, a.clone(), torch.tensor([5, 30], device=DEV), torch.tensor([2], device=DEV),
+                           torch.zeros(M, d, device=DEV), wd, wu, unit_counts=torch.zeros(2 * f, dtype=torch.int32, device=DEV)[::2],
+                           **SMALL)
+
+
 def test_transposed_w_down_and_nan_gate():
     """w_down as a transpose (the modules' eval layout) gives the same rows; a NaN pre-activation
     stays NaN in h and in its row of y, as torch.relu keeps it."""

@@ -126,6 +126,23 @@ def test_empty_and_bad_input():
         TI.heavy_and_hot(torch.zeros(3, dtype=torch.int32, device=DEV), 4, torch.zeros(5, dtype=torch.int32, device=DEV), 1.0, 1.0)
 
 
+def test_heavy_row_in_the_last_step(blocks):
+    """The heavy-row list's loop reaches its last step: M one past a step (and M 1), the only
+    heavy row the last (a mutation round: a loop bound of M - 1 survived every other test)."""
+    for M in (1, 17, 4097):
+        counts = torch.zeros(M, dtype=torch.int32)
+        counts[-1] = 5
+        heavy, n, hot, info = TI.heavy_and_hot(counts.to(DEV), 4, torch.zeros(3, dtype=torch.int64, device=DEV), 16.0, 3.0)
+        assert int(n) == 1 and heavy.cpu().tolist() == [M - 1] + [0] * (M - 1) and info.cpu().tolist() == [1, 0, 0]
+
+
+def test_no_units():
+    """f = 0 (no unit): no row is heavy, no unit hot, and no division by f."""
+    heavy, n, hot, info = TI.heavy_and_hot(torch.zeros(5, dtype=torch.int32, device=DEV), 16,
+                                           torch.zeros(0, dtype=torch.int64, device=DEV), 16.0, 3.0)
+    assert heavy.cpu().tolist() == [0] * 5 and int(n) == 0 and hot.numel() == 0 and info.cpu().tolist() == [0, 0, 0]
+
+
 @pytest.mark.gpu
 def test_bookkeeping_at_a_real_shape():
     """M 16384, W 64, f 5632 with a tenth of the rows heavy: every output equals PyTorch's."""

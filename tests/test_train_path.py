@@ -420,6 +420,27 @@ def test_publish_measures_mean_max_and_the_share_strictly_above_the_width(monkey
     assert host[3 + n:] == pytest.approx([19 / 8] + [36 / 8] * (n - 1))
 
 
+def test_publish_regrows_a_buffer_of_another_size(monkeypatch):
+    """A pinned buffer of the older 3-value probe is made again at the probe's size (a mutation
+    round: reusing it survived; its copy would fail)."""
+    import contextlib
+
+    class OnCuda(torch.Tensor):
+        @property
+        def is_cuda(self):
+            return True
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "Event", _Recorded)
+    empty = torch.empty
+    monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))  # pinned memory needs CUDA
+    tp = TrainPath()
+    tp._host = torch.zeros(3)
+    tp.publish(torch.tensor([16, 17, 0, 0, 0, 0, 0, 3], dtype=torch.int32).as_subclass(OnCuda), 5632)
+    assert tp._host.numel() == 3 + 2 * len(PROBE_WIDTHS) and float(tp._host[3]) == 0.125
+
+
 def test_in_backward_is_seen_from_a_real_backward():
     """The check that keeps a checkpoint's recomputation on its forward's path, against autograd
     itself rather than a stub: true while a backward runs, false outside; a choice made in the
