@@ -72,6 +72,9 @@ def test_unit_index_groups_slots_by_unit(blocks):
             want = [m * W + s for m in range(M) if counts[m] <= W for s in range(int(counts[m]))
                     if int(cols[m, s]) == j and (ex is None or not ex[j])]
             assert order[offsets[j]:offsets[j + 1]].tolist() == want, j
+    per = TI.light_unit_counts(cols.to(DEV), counts.to(DEV), f).cpu()
+    order, offsets = TI.unit_index(cols.to(DEV), counts.to(DEV), f)
+    assert torch.equal(per, offsets.cpu().diff())
 
 
 def reference_heavy_and_hot(counts, W, per_unit, hot_min, hot_factor):

@@ -390,11 +390,9 @@ class _Recorded(_Landed):
         pass
 
 
-def test_publish_measures_mean_max_and_the_share_strictly_above_the_width(monkeypatch):
-    """What publish copies (it runs on CUDA only; here a tensor that says it is on CUDA, a plain
-    host buffer and stub CUDA calls): the mean and the max of the row counts and the share of rows
-    with *more* units than the width of the mean (a row of exactly W units is light). Catches
-    ``>=`` for ``>`` in the share and a wrong statistic (min for max)."""
+def _stub_cuda(monkeypatch):
+    """Stub the CUDA calls publish makes (it runs on CUDA only); returns a tensor subclass that
+    says it is on CUDA, for the row counts."""
     import contextlib
 
     class OnCuda(torch.Tensor):
@@ -405,6 +403,15 @@ def test_publish_measures_mean_max_and_the_share_strictly_above_the_width(monkey
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "Event", _Recorded)
+    return OnCuda
+
+
+def test_publish_measures_mean_max_and_the_share_strictly_above_the_width(monkeypatch):
+    """What publish copies (it runs on CUDA only; here a tensor that says it is on CUDA, a plain
+    host buffer and stub CUDA calls): the mean and the max of the row counts and the share of rows
+    with *more* units than the width of the mean (a row of exactly W units is light). Catches
+    ``>=`` for ``>`` in the share and a wrong statistic (min for max)."""
+    OnCuda = _stub_cuda(monkeypatch)
     tp = TrainPath()
     tp._host = torch.zeros(3 + 2 * len(PROBE_WIDTHS))  # pinned memory needs CUDA
     counts = torch.tensor([16, 17, 0, 0, 0, 0, 0, 3], dtype=torch.int32)  # mean 4.5: width 16
@@ -423,16 +430,7 @@ def test_publish_measures_mean_max_and_the_share_strictly_above_the_width(monkey
 def test_publish_regrows_a_buffer_of_another_size(monkeypatch):
     """A pinned buffer of the older 3-value probe is made again at the probe's size (a mutation
     round: reusing it survived; its copy would fail)."""
-    import contextlib
-
-    class OnCuda(torch.Tensor):
-        @property
-        def is_cuda(self):
-            return True
-
-    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: None)
-    monkeypatch.setattr(torch.cuda, "Event", _Recorded)
+    OnCuda = _stub_cuda(monkeypatch)
     empty = torch.empty
     monkeypatch.setattr(torch, "empty", lambda *a, pin_memory=False, **k: empty(*a, **k))  # pinned memory needs CUDA
     tp = TrainPath()

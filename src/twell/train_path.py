@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["TrainPath", "use_sparse", "light_rule_width", "choose_path", "large_enough", "device_width", "TRAIN_MODES",
+__all__ = ["TrainPath", "use_sparse", "light_rule_width", "choose_path", "probe_values", "read_probe", "large_enough", "device_width", "TRAIN_MODES",
            "MAX_DENSITY", "HEAVY_SHARE_MAX", "MIN_SPARSE_TOKENS", "PROBE_WIDTHS", "HEAVY_FIXED", "HEAVY_COST"]
 
 TRAIN_MODES = ("auto", "dense", "sparse")
@@ -170,6 +170,30 @@ def choose_path(mean: float, heavy_share: float, shares, lights, f: int, max_den
     return ("sparse", w) if w is not None else ("dense", width)
 
 
+def probe_values(row_counts: torch.Tensor, f: int) -> torch.Tensor:
+    """What a layer's probe measures, as one float32 tensor on ``row_counts``' device (no host
+    sync): the mean and max of ``row_counts [M]`` (active units per token, of ``f``), the share of
+    rows above the ELL width of that mean (:func:`device_width`), then at each width of
+    ``PROBE_WIDTHS`` the share of rows above it, then the light rows' units per token at each
+    (:func:`read_probe` splits them)."""
+    rc = row_counts.float()
+    mean = rc.mean()
+    # compares with Python scalars: a widths tensor made on the device would be a copy from
+    # pageable memory, which waits for the queued work (measured: 0.9 s behind 40 matmuls)
+    light = torch.stack([rc <= w for w in PROBE_WIDTHS])  # [widths, M]
+    return torch.cat([torch.stack([mean, rc.max(), (rc > device_width(mean, f)).float().mean()]),
+                      1 - light.float().mean(1), (rc * light).mean(1)])
+
+
+def read_probe(values) -> tuple:
+    """``(mean, max, heavy_share, shares, lights)`` from :func:`probe_values` read on the host (a
+    list). Three values alone (an older probe): shares and lights come out empty, and the
+    light-row rule is skipped."""
+    values = [float(v) for v in values]
+    n = len(PROBE_WIDTHS)
+    return values[0], values[1], values[2], values[3:3 + n], values[3 + n:3 + 2 * n]
+
+
 def large_enough(tokens: Optional[int]) -> bool:
     """Whether a call of ``tokens`` tokens (None: unknown) may take the sparse kernels under
     ``"auto"``: at least ``MIN_SPARSE_TOKENS``."""
@@ -216,10 +240,7 @@ class TrainPath:
         if not _in_backward() and not capturing:
             self._calls += 1
             if self._event is not None and self._event.query():
-                values = [float(v) for v in self._host.tolist()]
-                mean, top, share = values[:3]
-                n = len(PROBE_WIDTHS)
-                shares, lights = values[3:3 + n], values[3 + n:3 + 2 * n]  # (absent: the light-row rule is skipped)
+                mean, top, share, shares, lights = read_probe(self._host.tolist())
                 self.k_mean, self.k_max, self.heavy_share = mean, int(top), share
                 self._event = None
                 path, self.width = choose_path(mean, share, shares, lights, f, max_density)
@@ -242,16 +263,10 @@ class TrainPath:
         if not row_counts.is_cuda or row_counts.numel() == 0:
             return
         with torch.no_grad():
-            rc = row_counts.float()
-            mean = rc.mean()
-            # compares with Python scalars: a widths tensor made on the device would be a copy from
-            # pageable memory, which waits for the queued work (measured: 0.9 s behind 40 matmuls)
-            light = torch.stack([rc <= w for w in PROBE_WIDTHS])  # [widths, M]
-            values = torch.cat([torch.stack([mean, rc.max(), (rc > device_width(mean, f)).float().mean()]),
-                                1 - light.float().mean(1), (rc * light).mean(1)])
+            values = probe_values(row_counts, f)
             if self._host is None or self._host.numel() != values.numel():
                 self._host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
-            with torch.cuda.device(rc.device):
+            with torch.cuda.device(row_counts.device):
                 self._host.copy_(values, non_blocking=True)
                 self._event = torch.cuda.Event()
-                self._event.record(torch.cuda.current_stream(rc.device))
+                self._event.record(torch.cuda.current_stream(row_counts.device))

@@ -127,7 +127,7 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
 
     from .. import train_path
     from ..train_ops import choose_width, dense_gated_ffn, saved_bytes, sparse_gated_ffn
-    from ..train_path import PROBE_WIDTHS, choose_path
+    from ..train_path import choose_path, probe_values, read_probe
 
     info = machine_info()
     records = []
@@ -144,10 +144,8 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 with torch.no_grad():
                     counts = (torch.mm(x, wg.t()) > 0).sum(1)
                 k_mean, k_max = float(counts.float().mean()), int(counts.max())
-                heavy_share = float((counts > choose_width(k_mean, None, f)).float().mean())  # as train_path measures it
-                cf = counts.float()
-                probe = ([float((cf > w).float().mean()) for w in PROBE_WIDTHS],
-                         [float((cf * (cf <= w)).mean()) for w in PROBE_WIDTHS])
+                probe = read_probe(probe_values(counts, f).tolist())  # what the layer's probe measures
+                heavy_share = probe[2]
                 width = choose_width(k_mean, k_max, f)
                 dense, sparse = _dense_fn(x, wg, wu, wd, dy), _sparse_fn(x, wg, wu, wd, dy, width)
                 ref = _fp32_grads(x, wg, wu, wd, dy)
@@ -199,7 +197,7 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 rec["twell_path"] = m.last_train_path
                 del module, m, dense_path
                 rec["heavy_share"] = heavy_share
-                rec["breakeven_path"], rec["auto_width"] = choose_path(k_mean, heavy_share, *probe, f)
+                rec["breakeven_path"], rec["auto_width"] = choose_path(k_mean, heavy_share, *probe[3:], f)
                 rec["auto_path"] = ("sparse" if (train_path.AUTO_SPARSE and rec["breakeven_path"] == "sparse"
                                                  and train_path.large_enough(M)) else "dense")
                 F = torch.nn.functional
