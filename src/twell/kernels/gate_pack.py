@@ -126,19 +126,53 @@ def _popcount(w):
 
 
 @triton.jit
+def _write_entries_by_rounds(words_ptr, wbase, a_row, val_ptr, col_ptr, out_row, rmask, n_write, n_words,
+                             BM: tl.constexpr, WB: tl.constexpr):
+    """The TwELL entries of ``BM`` rows from their bit words (see ``_pack_relu_bits_kernel``,
+    EXTRACT 2): ``words_ptr + wbase[r] + w`` is word w of row r (``n_words`` of them), ``a_row[r]``
+    the row's first column in the pre-activation, ``out_row[r]`` its first slot; rows write
+    their first ``n_write[r]`` entries (all of them, or none when the tile overflowed)."""
+    wi0 = tl.arange(0, WB)
+    before = tl.zeros([BM], dtype=tl.int32)  # entries of the row in earlier blocks of words
+    for w0 in range(0, n_words, WB):
+        wi = w0 + wi0
+        wmask = rmask[:, None] & (wi < n_words)[None, :]
+        rest = tl.load(words_ptr + wbase[:, None] + wi[None, :], mask=wmask, other=0)  # [BM, WB]
+        pc = _popcount(rest)
+        slot = before[:, None] + tl.cumsum(pc, axis=1) - pc  # the slot of each word's lowest bit
+        before += tl.sum(pc, axis=1)
+        for _ in range(0, tl.max(tl.max(pc, axis=1), axis=0)):
+            low = rest & (-rest)
+            col = wi[None, :] * 32 + _bit_position(low)
+            ok = (rest != 0) & (slot < n_write[:, None])
+            v = tl.load(a_row[:, None] + col, mask=ok, other=0.0)
+            tl.store(val_ptr + out_row[:, None] + slot, v, mask=ok)
+            tl.store(col_ptr + out_row[:, None] + slot, col.to(tl.int16), mask=ok)
+            rest = rest ^ low
+            slot += 1
+
+
+@triton.jit
 def _pack_relu_bits_kernel(
     a_ptr, stride_am,
     val_ptr, col_ptr, cnt_ptr, words_ptr,
     M, f, SLOTS, N_TILES, W_ROW,
-    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr,
+    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr, EXTRACT: tl.constexpr = 2,
+    WB: tl.constexpr = 256,
 ):
     # Two phases per (BM rows, tile):
     #   1. stream the tile once, turning each run of 32 columns into one bit word (bit b set
-    #      when column 32 w + b fires: > 0 or NaN), stored to a small scratch, and each non-zero word into
-    #      one bit of a summary kept in registers (NS words cover TILE columns);
-    #   2. pull entries in column order: the lowest set bit of the current word, and when the
-    #      word is spent, the next non-zero word through the summary's lowest set bit. Each
-    #      step is a few [BM] operations and two [BM] loads, whatever the tile width.
+    #      when column 32 w + b fires: > 0 or NaN), stored to a small scratch;
+    #   2. write the entries from the words. EXTRACT 2 (the default): by blocks of WB words, each
+    #      word's first slot from a running count of the set bits before it (a prefix sum along
+    #      the row), then one round per bit of the fullest word: every word gives up its lowest
+    #      set bit at once, so the row's loads and stores of a round are independent and the
+    #      rounds number the bits of the fullest word (1 to 4 at 0.5% density), not the row's
+    #      entries. EXTRACT 1: one entry of each row per step, in column order, from the
+    #      current word, and when the word is spent the next non-zero word through a summary
+    #      kept in registers in phase 1 (one bit per non-zero word; NS words cover the tile):
+    #      as many dependent steps as the fullest row has entries. EXTRACT 0: no entries
+    #      (phase 1 alone, for timing it).
     pid_m = tl.program_id(0)
     t = tl.program_id(1)
     rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -153,41 +187,63 @@ def _pack_relu_bits_kernel(
     a_row = a_ptr + rows * stride_am + t * TILE
     summ = tl.zeros([BM, NS], dtype=tl.int32)
     run = tl.zeros([BM], dtype=tl.int32)
+    out_row = rows * (N_TILES * SLOTS) + t * SLOTS
     for c0 in range(0, width, BN):
         col3 = c0 + wib[None, :, None] * 32 + lane[None, None, :]
         m3 = rmask[:, None, None] & (col3 < width)
         a = tl.load(a_row[:, None, None] + col3, mask=m3, other=0.0)
         nz = fires(a) & m3
         words = tl.reduce(tl.where(nz, 1 << lane[None, None, :], 0), 2, _bit_or)  # [BM, WPB]
-        run += tl.sum(_popcount(words), axis=1)
-        w_here = c0 // 32 + wib
-        tl.store(words_ptr + wbase[:, None] + w_here[None, :], words, mask=rmask[:, None] & (w_here < n_words)[None, :])
-        # BN divides 1024, so this step's words are bits of one summary word
-        sbits = tl.reduce(tl.where(words != 0, 1 << ((c0 // 32) % 32 + wib)[None, :], 0), 1, _bit_or)
-        summ = tl.where(sidx[None, :] == c0 // 1024, summ | sbits[:, None], summ)
-    tl.debug_barrier()  # phase 2 reads words that other threads of this program stored
+        pc = _popcount(words)
+        if EXTRACT == 3:
+            # this step's entries now: each word's first slot from the row's count so far and
+            # the words before it in the step, then one round per bit of the step's fullest word
+            # (slots past SLOTS belong to an overflowing tile, whose slots nobody reads)
+            slot = run[:, None] + tl.cumsum(pc, axis=1) - pc
+            rest = words
+            for _ in range(0, tl.max(tl.max(pc, axis=1), axis=0)):
+                low = rest & (-rest)
+                col = c0 + wib[None, :] * 32 + _bit_position(low)
+                ok = (rest != 0) & (slot < SLOTS)
+                v = tl.load(a_row[:, None] + col, mask=ok, other=0.0)
+                tl.store(val_ptr + out_row[:, None] + slot, v, mask=ok)
+                tl.store(col_ptr + out_row[:, None] + slot, col.to(tl.int16), mask=ok)
+                rest = rest ^ low
+                slot += 1
+        run += tl.sum(pc, axis=1)
+        if EXTRACT != 3:
+            w_here = c0 // 32 + wib
+            tl.store(words_ptr + wbase[:, None] + w_here[None, :], words, mask=rmask[:, None] & (w_here < n_words)[None, :])
+        if EXTRACT == 1:
+            # BN divides 1024, so this step's words are bits of one summary word
+            sbits = tl.reduce(tl.where(words != 0, 1 << ((c0 // 32) % 32 + wib)[None, :], 0), 1, _bit_or)
+            summ = tl.where(sidx[None, :] == c0 // 1024, summ | sbits[:, None], summ)
+    if EXTRACT == 1 or EXTRACT == 2:
+        tl.debug_barrier()  # phase 2 reads words that other threads of this program stored
     n_write = tl.where(run > SLOTS, 0, run)  # an overflowing (row, tile) keeps no entries
-    out_row = rows * (N_TILES * SLOTS) + t * SLOTS
-    cur = tl.zeros([BM], dtype=tl.int32)  # unread bits of the current word
-    cur_w = tl.zeros([BM], dtype=tl.int32)  # its index
-    for s in range(0, tl.max(n_write, axis=0)):
-        ok = s < n_write
-        need = ok & (cur == 0)
-        si = tl.min(tl.where(summ != 0, sidx[None, :], NS), axis=1)
-        sel = sidx[None, :] == si[:, None]
-        sw = tl.sum(tl.where(sel, summ, 0), axis=1)
-        slow = sw & (-sw)
-        summ = tl.where(need[:, None] & sel, summ ^ slow[:, None], summ)
-        wi = si * 32 + _bit_position(slow)
-        w = tl.load(words_ptr + wbase + wi, mask=need, other=0)
-        cur = tl.where(need, w, cur)
-        cur_w = tl.where(need, wi, cur_w)
-        low = cur & (-cur)
-        col = cur_w * 32 + _bit_position(low)
-        v = tl.load(a_row + col, mask=ok, other=0.0)
-        tl.store(val_ptr + out_row + s, v, mask=ok)
-        tl.store(col_ptr + out_row + s, col.to(tl.int16), mask=ok)
-        cur = cur ^ low
+    if EXTRACT == 2:
+        _write_entries_by_rounds(words_ptr, wbase, a_row, val_ptr, col_ptr, out_row, rmask, n_write, n_words, BM, WB)
+    if EXTRACT == 1:
+        cur = tl.zeros([BM], dtype=tl.int32)  # unread bits of the current word
+        cur_w = tl.zeros([BM], dtype=tl.int32)  # its index
+        for s in range(0, tl.max(n_write, axis=0)):
+            ok = s < n_write
+            need = ok & (cur == 0)
+            si = tl.min(tl.where(summ != 0, sidx[None, :], NS), axis=1)
+            sel = sidx[None, :] == si[:, None]
+            sw = tl.sum(tl.where(sel, summ, 0), axis=1)
+            slow = sw & (-sw)
+            summ = tl.where(need[:, None] & sel, summ ^ slow[:, None], summ)
+            wi = si * 32 + _bit_position(slow)
+            w = tl.load(words_ptr + wbase + wi, mask=need, other=0)
+            cur = tl.where(need, w, cur)
+            cur_w = tl.where(need, wi, cur_w)
+            low = cur & (-cur)
+            col = cur_w * 32 + _bit_position(low)
+            v = tl.load(a_row + col, mask=ok, other=0.0)
+            tl.store(val_ptr + out_row + s, v, mask=ok)
+            tl.store(col_ptr + out_row + s, col.to(tl.int16), mask=ok)
+            cur = cur ^ low
     tl.store(cnt_ptr + rows * N_TILES + t, run, mask=rmask)
 
 
@@ -203,9 +259,13 @@ def _check_pre(a: torch.Tensor, name: str) -> None:
 # fastest, and one warp beat two at every size (131072 rows: 0.78 ms, against 0.97 for four rows
 # with two warps and 0.90 for the shape shipped before, eight rows with two).
 PACK_CONFIG: tuple[int, int, int] = (4, 256, 2)
-PACK_BITS_CONFIG: tuple[int, int, int] = (4, 256, 1)
+PACK_BITS_CONFIG: tuple[int, int, int] = (2, 256, 1)
 PACK_BITS_SMALL_M_CONFIG: tuple[int, int, int] = (1, 256, 1)
 PACK_BITS_SMALL_M = 8192
+# How the bit-word pack writes its entries (see _pack_relu_bits_kernel): 2 by rounds over all of
+# a row's words at once, 1 one entry per step; and the words per block of the rounds.
+PACK_EXTRACT = 3
+PACK_WORD_BLOCK = 256
 
 
 def bits_config(M: int) -> tuple[int, int, int]:
@@ -263,11 +323,13 @@ def pack_relu(
     else:
         BN = min(BN, 1024)
         w_row = triton.cdiv(f, 32) if out.n_tiles == 1 else out.n_tiles * (tile // 32)
-        words = torch.empty(M, w_row, dtype=torch.int32, device=a.device)
+        # the words' scratch (EXTRACT 3 writes the entries as it streams and keeps no words)
+        words = out.counts if PACK_EXTRACT == 3 else torch.empty(M, w_row, dtype=torch.int32, device=a.device)
         with on_device_of(a):
             _pack_relu_bits_kernel[grid](
                 a, a.stride(0), out.values, out.cols, out.counts, words, M, f, out.slots, out.n_tiles, w_row,
-                TILE=tile, BM=BM, BN=BN, NS=max(1, tile // 1024), num_warps=nw,
+                TILE=tile, BM=BM, BN=BN, NS=max(1, tile // 1024), EXTRACT=PACK_EXTRACT,
+                WB=min(PACK_WORD_BLOCK, tile // 32), num_warps=nw,
             )
     return out
 
