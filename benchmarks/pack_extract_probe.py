@@ -10,6 +10,10 @@ pack, up/down) and the module (track_stats off) with EXTRACT 1 and 2 in alternat
 EXTRACT 2 output is checked against EXTRACT 1's (counts, columns and values of every
 non-overflowed tile).
 
+The variants need the kernel of commit 133a901 (its EXTRACT switch; the commit after it keeps
+EXTRACT 3 alone): `git show 133a901:src/twell/kernels/gate_pack.py > src/twell/kernels/gate_pack.py`
+first, on a scratch checkout.
+
 Usage (GPU machine, repository root): OUT=dir python benchmarks/pack_extract_probe.py
 bf16, d 2048, f 5632; do_bench medians (L2 flushed). Writes OUT/pack_extract_probe.json; short
 table last. TWELL_SMOKE=1 runs a tiny case on the CPU (interpreter).

@@ -68,12 +68,10 @@ def test_pack_relu_all_zero_and_empty(method):
         pack_relu(a, 32, 4, method="sort")
 
 
-@pytest.mark.parametrize("extract,word_block", [(3, 256), (2, 256), (2, 4), (2, 1), (1, 256)])
-def test_pack_bits_block_shapes(monkeypatch, extract, word_block):
-    """Row blocks that do not divide M, column steps narrower than the tile, and a word whose
-    top bit (column 31 of the word, the int32 sign bit) is set; both ways of writing the
-    entries (by rounds, with blocks of words that do not divide the row's 10 words, or of
-    one word; one entry per step).
+def test_pack_bits_block_shapes():
+    """Row blocks that do not divide M, column steps narrower than the tile, a word whose top
+    bit (column 31 of the word, the int32 sign bit) is set, and a full word (32 rounds of one
+    step, the last one bit 31).
 
     Sized for the interpreter, where this pack costs time in proportion to rows x columns and
     to the entries of the fullest row of each block: 7 rows (two blocks of 4, the second
@@ -82,11 +80,7 @@ def test_pack_bits_block_shapes(monkeypatch, extract, word_block):
     x, w, _, _ = gate_case(7, 24, 300, torch.float32, seed=3, density=0.1)
     a = x @ w.T
     a[4, 31] = a[4, 63] = 1.0
-    a[5, 64:96] = 1.0  # a full word: 32 rounds, the last one bit 31
-    from twell.kernels import gate_pack
-
-    monkeypatch.setattr(gate_pack, "PACK_EXTRACT", extract)
-    monkeypatch.setattr(gate_pack, "PACK_WORD_BLOCK", word_block)
+    a[5, 64:96] = 1.0
     ref = pack_twell(torch.relu(a), 1024, 8)
     assert not bool(ref.overflowed()[4]) and bool(ref.overflowed()[6])
     for cfg in [(4, 64, 1), (8, 128, 2), (16, 32, 4)]:

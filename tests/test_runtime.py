@@ -9,6 +9,7 @@ import pickle
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import twell
@@ -190,8 +191,14 @@ def test_dense_probe_counts_the_pattern(M, triton_pass, monkeypatch):
     with torch.no_grad():
         y = s._dense(m, x, m.gate_proj.weight, m.down_proj.weight, m.up_proj.weight, False, True)
     pattern = ~((x @ m.gate_proj.weight.T) <= 0)  # > 0 or NaN
-    rest = torch.arange(M) != bad
-    assert torch.isnan(y[bad]).all() and rel_err(y[rest], _dense(m, x)[rest]) < 1e-2
+    # Rows that come out NaN are the NaN row and, on some CPUs, rows that PyTorch's own bf16
+    # matmul mixes it into (seen: row 2 from row 3's NaN h in F.linear on a Xeon with AVX-512):
+    # the same rows as the dense MLP's in PyTorch, and every other row as fp64's.
+    plain = F.linear(torch.relu(F.linear(x, m.gate_proj.weight)) * F.linear(x, m.up_proj.weight), m.down_proj.weight)
+    nan_rows = torch.isnan(y).any(1)
+    assert torch.isnan(y[bad]).all() and torch.equal(nan_rows, torch.isnan(plain).any(1))
+    assert int((~nan_rows).sum()) >= M // 2  # enough finite rows left to compare
+    assert rel_err(y[~nan_rows], _dense(m, x)[~nan_rows]) < 1e-2
     assert torch.equal(got["per_row"], pattern.sum(1).float())
     if M <= 64:
         assert got["union_m"] == M and float(got["union"]) == pytest.approx(float(pattern.any(0).sum()) / 37)

@@ -20,12 +20,12 @@ from twell.kernels.train_ffn import pack_rows
 from twell.train_ops import choose_width, saved_bytes, sparse_ffn, sparse_gated_ffn
 
 # Small blocks, so that every loop of the kernels runs more than once at test shapes: pack walks
-# f in 16-column steps, the row kernels take 4 slots and 32 columns of d per step (d = 40 here), the
+# f in 32-column steps (one bit word), the row kernels take 4 slots and 32 columns of d per step (d = 40 here), the
 # weight gradients 4 (token, slot) pairs per step, the heavy rows 16 x 16 tiles in 16-wide steps
 # (with two programs along the rows on the CPU: each walks more than one block of 16 rows
 # from 33 heavy rows on).
 SMALL = dict(
-    PACK_CONFIG=dict(block_m=2, block_f=16, num_warps=1),
+    PACK_CONFIG=dict(block_m=2, block_f=32, num_warps=1),
     ROWS_CONFIG=dict(block_e=4, block_d=32, num_warps=1),
     GRADS_CONFIG=dict(block_t=4, block_d=32, num_warps=1),
     HEAVY_CONFIG=dict(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1),
@@ -136,7 +136,7 @@ def test_pack_rows():
     the file: a wrong pack leaves stray columns that later tests would gather out of bounds.)"""
     x, wg, _, _ = (t.float() for t in make_case(13, 40, 75, seed=10))
     a = x @ wg.T
-    cols, vals, counts = pack_rows(a, 12, block_m=4, block_f=16, num_warps=1)
+    cols, vals, counts = pack_rows(a, 12, block_m=4, block_f=32, num_warps=1)
     ref = pack_hybrid(torch.relu(a), width=12)
     assert cols.dtype == torch.int16 and torch.equal(counts, ref.counts)
     light = counts <= 12

@@ -7,8 +7,9 @@ Two implementations of the same op, both exact for every input:
     ``torch.mm``) and one light Triton pass reads it once and writes the TwELL (each program
     packs ``BM`` rows of one tile). The dense ``a`` stays available to the consumer, which
     reads overflowed tiles from it instead of recomputing them. Two pack kernels: ``bits``
-    (the default) turns every 32 columns into a bit word, then pulls the entries out of the
-    words; ``scan`` finds each entry by a min-reduction over a block of columns.
+    (the default) turns every 32 columns into a bit word and writes the entries of each step
+    of columns from its words at once; ``scan`` finds each entry by a min-reduction over a block
+    of columns.
 
 ``gate_pack_fused(x, w)``
     The fused variant: a Triton matmul whose output tile is one TwELL tile (``BN = tile``)
@@ -43,6 +44,7 @@ import triton.language as tl
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
 from ._activity import fires
+from ._bits import step_bit_words, write_step_entries
 from ._launch import on_device_of
 
 __all__ = ["pack_relu", "gate_pack_fused", "gate_pack_persistent", "empty_twell"]
@@ -105,145 +107,26 @@ def _pack_relu_kernel(
 
 
 @triton.jit
-def _bit_or(a, b):
-    return a | b
-
-
-@triton.jit
-def _bit_position(p):
-    # p a power of two as int32 (2^31 is INT_MIN): its exponent, read from its float32 bits.
-    bits = p.to(tl.float32).to(tl.int32, bitcast=True)
-    return ((bits >> 23) & 0xFF) - 127
-
-
-@triton.jit
-def _popcount(w):
-    # set bits of each int32 word (SWAR; the arithmetic shifts are masked where it matters)
-    w = w - ((w >> 1) & 0x55555555)
-    w = (w & 0x33333333) + ((w >> 2) & 0x33333333)
-    w = (w + (w >> 4)) & 0x0F0F0F0F
-    return ((w * 0x01010101) >> 24) & 0xFF
-
-
-@triton.jit
-def _write_entries_by_rounds(words_ptr, wbase, a_row, val_ptr, col_ptr, out_row, rmask, n_write, n_words,
-                             BM: tl.constexpr, WB: tl.constexpr):
-    """The TwELL entries of ``BM`` rows from their bit words (see ``_pack_relu_bits_kernel``,
-    EXTRACT 2): ``words_ptr + wbase[r] + w`` is word w of row r (``n_words`` of them), ``a_row[r]``
-    the row's first column in the pre-activation, ``out_row[r]`` its first slot; rows write
-    their first ``n_write[r]`` entries (all of them, or none when the tile overflowed)."""
-    wi0 = tl.arange(0, WB)
-    before = tl.zeros([BM], dtype=tl.int32)  # entries of the row in earlier blocks of words
-    for w0 in range(0, n_words, WB):
-        wi = w0 + wi0
-        wmask = rmask[:, None] & (wi < n_words)[None, :]
-        rest = tl.load(words_ptr + wbase[:, None] + wi[None, :], mask=wmask, other=0)  # [BM, WB]
-        pc = _popcount(rest)
-        slot = before[:, None] + tl.cumsum(pc, axis=1) - pc  # the slot of each word's lowest bit
-        before += tl.sum(pc, axis=1)
-        for _ in range(0, tl.max(tl.max(pc, axis=1), axis=0)):
-            low = rest & (-rest)
-            col = wi[None, :] * 32 + _bit_position(low)
-            ok = (rest != 0) & (slot < n_write[:, None])
-            v = tl.load(a_row[:, None] + col, mask=ok, other=0.0)
-            tl.store(val_ptr + out_row[:, None] + slot, v, mask=ok)
-            tl.store(col_ptr + out_row[:, None] + slot, col.to(tl.int16), mask=ok)
-            rest = rest ^ low
-            slot += 1
-
-
-@triton.jit
 def _pack_relu_bits_kernel(
     a_ptr, stride_am,
-    val_ptr, col_ptr, cnt_ptr, words_ptr,
-    M, f, SLOTS, N_TILES, W_ROW,
-    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, NS: tl.constexpr, EXTRACT: tl.constexpr = 2,
-    WB: tl.constexpr = 256,
+    val_ptr, col_ptr, cnt_ptr,
+    M, f, SLOTS, N_TILES,
+    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
 ):
-    # Two phases per (BM rows, tile):
-    #   1. stream the tile once, turning each run of 32 columns into one bit word (bit b set
-    #      when column 32 w + b fires: > 0 or NaN), stored to a small scratch;
-    #   2. write the entries from the words. EXTRACT 2 (the default): by blocks of WB words, each
-    #      word's first slot from a running count of the set bits before it (a prefix sum along
-    #      the row), then one round per bit of the fullest word: every word gives up its lowest
-    #      set bit at once, so the row's loads and stores of a round are independent and the
-    #      rounds number the bits of the fullest word (1 to 4 at 0.5% density), not the row's
-    #      entries. EXTRACT 1: one entry of each row per step, in column order, from the
-    #      current word, and when the word is spent the next non-zero word through a summary
-    #      kept in registers in phase 1 (one bit per non-zero word; NS words cover the tile):
-    #      as many dependent steps as the fullest row has entries. EXTRACT 0: no entries
-    #      (phase 1 alone, for timing it).
+    # One pass over (BM rows, tile) in steps of BN columns: each step's bit words, then its
+    # entries written at once (twell.kernels._bits). Slots past SLOTS belong to a tile that
+    # overflows: its count says so and consumers recompute it without reading its slots.
     pid_m = tl.program_id(0)
     t = tl.program_id(1)
     rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
     rmask = rows < M
     width = tl.minimum(TILE, f - t * TILE)
-    n_words = tl.cdiv(width, 32)
-    WPB: tl.constexpr = BN // 32
-    lane = tl.arange(0, 32)
-    wib = tl.arange(0, WPB)
-    sidx = tl.arange(0, NS)
-    wbase = rows * W_ROW + t * (TILE // 32)
     a_row = a_ptr + rows * stride_am + t * TILE
-    summ = tl.zeros([BM, NS], dtype=tl.int32)
-    run = tl.zeros([BM], dtype=tl.int32)
     out_row = rows * (N_TILES * SLOTS) + t * SLOTS
+    run = tl.zeros([BM], dtype=tl.int32)  # entries of the row so far in this tile
     for c0 in range(0, width, BN):
-        col3 = c0 + wib[None, :, None] * 32 + lane[None, None, :]
-        m3 = rmask[:, None, None] & (col3 < width)
-        a = tl.load(a_row[:, None, None] + col3, mask=m3, other=0.0)
-        nz = fires(a) & m3
-        words = tl.reduce(tl.where(nz, 1 << lane[None, None, :], 0), 2, _bit_or)  # [BM, WPB]
-        pc = _popcount(words)
-        if EXTRACT == 3:
-            # this step's entries now: each word's first slot from the row's count so far and
-            # the words before it in the step, then one round per bit of the step's fullest word
-            # (slots past SLOTS belong to an overflowing tile, whose slots nobody reads)
-            slot = run[:, None] + tl.cumsum(pc, axis=1) - pc
-            rest = words
-            for _ in range(0, tl.max(tl.max(pc, axis=1), axis=0)):
-                low = rest & (-rest)
-                col = c0 + wib[None, :] * 32 + _bit_position(low)
-                ok = (rest != 0) & (slot < SLOTS)
-                v = tl.load(a_row[:, None] + col, mask=ok, other=0.0)
-                tl.store(val_ptr + out_row[:, None] + slot, v, mask=ok)
-                tl.store(col_ptr + out_row[:, None] + slot, col.to(tl.int16), mask=ok)
-                rest = rest ^ low
-                slot += 1
-        run += tl.sum(pc, axis=1)
-        if EXTRACT != 3:
-            w_here = c0 // 32 + wib
-            tl.store(words_ptr + wbase[:, None] + w_here[None, :], words, mask=rmask[:, None] & (w_here < n_words)[None, :])
-        if EXTRACT == 1:
-            # BN divides 1024, so this step's words are bits of one summary word
-            sbits = tl.reduce(tl.where(words != 0, 1 << ((c0 // 32) % 32 + wib)[None, :], 0), 1, _bit_or)
-            summ = tl.where(sidx[None, :] == c0 // 1024, summ | sbits[:, None], summ)
-    if EXTRACT == 1 or EXTRACT == 2:
-        tl.debug_barrier()  # phase 2 reads words that other threads of this program stored
-    n_write = tl.where(run > SLOTS, 0, run)  # an overflowing (row, tile) keeps no entries
-    if EXTRACT == 2:
-        _write_entries_by_rounds(words_ptr, wbase, a_row, val_ptr, col_ptr, out_row, rmask, n_write, n_words, BM, WB)
-    if EXTRACT == 1:
-        cur = tl.zeros([BM], dtype=tl.int32)  # unread bits of the current word
-        cur_w = tl.zeros([BM], dtype=tl.int32)  # its index
-        for s in range(0, tl.max(n_write, axis=0)):
-            ok = s < n_write
-            need = ok & (cur == 0)
-            si = tl.min(tl.where(summ != 0, sidx[None, :], NS), axis=1)
-            sel = sidx[None, :] == si[:, None]
-            sw = tl.sum(tl.where(sel, summ, 0), axis=1)
-            slow = sw & (-sw)
-            summ = tl.where(need[:, None] & sel, summ ^ slow[:, None], summ)
-            wi = si * 32 + _bit_position(slow)
-            w = tl.load(words_ptr + wbase + wi, mask=need, other=0)
-            cur = tl.where(need, w, cur)
-            cur_w = tl.where(need, wi, cur_w)
-            low = cur & (-cur)
-            col = cur_w * 32 + _bit_position(low)
-            v = tl.load(a_row + col, mask=ok, other=0.0)
-            tl.store(val_ptr + out_row + s, v, mask=ok)
-            tl.store(col_ptr + out_row + s, col.to(tl.int16), mask=ok)
-            cur = cur ^ low
+        words = step_bit_words(a_row, c0, width, rmask, BN // 32)
+        run += write_step_entries(words, run, c0, a_row, val_ptr + out_row, col_ptr + out_row, SLOTS, BN // 32)
     tl.store(cnt_ptr + rows * N_TILES + t, run, mask=rmask)
 
 
@@ -254,18 +137,16 @@ def _check_pre(a: torch.Tensor, name: str) -> None:
 
 # (rows per program, columns per step, warps), from the H200 variant sweeps
 # (benchmarks/NOTES_inference.md). The bit-word pack takes one row per program up to
-# PACK_BITS_SMALL_M rows: with four, a 4096-row call had 1024 programs for 132 SMs and its
-# latency-bound steps ran serially (0.070 against 0.044 ms); from 16384 rows four per program is
-# fastest, and one warp beat two at every size (131072 rows: 0.78 ms, against 0.97 for four rows
-# with two warps and 0.90 for the shape shipped before, eight rows with two).
+# PACK_BITS_SMALL_M rows (more programs for a small call: 1024 programs of four rows left 4096
+# rows latency-bound), two rows in steps of 512 columns from there. Twenty-fifth session, the
+# one-pass kernel (pack_extract_probe.py, infer_pack_shapes_probe.py), k 29: 0.088 ms at 16384
+# rows and 0.597 at 131072, against 0.093 and 0.624 for two rows of 256 columns, 0.646 (131072)
+# for one row, 0.681 for four; 1024 columns were within 3% either way. One warp beat two at every
+# size, here and in the fifteenth session's sweep.
 PACK_CONFIG: tuple[int, int, int] = (4, 256, 2)
-PACK_BITS_CONFIG: tuple[int, int, int] = (2, 256, 1)
+PACK_BITS_CONFIG: tuple[int, int, int] = (2, 512, 1)
 PACK_BITS_SMALL_M_CONFIG: tuple[int, int, int] = (1, 256, 1)
 PACK_BITS_SMALL_M = 8192
-# How the bit-word pack writes its entries (see _pack_relu_bits_kernel): 2 by rounds over all of
-# a row's words at once, 1 one entry per step; and the words per block of the rounds.
-PACK_EXTRACT = 3
-PACK_WORD_BLOCK = 256
 
 
 def bits_config(M: int) -> tuple[int, int, int]:
@@ -282,11 +163,11 @@ def pack_relu(
         a: ``[M, f]`` pre-activation (float16, bfloat16 or float32), e.g. ``x @ w_gate.T`` from
             cuBLAS. Its last dimension must be contiguous.
         tile: TwELL tile width T (a power of two); compression: C in {2, 4, 8}.
-        method: ``"bits"``: one bit word per 32 columns, then entries pulled from the words
-            (needs tile >= 32); ``"scan"``: the s-th entry of each row found by a
+        method: ``"bits"``: one bit word per 32 columns, each step's entries written from
+            its words (needs tile >= 32); ``"scan"``: the s-th entry of each row found by a
             min-reduction over the current block of columns. ``"auto"``: bits where it can run
-            (measured 0.89 against 1.08 ms at k = 29 on the H200, 1.21 against 1.58 ms at
-            k = 56; benchmarks/NOTES_inference.md), else scan.
+            (0.62 against 1.08 ms at k = 29 and 131072 rows on the H200;
+            benchmarks/NOTES_inference.md), else scan.
         config: ``(rows per program, columns per step, warps)`` tuning knobs (default: by
             method, and for ``"bits"`` by ``M``: see ``PACK_BITS_SMALL_M``).
 
@@ -321,15 +202,10 @@ def pack_relu(
                 TILE=tile, BM=BM, BN=BN, num_warps=nw,
             )
     else:
-        BN = min(BN, 1024)
-        w_row = triton.cdiv(f, 32) if out.n_tiles == 1 else out.n_tiles * (tile // 32)
-        # the words' scratch (EXTRACT 3 writes the entries as it streams and keeps no words)
-        words = out.counts if PACK_EXTRACT == 3 else torch.empty(M, w_row, dtype=torch.int32, device=a.device)
         with on_device_of(a):
             _pack_relu_bits_kernel[grid](
-                a, a.stride(0), out.values, out.cols, out.counts, words, M, f, out.slots, out.n_tiles, w_row,
-                TILE=tile, BM=BM, BN=BN, NS=max(1, tile // 1024), EXTRACT=PACK_EXTRACT,
-                WB=min(PACK_WORD_BLOCK, tile // 32), num_warps=nw,
+                a, a.stride(0), out.values, out.cols, out.counts, M, f, out.slots, out.n_tiles,
+                TILE=tile, BM=BM, BN=BN, num_warps=nw,
             )
     return out
 

@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
-from ._activity import fires
+from ._bits import step_bit_words, write_step_entries
 from ._launch import on_device_of
 
 __all__ = [
@@ -116,27 +116,17 @@ def _pack_rows_kernel(
     M, f, W,
     BM: tl.constexpr, BF: tl.constexpr, BW: tl.constexpr,
 ):
-    # BM rows, f walked BF columns at a time. The positives of a block land at consecutive slots
-    # (an inclusive prefix sum gives each its rank), so the row's entries come out in ascending
-    # column order. The count keeps running past W: a heavy row is marked by count > W and its
-    # slots hold its first W entries (consumers skip it).
+    # BM rows, f walked BF columns at a time: each step's bit words, then its positives written
+    # at once in ascending column order (twell.kernels._bits). The count keeps running past W: a
+    # heavy row is marked by count > W and its slots hold its first W entries (consumers skip it).
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     rmask = rows < M
-    cin = tl.arange(0, BF)
+    a_row = a_ptr + rows * stride_am
     run = tl.zeros([BM], dtype=tl.int32)
     for c0 in range(0, f, BF):
-        col = c0 + cin
-        mask = rmask[:, None] & (col < f)[None, :]
-        a = tl.load(a_ptr + rows[:, None] * stride_am + col[None, :], mask=mask, other=0.0)
-        # a zero gate is not active (relu'(0) = 0), a NaN one is (relu keeps it): _activity.fires
-        nz = fires(a) & mask
-        nzi = nz.to(tl.int32)
-        slot = run[:, None] + tl.cumsum(nzi, axis=1) - 1
-        keep = nz & (slot < W)
-        off = rows[:, None] * W + slot
-        tl.store(val_ptr + off, a, mask=keep)
-        tl.store(col_ptr + off, (col[None, :] + tl.zeros([BM, BF], dtype=tl.int32)).to(col_ptr.dtype.element_ty), mask=keep)
-        run += tl.sum(nzi, axis=1)
+        # active: relu'(a) != 0, a NaN included (twell.kernels._activity.fires)
+        words = step_bit_words(a_row, c0, f, rmask, BF // 32)
+        run += write_step_entries(words, run, c0, a_row, val_ptr + rows * W, col_ptr + rows * W, W, BF // 32)
     # Slots at and past the count are zeroed (value 0, column 0), so that no later read of a
     # whole [M, W] buffer meets unwritten memory. They are disjoint from the slots stored above.
     s_in = tl.arange(0, BW)
@@ -172,7 +162,7 @@ def pack_rows(
     if not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be an int >= 1, got {width!r}")
     _check_pow2(block_m, "block_m", 1, 64)
-    _check_pow2(block_f, "block_f", 16, 4096)
+    _check_pow2(block_f, "block_f", 32, 4096)  # whole bit words of 32 columns
     M, f = a.shape
     cols = torch.empty(M, width, dtype=col_dtype(f), device=a.device)
     values = torch.empty(M, width, dtype=a.dtype, device=a.device)
