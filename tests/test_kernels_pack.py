@@ -6,10 +6,11 @@ import pytest
 import torch
 
 from kernel_cases import case_id, gate_case
-from twell.format import pack_twell
-from twell.kernels import gate_pack_fused, gate_pack_persistent, pack_relu
+from twell.format import TwELL, pack_twell
+from twell.kernels import gate_pack, gate_pack_fused, gate_pack_persistent, pack_relu
 from twell.ops import gate_to_twell
 
+DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 CPU_DTYPES = (torch.float32, torch.float16)  # the interpreter mishandles bf16 tl.dot operands
 
 
@@ -32,9 +33,9 @@ NARROW = [(13, 100, 32, 4), (6, 70, 16, 8), (9, 40, 64, 2), (5, 37, 128, 8)]
 # interpreter the bit-word pack costs time in proportion to rows x columns (each wide fp16 copy
 # took seconds). 700 / 512: two tiles, each over several 256-column steps of the pack pass (its
 # carry across steps). 1100 / 2048, bit-word pack only (the scan has no per-tile state that
-# 700 / 512 does not already cover): its summary words (one per 1024 columns), two in this tile,
-# the first one full (its bit 31 is the int32 sign bit). 5 rows: one row block of the bit-word
-# pack (row blocks that do not divide M: the narrow cases and the next test).
+# 700 / 512 does not already cover): one tile wider than f, walked in several steps, with the
+# case's dense row overflowing it. 5 rows: one row block of the bit-word pack (row blocks that do
+# not divide M: the narrow cases and the next test; full words and bit 31: the next test).
 PACK_CASES = (
     [(method, dtype, *case) for method in ("scan", "bits") for case in NARROW for dtype in CPU_DTYPES]
     + [(method, torch.float32, 5, 700, 512, 4) for method in ("scan", "bits")]
@@ -302,3 +303,83 @@ def test_a_nan_gate_fires(method):
     over = out.overflowed()
     assert bool(over[3].all()) and not bool(over[torch.arange(M) != 3].any())
     assert int(out.counts[0, 0]) >= 1  # unit 5, stored
+
+
+# Poisoned buffers, for the tests that check what a pack leaves alone.
+GUARD = 4  # rows past M in each output buffer (and in the input)
+I16 = 12345  # sentinel for integer buffers
+
+
+def _poison_(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(I16)
+
+
+def _untouched(t: torch.Tensor) -> torch.Tensor:
+    return torch.isnan(t) if t.is_floating_point() else t == I16
+
+
+def test_pack_bits_writes_nothing_outside_its_slots(monkeypatch):
+    """Overflowed tiles may leave their own slots unspecified, but a write past slot SLOTS - 1
+    lands in the next tile's slots (or the next row's, or past the buffer), and a row past M
+    must write nothing. The output buffers are the first M rows of larger poisoned buffers; the
+    input is the first M rows of a matrix whose rows past M fire everywhere. Checked: the unused
+    slots of non-overflowed tiles and every guard row keep their poison.
+
+    Kills (deterministically; without it they only crash the interpreter by heap corruption or
+    pass silently): write limit dropped ('rest != 0' alone), 'slot <= limit', SLOTS + 1 as the
+    limit, rows past M not masked in step_bit_words."""
+    M, f, tile, C = 5, 96, 32, 4  # 3 tiles of 32, 7 slots each
+    made = {}
+    real = gate_pack.empty_twell
+
+    def guarded(M_, f_, tile_, C_, dtype, device):
+        big = real(M_ + GUARD, f_, tile_, C_, dtype, device)
+        for t in (big.values, big.cols, big.counts):
+            _poison_(t)
+        made["big"] = big
+        return TwELL(big.values[:M_], big.cols[:M_], big.counts[:M_], f_, tile_, C_)
+
+    monkeypatch.setattr(gate_pack, "empty_twell", guarded)
+    big_a = torch.full((M + GUARD, f), -1.0, device=DEV)
+    big_a[M:] = 1.0  # rows past M: every unit fires (read only by a kernel that ignores M)
+    a = big_a[:M]
+    a[0, 0:32] = 2.0  # row 0, tile 0: 32 entries, overflows; tile 1 of row 0 is empty
+    a[0, 70] = 3.0
+    a[2, 33] = a[2, 63] = 4.0  # a light tile (its bit 31 among them)
+    a[M - 1, 64:96] = 5.0  # the last (row, tile) overflows: its spill would leave the buffer
+    for cfg in [(4, 32, 1), (1, 256, 1), (2, 512, 1)]:
+        out = pack_relu(a, tile, C, method="bits", config=cfg)
+        ref = pack_twell(torch.relu(a), tile, C)
+        assert torch.equal(out.counts, ref.counts)
+        over = out.overflowed()
+        assert bool(over[0, 0]) and bool(over[M - 1, 2])
+        slot = torch.arange(out.slots, device=DEV)
+        used = (slot < out.counts.unsqueeze(-1)) & ~over.unsqueeze(-1)
+        assert torch.equal(out.cols[used], ref.cols[used]) and torch.equal(out.values[used], ref.values[used])
+        free = (slot >= out.counts.unsqueeze(-1)) & ~over.unsqueeze(-1)  # nobody's slots
+        assert _untouched(out.cols[free]).all() and _untouched(out.values[free]).all(), cfg
+        big = made["big"]
+        for t in (big.values, big.cols, big.counts):
+            assert _untouched(t[M:]).all(), cfg  # nothing past row M - 1
+
+
+@pytest.mark.parametrize("config", [(1, 48, 1), (1, 16, 1), (3, 64, 1)])
+def test_pack_relu_bits_refuses_a_bad_config(config):
+    """The bits pack covers BN // 32 words per step but advances by BN: BN must be a power of two
+    >= 32 (and BM a power of two). Before the check (1, 48, 1) returned wrong counts without an
+    error; (1, 16, 1) and (3, 64, 1) failed inside the interpreter or the compiler."""
+    a = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="config"):
+        pack_relu(a, 64, 2, method="bits", config=config)
+
+
+@pytest.mark.gpu
+def test_pack_relu_bits_int64_offsets_gpu():
+    """M * N_TILES * SLOTS beyond 2^31 (tile 32, C 2: 15 slots): out_row must be int64. Kills
+    dropping rows' .to(tl.int64) in _pack_relu_bits_kernel. Not run in this review."""
+    M, f = (1 << 31) // 15 + 5, 32
+    a = torch.full((M, f), -1.0, dtype=torch.bfloat16, device="cuda")
+    a[-1, [0, 31]] = 1.0
+    out = pack_relu(a, 32, 2, method="bits")
+    assert out.counts[-1, 0].item() == 2 and int(out.counts[:-1].sum()) == 0
+    assert out.cols[-1, 0, :2].tolist() == [0, 31]

@@ -16,6 +16,7 @@ import twell.train_ops as T
 from kernel_cases import case_id, rel_err
 from twell import reference as R
 from twell.format import pack_hybrid
+from twell.kernels import train_ffn
 from twell.kernels.train_ffn import pack_rows
 from twell.train_ops import choose_width, saved_bytes, sparse_ffn, sparse_gated_ffn
 
@@ -809,3 +810,88 @@ def test_backward_takes_a_broadcast_dy(gated):
     dense_ffn(ref[0], ref[1], ref[2] if gated else None, ref[-1])[0].sum().backward()
     for got, want in zip((t.grad for t in leaves), (t.grad for t in ref)):
         assert rel_err(got, want) < TOL[torch.float32]
+
+
+# Poisoned buffers, for the tests that check what a pack leaves alone.
+GUARD = 4  # rows past M in each output buffer (and in the input)
+I16 = 12345  # sentinel for integer buffers
+
+
+def _poison_(t: torch.Tensor) -> torch.Tensor:
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(I16)
+
+
+def _untouched(t: torch.Tensor) -> torch.Tensor:
+    return torch.isnan(t) if t.is_floating_point() else t == I16
+
+
+def test_pack_rows_writes_nothing_past_its_rows(monkeypatch):
+    """The same for the training pack: the last row is heavy (its entries past W must not be
+    stored: they would land past the buffer), and rows past M (which fire everywhere in memory)
+    write nothing. Kills the same mutants as above for train_ffn (W + 1 as the limit, no limit,
+    rows not masked)."""
+    M, f, W = 5, 70, 4
+    real_empty = torch.empty
+    bigs = []
+
+    def guarded_empty(*size, **kw):
+        if size and all(isinstance(s, int) for s in size) and size[0] == M:
+            big = _poison_(real_empty(size[0] + GUARD, *size[1:], **kw))
+            bigs.append(big)
+            return big[: size[0]]
+        return real_empty(*size, **kw)
+
+    big_a = torch.full((M + GUARD, f), -1.0, device=DEV)
+    big_a[M:] = 1.0
+    a = big_a[:M]
+    a[0, [1, 31, 40]] = 1.5
+    a[M - 1, 10:30] = 2.0  # heavy: 20 entries, W = 4
+    monkeypatch.setattr(train_ffn.torch, "empty", guarded_empty)
+    for bm, bf in [(4, 32), (2, 512), (1, 64)]:
+        bigs.clear()
+        cols, vals, counts = pack_rows(a, W, block_m=bm, block_f=bf, num_warps=1)
+        fired = a > 0
+        assert torch.equal(counts, fired.sum(1).int())
+        assert torch.equal(cols[M - 1].long(), torch.arange(10, 14, device=DEV))
+        assert torch.equal(cols[0, :3].long(), torch.tensor([1, 31, 40], device=DEV))
+        assert len(bigs) == 3  # cols, values, counts
+        for big in bigs:
+            assert _untouched(big[M:]).all(), (bm, bf)
+
+
+def test_pack_rows_int32_columns():
+    """f > 32768: cols are int32 (col_dtype) and hold columns past 32767 as they are. Kills
+    'col.to(tl.int16)' in write_step_entries (any fixed column dtype), which every other test
+    survives (they all have f <= 32768)."""
+    M, f = 2, 33000
+    a = torch.full((M, f), -1.0, device=DEV)
+    a[0, [3, 32767, 32768, 32999]] = 1.0
+    a[1, 32800] = 2.0
+    cols, vals, counts = pack_rows(a, 4, block_m=2, block_f=4096, num_warps=1)
+    assert cols.dtype == torch.int32
+    assert counts.tolist() == [4, 1]
+    assert cols[0].tolist() == [3, 32767, 32768, 32999] and cols[1].tolist() == [32800, 0, 0, 0]
+    assert vals[1].tolist() == [2.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("block_f", [16, 8])
+def test_pack_rows_refuses_steps_narrower_than_a_word(block_f):
+    """block_f // 32 words a step: 16 would give a zero-word step (a compile error deep in
+    Triton, or on another backend a pack that drops every column). Kills lowering the bound of
+    _check_pow2(block_f, ...) back to 16."""
+    with pytest.raises(ValueError, match="block_f"):
+        pack_rows(torch.zeros(3, 64, device=DEV), 4, block_f=block_f)
+
+
+@pytest.mark.gpu
+def test_pack_rows_int64_offsets_gpu():
+    """M * W and M * stride beyond 2^31: the rows' offsets must be int64 (rows .to(tl.int64) in
+    _pack_rows_kernel). Kills dropping that cast. Not run in this review."""
+    M, f, W = (1 << 27) + 3, 32, 16  # M * W = 2^31 + 48, M * f = 2^32 + 96
+    a = torch.full((M, f), -1.0, dtype=torch.bfloat16, device="cuda")
+    a[-1, [2, 31]] = 1.0
+    a[-2, 5] = 2.0
+    cols, vals, counts = pack_rows(a, W)
+    assert counts[-2:].tolist() == [1, 2] and int(counts[:-2].sum()) == 0
+    assert cols[-1, :3].tolist() == [2, 31, 0] and cols[-2, :2].tolist() == [5, 0]
+    assert vals[-1, :2].float().tolist() == [1.0, 1.0] and bool((cols[0] == 0).all())

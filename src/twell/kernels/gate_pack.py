@@ -193,6 +193,10 @@ def pack_relu(
     if config is None and method == "bits":
         config = bits_config(M)
     BM, BN, nw = config or PACK_CONFIG
+    for value, name, lo in ((BM, "rows per program", 1), (BN, "columns per step", 32 if method == "bits" else 1), (nw, "warps", 1)):
+        # the bits pack covers BN // 32 words a step and advances by BN: anything else drops columns
+        if not isinstance(value, int) or value < lo or value & (value - 1):
+            raise ValueError(f"config's {name} must be a power of two >= {lo}, got config={config!r}")
     BN = min(tile, BN)
     grid = (triton.cdiv(M, BM), out.n_tiles)
     if method == "scan":
