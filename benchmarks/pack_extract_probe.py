@@ -36,6 +36,8 @@ SMOKE = os.environ.get("TWELL_SMOKE") == "1"
 d, f = (64, 300) if SMOKE else (2048, 5632)
 DEV, DT = ("cpu", torch.float16) if SMOKE else ("cuda", torch.bfloat16)
 TILE = default_tile(f)
+if not hasattr(gate_pack, "PACK_EXTRACT"):  # later trees keep EXTRACT 3 alone: every variant would time it
+    raise SystemExit("pack_extract_probe.py needs commit 133a901's gate_pack.py (see its docstring)")
 DEFAULT_EXTRACT = gate_pack.PACK_EXTRACT
 if SMOKE:
     def bench_ms(fn):  # noqa: F811

@@ -57,6 +57,22 @@ def packed(a: torch.Tensor, tile: int, compression: int):
     return out
 
 
+# Poisoned buffers, for the tests that check what a kernel leaves alone: outputs that are the
+# first M rows of GUARD-row-longer buffers filled with NaN (floats) or I16 (integers).
+GUARD = 4
+I16 = 12345
+
+
+def poison_(t: torch.Tensor) -> torch.Tensor:
+    """``t`` filled in place with NaN (floating point) or I16 (integers)."""
+    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(I16)
+
+
+def untouched(t: torch.Tensor) -> torch.Tensor:
+    """Where ``t`` still holds :func:`poison_`'s value."""
+    return torch.isnan(t) if t.is_floating_point() else t == I16
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     """``||out - ref|| / ||ref||`` in float64 (NaN if out has any NaN)."""
     out, ref = out.double(), ref.double()

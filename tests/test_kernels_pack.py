@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import case_id, gate_case
+from kernel_cases import GUARD, case_id, gate_case, poison_, untouched
 from twell.format import TwELL, pack_twell
 from twell.kernels import gate_pack, gate_pack_fused, gate_pack_persistent, pack_relu
 from twell.ops import gate_to_twell
@@ -305,19 +305,6 @@ def test_a_nan_gate_fires(method):
     assert int(out.counts[0, 0]) >= 1  # unit 5, stored
 
 
-# Poisoned buffers, for the tests that check what a pack leaves alone.
-GUARD = 4  # rows past M in each output buffer (and in the input)
-I16 = 12345  # sentinel for integer buffers
-
-
-def _poison_(t: torch.Tensor) -> torch.Tensor:
-    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(I16)
-
-
-def _untouched(t: torch.Tensor) -> torch.Tensor:
-    return torch.isnan(t) if t.is_floating_point() else t == I16
-
-
 def test_pack_bits_writes_nothing_outside_its_slots(monkeypatch):
     """Overflowed tiles may leave their own slots unspecified, but a write past slot SLOTS - 1
     lands in the next tile's slots (or the next row's, or past the buffer), and a row past M
@@ -335,7 +322,7 @@ def test_pack_bits_writes_nothing_outside_its_slots(monkeypatch):
     def guarded(M_, f_, tile_, C_, dtype, device):
         big = real(M_ + GUARD, f_, tile_, C_, dtype, device)
         for t in (big.values, big.cols, big.counts):
-            _poison_(t)
+            poison_(t)
         made["big"] = big
         return TwELL(big.values[:M_], big.cols[:M_], big.counts[:M_], f_, tile_, C_)
 
@@ -357,10 +344,10 @@ def test_pack_bits_writes_nothing_outside_its_slots(monkeypatch):
         used = (slot < out.counts.unsqueeze(-1)) & ~over.unsqueeze(-1)
         assert torch.equal(out.cols[used], ref.cols[used]) and torch.equal(out.values[used], ref.values[used])
         free = (slot >= out.counts.unsqueeze(-1)) & ~over.unsqueeze(-1)  # nobody's slots
-        assert _untouched(out.cols[free]).all() and _untouched(out.values[free]).all(), cfg
+        assert untouched(out.cols[free]).all() and untouched(out.values[free]).all(), cfg
         big = made["big"]
         for t in (big.values, big.cols, big.counts):
-            assert _untouched(t[M:]).all(), cfg  # nothing past row M - 1
+            assert untouched(t[M:]).all(), cfg  # nothing past row M - 1
 
 
 @pytest.mark.parametrize("config", [(1, 48, 1), (1, 16, 1), (3, 64, 1)])

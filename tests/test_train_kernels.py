@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import twell.train_ops as T
-from kernel_cases import case_id, rel_err
+from kernel_cases import GUARD, case_id, poison_, rel_err, untouched
 from twell import reference as R
 from twell.format import pack_hybrid
 from twell.kernels import train_ffn
@@ -812,19 +812,6 @@ def test_backward_takes_a_broadcast_dy(gated):
         assert rel_err(got, want) < TOL[torch.float32]
 
 
-# Poisoned buffers, for the tests that check what a pack leaves alone.
-GUARD = 4  # rows past M in each output buffer (and in the input)
-I16 = 12345  # sentinel for integer buffers
-
-
-def _poison_(t: torch.Tensor) -> torch.Tensor:
-    return t.fill_(float("nan")) if t.is_floating_point() else t.fill_(I16)
-
-
-def _untouched(t: torch.Tensor) -> torch.Tensor:
-    return torch.isnan(t) if t.is_floating_point() else t == I16
-
-
 def test_pack_rows_writes_nothing_past_its_rows(monkeypatch):
     """The same for the training pack: the last row is heavy (its entries past W must not be
     stored: they would land past the buffer), and rows past M (which fire everywhere in memory)
@@ -836,7 +823,7 @@ def test_pack_rows_writes_nothing_past_its_rows(monkeypatch):
 
     def guarded_empty(*size, **kw):
         if size and all(isinstance(s, int) for s in size) and size[0] == M:
-            big = _poison_(real_empty(size[0] + GUARD, *size[1:], **kw))
+            big = poison_(real_empty(size[0] + GUARD, *size[1:], **kw))
             bigs.append(big)
             return big[: size[0]]
         return real_empty(*size, **kw)
@@ -856,7 +843,7 @@ def test_pack_rows_writes_nothing_past_its_rows(monkeypatch):
         assert torch.equal(cols[0, :3].long(), torch.tensor([1, 31, 40], device=DEV))
         assert len(bigs) == 3  # cols, values, counts
         for big in bigs:
-            assert _untouched(big[M:]).all(), (bm, bf)
+            assert untouched(big[M:]).all(), (bm, bf)
 
 
 def test_pack_rows_int32_columns():
@@ -878,7 +865,7 @@ def test_pack_rows_int32_columns():
 def test_pack_rows_refuses_steps_narrower_than_a_word(block_f):
     """block_f // 32 words a step: 16 would give a zero-word step (a compile error deep in
     Triton, or on another backend a pack that drops every column). Kills lowering the bound of
-    _check_pow2(block_f, ...) back to 16."""
+    check_pow2(block_f, ...) back to 16."""
     with pytest.raises(ValueError, match="block_f"):
         pack_rows(torch.zeros(3, 64, device=DEV), 4, block_f=block_f)
 

@@ -84,3 +84,10 @@ def check_launchable(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} must be a CUDA tensor (or run under TRITON_INTERPRET=1), got {t.device}")
     if t.is_meta:
         raise ValueError(f"{name} is on the meta device (shapes only, no data): a Triton kernel cannot run on it")
+
+
+def check_pow2(value: int, name: str, lo: int = 1, hi: int = 1024) -> None:
+    """A clear error unless ``value`` (a kernel's launch knob) is an int power of two in
+    ``[lo, hi]``."""
+    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value}")

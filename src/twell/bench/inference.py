@@ -279,7 +279,7 @@ def run_variants(
     del a
 
     row_tile = 8192 if f > 4096 else 1 << max(4, (f - 1).bit_length())
-    bits_configs = [(4, 256, 1), (8, 256, 2), (4, 256, 2), (2, 256, 1), (8, 256, 4)]
+    bits_configs = [(2, 512, 1), (4, 256, 1), (8, 256, 2), (4, 256, 2), (2, 256, 1), (8, 256, 4)]
     token_configs = [(2, 4), (4, 4), (4, 8), (2, 2), (4, 2), (8, 4)]
     saved_bits, saved_tuned = gate_pack.PACK_BITS_CONFIG, dict(updown.TUNED)
     cases = [(29, "even"), (56, "even"), (8, "even")] + ([(29, "skewed"), (29, "heavy")] if extras else [])

@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import KERNEL_DTYPES, check_launchable, check_tensor
+from ..checks import KERNEL_DTYPES, check_launchable, check_pow2, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
 from ._activity import fires
 from ._bits import step_bit_words, write_step_entries
@@ -192,11 +192,12 @@ def pack_relu(
         return out
     if config is None and method == "bits":
         config = bits_config(M)
-    BM, BN, nw = config or PACK_CONFIG
-    for value, name, lo in ((BM, "rows per program", 1), (BN, "columns per step", 32 if method == "bits" else 1), (nw, "warps", 1)):
+    if config is not None:
         # the bits pack covers BN // 32 words a step and advances by BN: anything else drops columns
-        if not isinstance(value, int) or value < lo or value & (value - 1):
-            raise ValueError(f"config's {name} must be a power of two >= {lo}, got config={config!r}")
+        check_pow2(config[0], "config's rows per program", 1, 64)
+        check_pow2(config[1], "config's columns per step", 32 if method == "bits" else 1, 4096)
+        check_pow2(config[2], "config's warps", 1, 32)
+    BM, BN, nw = config or PACK_CONFIG
     BN = min(tile, BN)
     grid = (triton.cdiv(M, BM), out.n_tiles)
     if method == "scan":

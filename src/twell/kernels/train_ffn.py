@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
+from ..checks import KERNEL_DTYPES, check_launchable, check_pow2, check_tensor, check_weight_rows
 from ._bits import step_bit_words, write_step_entries
 from ._launch import on_device_of
 
@@ -62,11 +62,6 @@ def _block_d(d: int, block_d: Optional[int], cap: int) -> int:
     if block_d < 16 or block_d & (block_d - 1):
         raise ValueError(f"block_d must be a power of two >= 16, got {block_d}")
     return block_d
-
-
-def _check_pow2(value: int, name: str, lo: int = 1, hi: int = 1024) -> None:
-    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
-        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value}")
 
 
 def _check_same(t: torch.Tensor, name: str, ref: torch.Tensor, ref_name: str, dtype=True) -> None:
@@ -161,8 +156,8 @@ def pack_rows(
         raise ValueError(f"a must have unit-stride rows, got strides {a.stride()}")
     if not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be an int >= 1, got {width!r}")
-    _check_pow2(block_m, "block_m", 1, 64)
-    _check_pow2(block_f, "block_f", 32, 4096)  # whole bit words of 32 columns
+    check_pow2(block_m, "block_m", 1, 64)
+    check_pow2(block_f, "block_f", 32, 4096)  # whole bit words of 32 columns
     M, f = a.shape
     cols = torch.empty(M, width, dtype=col_dtype(f), device=a.device)
     values = torch.empty(M, width, dtype=a.dtype, device=a.device)
@@ -334,7 +329,7 @@ def ffn_rows_forward(
     check_weight_rows(w_down_t, "w_down_t", f, d, x)
     check_weight_rows(w_up, "w_up", f, d, x)
     check_launchable(x, "x")
-    _check_pow2(block_e, "block_e", 1, 256)
+    check_pow2(block_e, "block_e", 1, 256)
     BD = _block_d(d, block_d, 512)
     gated = w_up is not None
     y = torch.empty(M, d, dtype=x.dtype, device=x.device)
@@ -534,7 +529,7 @@ def ffn_rows_backward(
         raise ValueError(f"l1_scale must hold one value, got shape {list(l1_scale.shape)}")
     _check_same(l1_scale, "l1_scale", dy, "dy", dtype=False)
     check_launchable(dy, "dy")
-    _check_pow2(block_e, "block_e", 1, 256)
+    check_pow2(block_e, "block_e", 1, 256)
     BD = _block_d(d, block_d, 512)
     dx = torch.empty(M, d, dtype=dy.dtype, device=dy.device)
     du = torch.empty(M, W, dtype=torch.float32, device=dy.device)
@@ -687,7 +682,7 @@ def ffn_weight_grads(
         dwg = torch.empty(f, d, dtype=dtype, device=x.device) if gated else None
         dwdt = torch.empty(f, d, dtype=dtype, device=x.device)
     check_launchable(x, "x")
-    _check_pow2(block_t, "block_t", 1, 256)
+    check_pow2(block_t, "block_t", 1, 256)
     BD = _block_d(d, block_d, 256)
     if f == 0 or d == 0:
         return dwu, dwg, dwdt
