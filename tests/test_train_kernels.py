@@ -36,7 +36,7 @@ TOL = {torch.float32: 2e-6, torch.float16: 3e-3, torch.bfloat16: 1.5e-2}
 DEAD, ONLY_HEAVY, HOT = 10, 70, 3  # units of make_case(adversarial=True), f = 75
 
 
-# The same with block_d None: rows of d whole in registers, the one-pass kernels (d <= FULL_D_MAX).
+# The same with block_d None: rows of d whole in registers, the whole-row kernels (d <= FULL_D_MAX).
 SMALL_FULL = {name: {**cfg, "block_d": None} if "block_d" in cfg else cfg for name, cfg in SMALL.items()}
 
 

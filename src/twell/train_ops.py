@@ -70,7 +70,7 @@ __all__ = [
 # fastest of `twell bench training --variants` on the H200 (d 2048, M 16384, k 29; the row
 # kernels' block_e 2 against 4: 0.54 against 0.58 ms forward). The tests shrink them to walk
 # every loop of the kernels more than once.
-# block_d None: the whole row of d in registers (one-pass kernels) up to FULL_D_MAX columns, else
+# block_d None: the whole row of d in registers (whole-row kernels) up to FULL_D_MAX columns, else
 # d in steps of 512 (row kernels) or 256 (weight gradients).
 # The pack: two rows per program in steps of 512 columns, one warp (benchmarks/train_pack_probe.py,
 # twenty-fifth session: 0.086 ms at M 16384, k 29, against 0.133 for the shape shipped with the

@@ -23,7 +23,10 @@ adds to.
 
 Geometry: one program per token for the row kernels (a loop over the row's slots, ``BE`` slots
 at a time, and over d in ``BD`` columns), one program per (unit, d block) for the weight
-gradients. The launchers' ``block_*``/``num_warps`` arguments are tuning knobs; the defaults
+gradients. Up to ``FULL_D_MAX`` columns a row of d stays in registers and the row kernels run as
+one launch per weight matrix (forward: u from w_up, then y from w_down^T; backward: du, da from
+w_down^T, then dx from w_up and w_gate): the rows one launch gathers then fit in L2, which at
+f 5632, d 2048 all of them (46 to 69 MB) do not (the H200's L2 holds 50 MB). The launchers' ``block_*``/``num_warps`` arguments are tuning knobs; the defaults
 are guesses, not measurements.
 """
 
@@ -240,16 +243,47 @@ def _forward_rows_kernel(
 
 
 @triton.jit
-def _forward_rows_full_kernel(
-    x_ptr, stride_xm, col_ptr, g_ptr, cnt_ptr,
-    wu_ptr, stride_wu, wdt_ptr, stride_wdt,
-    u_ptr, y_ptr, stride_ym, l1_ptr,
+def _rows_up_kernel(
+    x_ptr, stride_xm, col_ptr, cnt_ptr, wu_ptr, stride_wu, u_ptr,
+    d, W,
+    BE: tl.constexpr, D: tl.constexpr,
+):
+    # Gated forward, first launch: u_j = x[m] . w_up[j] for each slot, the whole row of d in
+    # registers, BE slots at a time (each w_up row one contiguous read). u is stored rounded to
+    # the input dtype (what dense autograd keeps); h = g u is formed from that rounded u in the
+    # second launch and in the backward alike. Two launches, one weight matrix each: each
+    # launch's gathered rows (23 MB at f 5632, d 2048) fit in the H200's L2, which the two
+    # together do not (benchmarks/NOTES_training.md, twenty-sixth session).
+    m = tl.program_id(0).to(tl.int64)
+    cnt = tl.load(cnt_ptr + m)
+    n = tl.where(cnt > W, 0, cnt)  # a heavy row: the dense path writes its results
+    es = tl.arange(0, BE)
+    dd = tl.arange(0, D)
+    dm = dd < d
+    row = m * W
+    x = tl.load(x_ptr + m * stride_xm + dd, mask=dm, other=0.0).to(tl.float32)
+    for s0 in range(0, n, BE):
+        s = s0 + es
+        valid = s < n
+        j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
+        w = tl.load(wu_ptr + j[:, None] * stride_wu + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+        u = tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(u_ptr.dtype.element_ty)
+        tl.store(u_ptr + row + s, u, mask=valid)
+    # u past the row's entries (all of a heavy row's) is zero: nothing reads unwritten memory
+    for s0 in range(0, W, BE):
+        s = s0 + es
+        tl.store(u_ptr + row + s, tl.zeros([BE], dtype=u_ptr.dtype.element_ty), mask=(s >= n) & (s < W))
+
+
+@triton.jit
+def _rows_down_kernel(
+    col_ptr, g_ptr, u_ptr, cnt_ptr, wdt_ptr, stride_wdt,
+    y_ptr, stride_ym, l1_ptr,
     d, W,
     BE: tl.constexpr, D: tl.constexpr, GATED: tl.constexpr,
 ):
-    # The whole row of d in registers: one pass over the slots, BE at a time, each reading its
-    # w_up row and w_down^T row once (u is used as soon as it is made, as the inference kernel
-    # does). For d up to FULL_D_MAX; wider rows take _forward_rows_kernel.
+    # Forward, second launch (the only one non-gated): y[m] = sum_j h_j w_down^T[j] with
+    # h = g u (gated) or the stored h, and the row's sum of |h|.
     m = tl.program_id(0).to(tl.int64)
     cnt = tl.load(cnt_ptr + m)
     n = tl.where(cnt > W, 0, cnt)
@@ -257,8 +291,6 @@ def _forward_rows_full_kernel(
     dd = tl.arange(0, D)
     dm = dd < d
     row = m * W
-    if GATED:
-        x = tl.load(x_ptr + m * stride_xm + dd, mask=dm, other=0.0).to(tl.float32)
     acc = tl.zeros([D], dtype=tl.float32)
     l1 = tl.sum(tl.zeros([BE], dtype=tl.float32), axis=0)
     for s0 in range(0, n, BE):
@@ -266,30 +298,22 @@ def _forward_rows_full_kernel(
         valid = s < n
         j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
         h = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
-        wmask = valid[:, None] & dm[None, :]
         if GATED:
-            w = tl.load(wu_ptr + j[:, None] * stride_wu + dd[None, :], mask=wmask, other=0.0)
-            # u rounded to the input dtype, as dense autograd keeps it
-            u = tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(u_ptr.dtype.element_ty)
-            tl.store(u_ptr + row + s, u, mask=valid)
-            h = h * u.to(tl.float32)
+            h = h * tl.load(u_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
         l1 += tl.sum(tl.abs(h), axis=0)
-        wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=wmask, other=0.0)
+        wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
         acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
-    if GATED:  # u past the row's entries (all of a heavy row's) is zero: nothing reads unwritten memory
-        for s0 in range(0, W, BE):
-            s = s0 + es
-            tl.store(u_ptr + row + s, tl.zeros([BE], dtype=u_ptr.dtype.element_ty), mask=(s >= n) & (s < W))
     tl.store(y_ptr + m * stride_ym + dd, acc.to(y_ptr.dtype.element_ty), mask=dm)
     tl.store(l1_ptr + m, l1)
 
 
-# Rows of d up to this many columns are held whole in registers (the one-pass kernels).
+# Rows of d up to this many columns are held whole in registers (the whole-row kernels: one
+# launch per weight matrix, each row's slots read once per launch).
 FULL_D_MAX = 4096
 
 
 def _full_d(d: int, block_d: Optional[int]) -> Optional[int]:
-    """The one-pass kernels' D (d rounded up to a power of two) when block_d is None and d fits."""
+    """The whole-row kernels' D (d rounded up to a power of two) when block_d is None and d fits."""
     D = triton.next_power_of_2(max(d, 1))
     return D if block_d is None and D <= FULL_D_MAX else None
 
@@ -341,12 +365,15 @@ def ffn_rows_forward(
     D = _full_d(d, block_d)
     if D is not None:
         with on_device_of(x):
-            _forward_rows_full_kernel[(M,)](
-                x, x.stride(0), cols, values, counts,
-                wu, wu.stride(0), w_down_t, w_down_t.stride(0),
-                u if gated else l1_rows, y, y.stride(0), l1_rows,
-                d, W,
-                BE=block_e, D=D, GATED=gated, num_warps=num_warps,
+            if gated:
+                _rows_up_kernel[(M,)](
+                    x, x.stride(0), cols, counts, w_up, w_up.stride(0), u,
+                    d, W, BE=block_e, D=D, num_warps=num_warps,
+                )
+            _rows_down_kernel[(M,)](
+                cols, values, u if gated else values, counts, w_down_t, w_down_t.stride(0),
+                y, y.stride(0), l1_rows,
+                d, W, BE=block_e, D=D, GATED=gated, num_warps=num_warps,
             )
         return y, u, l1_rows
     with on_device_of(x):
@@ -428,15 +455,15 @@ def _backward_rows_kernel(
 
 
 @triton.jit
-def _backward_rows_full_kernel(
-    dy_ptr, stride_dym, col_ptr, g_ptr, u_ptr, cnt_ptr,
-    wdt_ptr, stride_wdt, wu_ptr, stride_wu, wg_ptr, stride_wg,
-    c_ptr, du_ptr, da_ptr, dx_ptr, stride_dxm,
+def _rows_dh_kernel(
+    dy_ptr, stride_dym, col_ptr, g_ptr, u_ptr, cnt_ptr, wdt_ptr, stride_wdt,
+    c_ptr, du_ptr, da_ptr,
     d, W,
     BE: tl.constexpr, D: tl.constexpr, GATED: tl.constexpr,
 ):
-    # One pass over the slots with the whole row of d in registers: for BE slots, dh from their
-    # w_down^T rows, then du, da and their share of dx from their w_up and w_gate rows.
+    # Backward, first launch (w_down^T only): dh_j = dy[m] . w_down^T[j] + c sign(h_j) for each
+    # slot, the whole row of d in registers; du = dh g and da = dh u (gated), du = dh
+    # (non-gated), stored in fp32 for the second launch and the weight gradients.
     m = tl.program_id(0).to(tl.int64)
     cnt = tl.load(cnt_ptr + m)
     n = tl.where(cnt > W, 0, cnt)
@@ -444,15 +471,13 @@ def _backward_rows_full_kernel(
     dd = tl.arange(0, D)
     dm = dd < d
     row = m * W
-    c = tl.load(c_ptr)
+    c = tl.load(c_ptr)  # d loss / d l1, divided by M: read on the device, no host sync
     dyv = tl.load(dy_ptr + m * stride_dym + dd, mask=dm, other=0.0).to(tl.float32)
-    acc = tl.zeros([D], dtype=tl.float32)
     for s0 in range(0, n, BE):
         s = s0 + es
         valid = s < n
         j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
-        wmask = valid[:, None] & dm[None, :]
-        wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=wmask, other=0.0)
+        wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
         g = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
         if GATED:
             u = tl.load(u_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
@@ -461,17 +486,43 @@ def _backward_rows_full_kernel(
             h = g
         sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
         dh = tl.sum(wd.to(tl.float32) * dyv[None, :], axis=1) + c * sign
+        if GATED:
+            tl.store(du_ptr + row + s, dh * g, mask=valid)
+            tl.store(da_ptr + row + s, dh * u, mask=valid)
+        else:
+            tl.store(du_ptr + row + s, dh, mask=valid)
+
+
+@triton.jit
+def _rows_dx_kernel(
+    col_ptr, du_ptr, da_ptr, cnt_ptr, wu_ptr, stride_wu, wg_ptr, stride_wg,
+    dx_ptr, stride_dxm,
+    d, W,
+    BE: tl.constexpr, D: tl.constexpr, GATED: tl.constexpr,
+):
+    # Backward, second launch: dx[m] = sum_j du_j w_up[j] + da_j w_gate[j] (gated) or
+    # sum_j du_j w_up[j] (non-gated), the whole row of d in registers.
+    m = tl.program_id(0).to(tl.int64)
+    cnt = tl.load(cnt_ptr + m)
+    n = tl.where(cnt > W, 0, cnt)
+    es = tl.arange(0, BE)
+    dd = tl.arange(0, D)
+    dm = dd < d
+    row = m * W
+    acc = tl.zeros([D], dtype=tl.float32)
+    for s0 in range(0, n, BE):
+        s = s0 + es
+        valid = s < n
+        j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
+        wmask = valid[:, None] & dm[None, :]
+        du = tl.load(du_ptr + row + s, mask=valid, other=0.0)
         wu = tl.load(wu_ptr + j[:, None] * stride_wu + dd[None, :], mask=wmask, other=0.0)
         if GATED:
-            du = dh * g
-            da = dh * u
-            tl.store(du_ptr + row + s, du, mask=valid)
-            tl.store(da_ptr + row + s, da, mask=valid)
+            da = tl.load(da_ptr + row + s, mask=valid, other=0.0)
             wg = tl.load(wg_ptr + j[:, None] * stride_wg + dd[None, :], mask=wmask, other=0.0)
             acc += tl.sum(du[:, None] * wu.to(tl.float32) + da[:, None] * wg.to(tl.float32), axis=0)
         else:
-            tl.store(du_ptr + row + s, dh, mask=valid)
-            acc += tl.sum(dh[:, None] * wu.to(tl.float32), axis=0)
+            acc += tl.sum(du[:, None] * wu.to(tl.float32), axis=0)
     tl.store(dx_ptr + m * stride_dxm + dd, acc.to(dx_ptr.dtype.element_ty), mask=dm)
 
 
@@ -540,12 +591,15 @@ def ffn_rows_backward(
     D = _full_d(d, block_d)
     if D is not None:
         with on_device_of(dy):
-            _backward_rows_full_kernel[(M,)](
-                dy, dy.stride(0), cols, values, u if gated else values, counts,
-                w_down_t, w_down_t.stride(0), w_up, w_up.stride(0), wg, wg.stride(0),
-                l1_scale, du, da if gated else du, dx, dx.stride(0),
-                d, W,
-                BE=block_e, D=D, GATED=gated, num_warps=num_warps,
+            _rows_dh_kernel[(M,)](
+                dy, dy.stride(0), cols, values, u if gated else values, counts, w_down_t, w_down_t.stride(0),
+                l1_scale, du, da if gated else du,
+                d, W, BE=block_e, D=D, GATED=gated, num_warps=num_warps,
+            )
+            _rows_dx_kernel[(M,)](
+                cols, du, da if gated else du, counts, w_up, w_up.stride(0), wg, wg.stride(0),
+                dx, dx.stride(0),
+                d, W, BE=block_e, D=D, GATED=gated, num_warps=num_warps,
             )
         return dx, du, da
     with on_device_of(dy):
