@@ -25,7 +25,7 @@ CASES = [(torch.float32, *shape) for shape in SHAPES] + [(torch.float16, *SHAPES
 
 @pytest.mark.parametrize("dtype,M,d,f,tile,C", CASES, ids=case_id)
 @pytest.mark.parametrize("source", ["pre", "recompute"])
-@pytest.mark.parametrize("kernel", ["token", "token-two-pass", "rows"])
+@pytest.mark.parametrize("kernel", ["token", "token-two-pass", "rows", "split"])
 def test_gated_from_twell(dtype, M, d, f, tile, C, source, kernel, monkeypatch):
     if kernel == "token-two-pass":  # overflowed tiles in a second launch, as for large M
         monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
@@ -50,6 +50,11 @@ def test_gated_from_twell(dtype, M, d, f, tile, C, source, kernel, monkeypatch):
     y2 = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, counters=c, kernel=kernel, **kw)
     assert int(c.tiles) == 2 * int(over.sum())
     assert torch.equal(y, y2)
+    if kernel == "split":  # the same products in the same order as the fused two-pass kernels'
+        out = torch.full((M, d), float("nan"), dtype=dtype)
+        assert torch.equal(ffn_from_twell(x, g, w.down_t, w_up=w.up, kernel="split", out=out, **kw), y)
+        monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+        assert torch.equal(ffn_from_twell(x, g, w.down_t, w_up=w.up, kernel="token", **kw), y)
 
 
 def test_exact_path_is_needed():
@@ -79,18 +84,56 @@ def test_mlp_from_twell(dtype, M, d, f, tile, C, kernel, monkeypatch):
 
 
 @pytest.mark.parametrize("tile", [32, 128])
-@pytest.mark.parametrize("two_pass", [False, True])
-def test_stats_outputs(tile, two_pass, monkeypatch):
-    if two_pass:
+@pytest.mark.parametrize("kernel", ["token", "token-two-pass", "split"])
+def test_stats_outputs(tile, kernel, monkeypatch):
+    if kernel == "token-two-pass":
         monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+        kernel = "token"
     x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=5)
     pre = x @ wg.T
     g = packed(pre, tile, 4)
+    assert bool(g.overflowed().any())
     uc = torch.zeros(100, dtype=torch.int32)
     nnz = torch.empty(13, dtype=torch.int32)
-    ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, unit_counts=uc, row_nnz=nnz)
+    ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, unit_counts=uc, row_nnz=nnz, kernel=kernel)
     assert torch.equal(uc.long(), (pre > 0).sum(0))
     assert torch.equal(nnz.long(), (pre > 0).sum(1))
+
+
+def test_split_path_from_split_min_m(monkeypatch):
+    """"auto" splits gated calls of SPLIT_MIN_M tokens and more (with SPLIT_CONFIG's shape unless
+    the caller gives one), never a non-gated call; "split" needs w_up."""
+    x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=9)
+    pre = x @ wg.T
+    g = packed(pre, 32, 4)
+    wdt = wd.T.contiguous()
+    assert updown.splits(updown.SPLIT_MIN_M, True) and not updown.splits(updown.SPLIT_MIN_M - 1, True)
+    assert not updown.splits(10**6, False) and updown.splits(1, True, "split") and not updown.splits(10**6, True, "token")
+    assert updown.default_config(2048, split=True) == updown.SPLIT_CONFIG[2048]
+    launched = []
+    real_up = updown._twell_up_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                launched.append((kw["BE"], kw["num_warps"]))
+                return real_up[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(updown, "_twell_up_kernel", Spy())
+    monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)  # the overflowed tiles in a second launch, as split
+    # bit for bit as the fused kernels with the same entries per step (the order of the sums)
+    y4, y2 = (ffn_from_twell(x, g, wdt, w_up=wu, pre=pre, block_e=be) for be in (4, 2))
+    assert launched == []
+    monkeypatch.setattr(updown, "SPLIT_MIN_M", 13)
+    monkeypatch.setitem(updown.SPLIT_CONFIG, 64, (4, 2))  # d 40 pads to 64
+    assert torch.equal(ffn_from_twell(x, g, wdt, w_up=wu, pre=pre), y4)
+    assert torch.equal(ffn_from_twell(x, g, wdt, w_up=wu, pre=pre, block_e=2, num_warps=1), y2)
+    assert launched == [(4, 2), (2, 1)]
+    ffn_from_twell(x, g, wdt, pre=pre)  # non-gated: never split
+    assert len(launched) == 2
+    with pytest.raises(ValueError, match="gated"):
+        ffn_from_twell(x, g, wdt, pre=pre, kernel="split")
 
 
 def test_rows_kernel_empty_blocks_and_many_tokens():
@@ -307,6 +350,35 @@ def test_gated_gpu_bf16(dist):
         rel, row = errors(y, ref)
         assert rel < 1e-2 and row <= 2 * dense_row, (method, rel, row, dense_row)
         assert int(c.rows) >= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dist", ["even", "heavy"])
+def test_split_gpu_bf16_matches_the_fused_kernel(dist):
+    """At the real shape the split path gives the fused kernels' y bit for bit (two passes: M is
+    above TWO_PASS_MIN_M), with their statistics, overflowed tiles included."""
+    from twell.ops import DEFAULT_COMPRESSION, default_tile
+
+    s = _gpu_case(dist)
+    M, f = s.x.shape[0], s.w_gate.shape[0]
+    assert M >= updown.TWO_PASS_MIN_M
+    pre = s.x @ s.w_gate.T
+    g = twell.kernels.pack_relu(pre, default_tile(f), DEFAULT_COMPRESSION)
+    w = prepare_gated_weights(s.w_up, s.w_down)
+    outs = {}
+    for kernel in ("split", "token"):
+        uc = torch.zeros(f, dtype=torch.int32, device="cuda")
+        nnz = torch.full((M,), -1, dtype=torch.int32, device="cuda")
+        c = OverflowCounters.zeros("cuda")
+        out = torch.full_like(s.x, float("nan"))
+        be, nw = updown.SPLIT_CONFIG[2048]
+        y = ffn_from_twell(s.x, g, w.down_t, w_up=w.up, pre=pre, counters=c, unit_counts=uc, row_nnz=nnz,
+                           kernel=kernel, block_e=be, num_warps=nw, out=out)
+        outs[kernel] = (y, uc, nnz, c.buffer.clone())
+    for a, b in zip(outs["split"], outs["token"]):
+        assert torch.equal(a, b)
+    assert torch.equal(outs["split"][1].long(), (pre > 0).sum(0))
+    assert int(outs["split"][3][0]) > 0  # the dense row (and heavy rows) overflowed
 
 
 @pytest.mark.gpu

@@ -169,6 +169,84 @@ def _ffn_from_twell_kernel(
 
 
 @triton.jit
+def _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP: tl.constexpr):
+    """Row m's tile counts and, over its stored entries (overflowed tiles left out), the
+    inclusive and exclusive prefix sums and their total."""
+    tiles = tl.arange(0, NTP)
+    cnt = tl.load(cnt_ptr + m * N_TILES + tiles, mask=tiles < N_TILES, other=0)
+    c = tl.where(cnt > SLOTS, 0, cnt)
+    incl = tl.cumsum(c, axis=0)
+    return cnt, incl, incl - c, tl.sum(c, axis=0)
+
+
+@triton.jit
+def _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP: tl.constexpr):
+    """Entry numbers e of row m -> (offset into values / cols, tile): entry e lives in the first
+    tile whose inclusive prefix exceeds e."""
+    tiles = tl.arange(0, NTP)
+    t_e = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
+    base = tl.sum(tl.where(tiles[None, :] == t_e[:, None], excl[None, :], 0), axis=1)
+    return m * N_TILES * SLOTS + t_e * SLOTS + (e - base), t_e
+
+
+@triton.jit
+def _twell_up_kernel(
+    x_ptr, stride_xm, cnt_ptr, val_ptr, col_ptr, wu_ptr, stride_wu, h_ptr,
+    d, SLOTS, N_TILES, TILE,
+    D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr,
+):
+    # Split path, first launch (gated): h = g (x[m] . w_up[j]) for each stored entry, kept in
+    # fp32 at the entry's place in a TwELL-shaped scratch. Only w_up rows are gathered here and
+    # only w_down^T rows in the second launch: each launch's rows (23 MB at f 5632, d 2048) fit
+    # in the H200's L2, the pair (46 MB) does not (benchmarks/NOTES_inference.md, twenty-sixth
+    # session). Same products in the same order as the fused kernel: the same y, bit for bit.
+    m = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    dmask = offs_d < d
+    cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP)
+    x = tl.load(x_ptr + m * stride_xm + offs_d, mask=dmask, other=0.0).to(tl.float32)
+    for e0 in range(0, n_entries, BE):
+        e = e0 + tl.arange(0, BE)
+        valid = e < n_entries
+        off, t_e = _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP)
+        col = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int32)
+        v = tl.load(val_ptr + off, mask=valid, other=0.0).to(tl.float32)
+        unit = (t_e * TILE + col).to(tl.int64)
+        wu = tl.load(wu_ptr + unit[:, None] * stride_wu + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        tl.store(h_ptr + off, v * tl.sum(wu.to(tl.float32) * x[None, :], axis=1), mask=valid)
+
+
+@triton.jit
+def _twell_down_kernel(
+    cnt_ptr, col_ptr, h_ptr, wd_ptr, stride_wd, y_ptr, stride_ym, uc_ptr, nnz_ptr,
+    d, SLOTS, N_TILES, TILE,
+    D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr, TRACK: tl.constexpr,
+):
+    # Split path, second launch: y[m] = sum_j h_j w_down^T[j] over the stored entries (the
+    # overflowed tiles' come from the exact launch after it, which adds to y).
+    m = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, D)
+    dmask = offs_d < d
+    cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP)
+    ones = tl.full([BE], 1, dtype=tl.int32)
+    acc = tl.zeros([D], dtype=tl.float32)
+    for e0 in range(0, n_entries, BE):
+        e = e0 + tl.arange(0, BE)
+        valid = e < n_entries
+        off, t_e = _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP)
+        col = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int32)
+        h = tl.load(h_ptr + off, mask=valid, other=0.0)
+        unit = (t_e * TILE + col).to(tl.int64)
+        wd = tl.load(wd_ptr + unit[:, None] * stride_wd + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
+        acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
+        if TRACK:
+            tl.atomic_add(uc_ptr + unit, ones, mask=valid)
+    tl.store(y_ptr + m * stride_ym + offs_d, acc.to(y_ptr.dtype.element_ty), mask=dmask)
+    if TRACK:
+        tl.store(nnz_ptr + m, tl.sum(cnt, axis=0))
+
+
+@triton.jit
 def _block_entries(ch, incl, excl, r_local, n_entries, col_ptr, row0, SLOTS, BE: tl.constexpr):
     # Chunk ch of a token block's concatenated entries: entry e belongs to the first token whose
     # inclusive prefix count exceeds e. Returns (e, valid, token in block, TwELL offset, unit).
@@ -265,14 +343,32 @@ WIDE_STEP: dict[int, tuple[float, tuple[int, int]]] = {2048: (40.0, (4, 4))}
 TWO_PASS_MIN_M = 4096
 EXACT_CONFIG: tuple[int, int] = (8, 8)
 
+# The split path (gated; up products in one launch, down rows in a second) from this many
+# tokens on, with (entries per step, warps) = SPLIT_CONFIG per padded d. H200, bf16, d 2048
+# (benchmarks/updown_split_probe.py, NOTES_inference twenty-sixth session): at 131072 tokens
+# split 4 x 4 against the fused 2 x 4 / 4 x 4: k 8 1.415 against 1.470 ms, k 29 3.99 against
+# 4.16, k 56 6.94 against 6.99, skewed 3.38 against 3.44, heavy rows 6.66 against 6.59; at 16384
+# tokens within 2% either way, at 4096 up to 25% slower (one entry a step with two warps was
+# fastest at 131072 for even and skewed units, up to 12%, but 11% slower with heavy rows).
+SPLIT_MIN_M = 65536
+SPLIT_CONFIG: dict[int, tuple[int, int]] = {2048: (4, 4)}
+
 # Row-block kernel (BM tokens, BE entries, BK columns of d per step, warps).
 ROWS_CONFIG: tuple[int, int, int, int] = (16, 64, 128, 4)
 
 
-def default_config(d: int, mean_k: Optional[float] = None) -> tuple[int, int]:
+def splits(M: int, gated: bool, kernel: str = "auto") -> bool:
+    """Whether :func:`ffn_from_twell` takes the split path (up, then down: two launches)."""
+    return gated and (kernel == "split" or (kernel == "auto" and M >= SPLIT_MIN_M))
+
+
+def default_config(d: int, mean_k: Optional[float] = None, split: bool = False) -> tuple[int, int]:
     """``(block_e, num_warps)`` used when the caller passes none; ``mean_k``: the expected active
-    units per token, where the caller knows it (the modules' estimate)."""
+    units per token, where the caller knows it (the modules' estimate); ``split``: for the split
+    path's two launches (:func:`splits`)."""
     D = triton.next_power_of_2(max(d, 1))
+    if split and D in SPLIT_CONFIG:
+        return SPLIT_CONFIG[D]
     if mean_k is not None and D in WIDE_STEP and mean_k >= WIDE_STEP[D][0]:
         return WIDE_STEP[D][1]
     if D in TUNED:
@@ -315,7 +411,11 @@ def ffn_from_twell(
             fired for; row_nnz: optional ``[M]`` int32, set to each row's true non-zero count.
             Pass both or neither.
         block_e, num_warps: tuning knobs (entries per step, warps per program).
-        kernel: ``"token"``: one program per token, any tile (the default: ``"auto"``);
+        kernel: ``"token"``: one program per token, any tile, up and down fused;
+            ``"split"`` (gated only): one program per token, the up products in one launch
+            (``h`` kept in an fp32 TwELL-shaped scratch) and the down rows in a second, so each
+            launch's weight rows fit in L2; the same ``y`` bit for bit. ``"auto"`` (the default)
+            takes ``"split"`` for gated calls of at least ``SPLIT_MIN_M`` tokens, else ``"token"``;
             ``"rows"``: token blocks on tensor cores (needs a one-tile TwELL, ``tile >= f``),
             then the exact path for overflowed rows. ``"rows"`` measured 2.5 to 3 times slower
             than ``"token"`` on the H200 (benchmarks/NOTES_inference.md) and is kept for study.
@@ -386,22 +486,25 @@ def ffn_from_twell(
     ovf = counters.buffer
     if ovf.dtype != torch.int64 or tuple(ovf.shape) != (2,) or ovf.device != x.device or not ovf.is_contiguous():
         raise ValueError("counters.buffer must be a [2] int64 tensor on x's device (OverflowCounters.zeros)")
-    if kernel not in ("auto", "rows", "token"):
-        raise ValueError(f"kernel must be 'auto', 'rows' or 'token', got {kernel!r}")
+    if kernel not in ("auto", "rows", "token", "split"):
+        raise ValueError(f"kernel must be 'auto', 'rows', 'token' or 'split', got {kernel!r}")
+    if kernel == "split" and w_up is None:
+        raise ValueError("kernel='split' is the gated FFN's: pass w_up")
     if kernel == "rows" and g.n_tiles != 1:
         raise ValueError(f"kernel='rows' needs a one-tile TwELL (tile >= f), got {g.n_tiles} tiles")
     rows_kernel = kernel == "rows"
     if M == 0:
         return out
     D = triton.next_power_of_2(max(d, 1))
-    be0, nw0 = default_config(d)
+    gated = w_up is not None
+    split = not rows_kernel and splits(M, gated, kernel)
+    be0, nw0 = default_config(d, split=split)
     if block_e is not None and block_e < 1:
         raise ValueError(f"block_e must be a power of two in [1, 64], got {block_e}")
     BE = block_e or be0
     nw = num_warps or nw0
     if BE & (BE - 1) or not 1 <= BE <= 64:
         raise ValueError(f"block_e must be a power of two in [1, 64], got {BE}")
-    gated = w_up is not None
     dummy = w_down_t
     with on_device_of(x):
         if rows_kernel:
@@ -435,6 +538,19 @@ def ffn_from_twell(
 
         if rows_kernel:
             token_kernel(True, False, BE, nw)
+        elif split:
+            h = torch.empty(g.values.shape, dtype=torch.float32, device=x.device)
+            NTP = triton.next_power_of_2(g.n_tiles)
+            _twell_up_kernel[(M,)](
+                x, x.stride(0), g.counts, g.values, g.cols, w_up, w_up.stride(0), h,
+                d, g.slots, g.n_tiles, g.tile, D=D, BE=BE, NTP=NTP, num_warps=nw,
+            )
+            _twell_down_kernel[(M,)](
+                g.counts, g.cols, h, w_down_t, w_down_t.stride(0), out, out.stride(0),
+                unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
+                d, g.slots, g.n_tiles, g.tile, D=D, BE=BE, NTP=NTP, TRACK=unit_counts is not None, num_warps=nw,
+            )
+            token_kernel(True, False, *EXACT_CONFIG)  # the overflowed tiles, added to y
         elif M >= TWO_PASS_MIN_M:
             # The exact path walks a whole tile; in the tuned narrow programs an overflowed
             # row of 5632 units takes 2816 steps, the tail of the launch. A second, wide

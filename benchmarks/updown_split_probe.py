@@ -1,0 +1,69 @@
+"""Device experiment: the inference up/down from TwELL, fused (``kernel="token"``, the shape the
+module picks for the case's k) against the split path (``kernel="split"``: up products, then
+down rows, two launches) at a few (entries per step, warps) shapes. bf16, d 2048, f 5632, the
+module's TwELL (cuBLAS gate, ``pack_relu``); three interleaved rounds, medians.
+
+    python benchmarks/updown_split_probe.py [OUTDIR]
+
+Writes OUTDIR/updown_split_probe.json; prints the table last.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+from twell.bench.inference import bench_ms, machine_info
+from twell.bench.synthetic import make_ffn
+from twell.kernels import OverflowCounters, ffn_from_twell, pack_relu, updown
+from twell.ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights
+
+OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
+D, F = 2048, 5632
+CASES = [(M, k, "even") for M in (4096, 16384, 131072) for k in (8, 29, 56)] + [(131072, 29, "skewed"), (131072, 29, "heavy")]
+SHAPES = [(1, 4), (2, 4), (1, 2), (2, 2), (1, 8), (4, 4)]
+
+
+def main() -> None:
+    recs = []
+    with torch.no_grad():
+        for M, k, dist in CASES:
+            s = make_ffn(M, D, F, k, dist, torch.bfloat16, "cuda", seed=M + k + D)
+            w = prepare_gated_weights(s.w_up, s.w_down)
+            pre = torch.mm(s.x, s.w_gate.T)
+            g = pack_relu(pre, default_tile(F), DEFAULT_COMPRESSION)
+            k_mean = float(g.counts.sum(1).float().mean())
+            tok = updown.default_config(D, k_mean)
+            c = OverflowCounters.zeros("cuda")
+            variants = {f"token {tok[0]}x{tok[1]}": dict(kernel="token", block_e=tok[0], num_warps=tok[1])}
+            variants.update({f"split {be}x{nw}": dict(kernel="split", block_e=be, num_warps=nw) for be, nw in SHAPES})
+            ref = ffn_from_twell(s.x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="token", block_e=1, num_warps=4)
+            same = bool(torch.equal(ffn_from_twell(s.x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="split",
+                                                   block_e=1, num_warps=4), ref))
+            times = {n: [] for n in variants}
+            for _ in range(3):
+                for n, kw in variants.items():
+                    times[n].append(bench_ms(lambda kw=kw, s=s, g=g, w=w, pre=pre: ffn_from_twell(s.x, g, w.down_t, w_up=w.up, pre=pre, counters=c, **kw), rep=50))
+            ms = {n: sorted(t)[1] for n, t in times.items()}
+            best = min((n for n in ms if n.startswith("split")), key=ms.get)
+            rec = dict(M=M, k=k, dist=dist, k_mean=k_mean, split_equals_token_1x4=same, ms=ms, rounds=times, best_split=best)
+            recs.append(rec)
+            print(f"M {M} k {k} {dist} (k mean {k_mean:.1f}): " + ", ".join(f"{n} {v:.3f}" for n, v in ms.items())
+                  + f" | best {best}, same {same}", flush=True)
+            del s, w, pre, g
+            torch.cuda.empty_cache()
+    os.makedirs(OUT, exist_ok=True)
+    with open(os.path.join(OUT, "updown_split_probe.json"), "w") as fh:
+        json.dump(dict(machine_info(), records=recs), fh, indent=1)
+    print("\ncase                    token (module's shape)   best split        ratio")
+    for r in recs:
+        tn = next(n for n in r["ms"] if n.startswith("token"))
+        print(f"M {r['M']:6d} k {r['k']:2d} {r['dist']:6s}  {tn} {r['ms'][tn]:.3f}   {r['best_split']} {r['ms'][r['best_split']]:.3f}"
+              f"   {r['ms'][tn] / r['ms'][r['best_split']]:.3f}x   split 1x4 {r['ms']['split 1x4']:.3f}")
+
+
+if __name__ == "__main__":
+    main()
