@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import importlib
 import json
-import math
 import os
 import sys
 
@@ -31,7 +30,9 @@ from twell.kernels import train_ffn as K
 from twell.kernels import updown as U
 from twell.kernels.train_index import unit_index
 from twell.ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights
-from twell.train_ops import GRADS_CONFIG, PACK_CONFIG, ROWS_CONFIG, choose_width
+from twell.train_ops import GRADS_CONFIG, ROWS_CONFIG
+
+from train_l2_probe import training_case  # (benchmarks/ is on the path)
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
 D, F = 2048, 5632
@@ -95,16 +96,8 @@ def variant_module(base_mod, variant: str):
 def main() -> None:
     info, out = machine_info(), {"train": {}, "infer": {}, "hits": {}}
     # training, M 16384 k 29 even
-    M = 16384
-    s = make_ffn(M, D, F, 29, "even", torch.bfloat16, "cuda", seed=1)
-    x, wg, wu, wd = s.x, s.w_gate, s.w_up, s.w_down
-    dy = torch.randn(M, D, device="cuda", dtype=torch.bfloat16) / math.sqrt(D)
-    with torch.no_grad():
-        a = torch.mm(x, wg.t())
-    W = choose_width(float((a > 0).sum(1).float().mean()), None, F)
-    wdt = wd.t().contiguous()
-    cols, g, cnt = K.pack_rows(a, W, **PACK_CONFIG)
-    c = torch.zeros(1, device="cuda")
+    t = training_case(16384, 29)
+    x, wg, wu, dy, W, wdt, cols, g, cnt, c = t.x, t.wg, t.wu, t.dy, t.W, t.wdt, t.cols, t.g, t.cnt, t.c
     y0, u0, l0 = K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **ROWS_CONFIG)
     b0 = K.ffn_rows_backward(dy, cols, g, u0, cnt, wdt, wu, wg, c, **ROWS_CONFIG)
     order, offsets = unit_index(cols, cnt, F)

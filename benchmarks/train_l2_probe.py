@@ -21,6 +21,7 @@ import json
 import math
 import os
 import sys
+from types import SimpleNamespace
 
 import torch
 
@@ -34,17 +35,24 @@ OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
 M, D, F, KACT = 16384, 2048, 5632, 29
 
 
-def main() -> None:
-    s = make_ffn(M, D, F, KACT, "even", torch.bfloat16, "cuda", seed=1)
-    x, wg, wu, wd = s.x, s.w_gate, s.w_up, s.w_down
+def training_case(M: int = M, k: float = KACT) -> SimpleNamespace:
+    """One training layer's inputs at bf16, d D, f F, units even: the weights (w_down also as
+    w_down^T rows, ``wdt``), x, a gradient dy, the ELL rows at the width "auto" gives, l1 scale 0."""
+    s = make_ffn(M, D, F, k, "even", torch.bfloat16, "cuda", seed=1)
     dy = torch.randn(M, D, device="cuda", dtype=torch.bfloat16) / math.sqrt(D)
     with torch.no_grad():
-        a = torch.mm(x, wg.t())
+        a = torch.mm(s.x, s.w_gate.t())
     W = choose_width(float((a > 0).sum(1).float().mean()), None, F)
-    wdt = wd.t().contiguous()
     cols, g, cnt = K.pack_rows(a, W, **PACK_CONFIG)
+    return SimpleNamespace(x=s.x, wg=s.w_gate, wu=s.w_up, wd=s.w_down, wdt=s.w_down.t().contiguous(), dy=dy, a=a,
+                           W=W, cols=cols, g=g, cnt=cnt, c=torch.zeros(1, device="cuda"))
+
+
+def main() -> None:
+    t = training_case()
+    x, wg, wu, dy, a, W, wdt, cols, g, cnt = t.x, t.wg, t.wu, t.dy, t.a, t.W, t.wdt, t.cols, t.g, t.cnt
     cols_q = (cols.to(torch.int32) % (F // 4)).to(cols.dtype)
-    c = torch.zeros(1, device="cuda")
+    c = t.c
     y, u, _ = K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **ROWS_CONFIG)
     dx, du, da = K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **ROWS_CONFIG)
     order, offsets = unit_index(cols, cnt, F)

@@ -197,8 +197,9 @@ def run_grid(
                         rec["twell_path"] = mod.last_path  # the path of the last timed call
                         rec["twell_cost"] = mod._twell_layer.cost(M)
                         # the up/down shape the module's prefill calls took (it follows the estimate)
-                        rec["token_config"] = "x".join(map(str, updown.default_config(d, mod._twell_layer.k_est, split=updown.splits(M, True))))
-                        rec["updown_kernel"] = "split" if updown.splits(M, True) else "token"
+                        split = updown.splits(M, True)
+                        rec["token_config"] = "x".join(map(str, updown.default_config(d, mod._twell_layer.k_est, split=split)))
+                        rec["updown_kernel"] = "split" if split else "token"
 
                         pre = torch.mm(x, wg.T)
                         g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
