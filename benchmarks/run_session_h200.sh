@@ -13,6 +13,7 @@
 # grid (twell bench inference, no variants), model (twell bench model: 2b, calibrated k 29),
 # training (twell bench training: the training grid and the 0.5b train steps; TRAINING_ARGS),
 # stageprobe (benchmarks/split_stage_probe.py: the split kernels' times, profiled in a chain),
+# spreadprobe (benchmarks/split_spread_probe.py: the inference split path's shapes by the rows' spread),
 # prefetchprobe (benchmarks/l2_prefetch_probe.py: gate weights read into L2 during attention),
 # packprobe (benchmarks/pack_config_probe.py: pack and up/down launch shapes by batch size),
 # layoutprobe (benchmarks/train_layout_probe.py: the training op with w_down in the kernels' layout),
@@ -44,6 +45,7 @@ for step in "$@"; do
     coldprobe) cmd=(env OUT="$dir" timeout "${COLDPROBE_S:-240}" $PY benchmarks/cold_weights_probe.py ${COLDPROBE_M:-}) ;;
     splitprobe) cmd=(env OUT="$dir" timeout "${SPLITPROBE_S:-240}" $PY benchmarks/split_chain_probe.py) ;;
     stageprobe) cmd=(env OUT="$dir" timeout 120 $PY benchmarks/split_stage_probe.py) ;;
+    spreadprobe) cmd=(timeout 200 $PY benchmarks/split_spread_probe.py "$dir") ;;
     prefetchprobe) cmd=(env OUT="$dir" timeout 240 $PY benchmarks/l2_prefetch_probe.py) ;;
     layoutprobe) cmd=(env OUT="$dir" timeout 200 $PY benchmarks/train_layout_probe.py) ;;
     steplayout) cmd=(env OUT="$dir" timeout 300 $PY benchmarks/train_step_layout_probe.py) ;;

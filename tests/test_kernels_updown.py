@@ -268,6 +268,46 @@ def test_updown_shape_follows_the_layers_density(monkeypatch):
     assert seen[1] != seen[2] and dispatch.LayerState is type(layer)
 
 
+def test_split_shape_follows_the_rows_spread(monkeypatch):
+    """The split path takes SPLIT_NARROW's one entry a step when the rows' active units have a
+    root mean square of at most SPLIT_NARROW_MAX_SPREAD times their mean, else SPLIT_CONFIG (and
+    without both figures); the module's prefill calls pass its probe's mean and rms."""
+    from twell.kernels.updown import SPLIT_CONFIG, SPLIT_NARROW, SPLIT_NARROW_MAX_SPREAD, TUNED, default_config
+
+    narrow, wide = SPLIT_NARROW[2048], SPLIT_CONFIG[2048]
+    assert narrow != wide
+    edge = 29.0 * SPLIT_NARROW_MAX_SPREAD
+    assert default_config(2048, 29.0, split=True, rms_k=29.3) == default_config(2048, 29.0, split=True, rms_k=edge) == narrow
+    assert default_config(2048, 29.0, split=True, rms_k=edge * 1.01) == wide
+    assert default_config(2048, 29.0, split=True) == default_config(2048, None, split=True, rms_k=29.0) == wide
+    assert default_config(2048, 29.0, rms_k=29.0) == TUNED[2048]  # the fused path keeps its rule
+    assert default_config(4096, 29.0, split=True, rms_k=29.0) == TUNED[4096]  # no split shape measured there
+    seen = []
+    real = ffn_from_twell
+
+    def spy(*args, **kw):
+        seen.append((kw["block_e"], kw["num_warps"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(twell.kernels, "ffn_from_twell", spy)
+    monkeypatch.setattr(updown, "SPLIT_MIN_M", 1)
+    monkeypatch.setitem(SPLIT_NARROW, 64, (1, 1))  # d 40 pads to 64
+    monkeypatch.setitem(SPLIT_CONFIG, 64, (4, 2))
+    m = twell.SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "prefill"
+    x = torch.randn(6, 40)
+    layer = m._twell_layer
+    y = {}
+    with torch.no_grad():
+        for rms in (3.1, 6.0, None):
+            layer.k_est, layer.k_rms = 3.0, rms
+            y[rms] = m(x)
+    assert seen == [(1, 1), (4, 2), (4, 2)]
+    ref = torch.relu(x @ m.gate_proj.weight.T) * (x @ m.up_proj.weight.T) @ m.down_proj.weight.T
+    for out in y.values():
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
 def test_module_under_autocast_takes_the_dense_path():
     m = twell.SparseGatedMLP(40, 100).eval()
     m.kernel_mode = "twell"
@@ -354,9 +394,11 @@ def test_gated_gpu_bf16(dist):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dist", ["even", "heavy"])
-def test_split_gpu_bf16_matches_the_fused_kernel(dist):
+@pytest.mark.parametrize("shape", ["wide", "narrow"])
+def test_split_gpu_bf16_matches_the_fused_kernel(dist, shape):
     """At the real shape the split path gives the fused kernels' y bit for bit (two passes: M is
-    above TWO_PASS_MIN_M), with their statistics, overflowed tiles included."""
+    above TWO_PASS_MIN_M), with their statistics, overflowed tiles included, at both split
+    shapes (SPLIT_CONFIG and SPLIT_NARROW)."""
     from twell.ops import DEFAULT_COMPRESSION, default_tile
 
     s = _gpu_case(dist)
@@ -371,7 +413,7 @@ def test_split_gpu_bf16_matches_the_fused_kernel(dist):
         nnz = torch.full((M,), -1, dtype=torch.int32, device="cuda")
         c = OverflowCounters.zeros("cuda")
         out = torch.full_like(s.x, float("nan"))
-        be, nw = updown.SPLIT_CONFIG[2048]
+        be, nw = (updown.SPLIT_CONFIG if shape == "wide" else updown.SPLIT_NARROW)[2048]
         y = ffn_from_twell(s.x, g, w.down_t, w_up=w.up, pre=pre, counters=c, unit_counts=uc, row_nnz=nnz,
                            kernel=kernel, block_e=be, num_warps=nw, out=out)
         outs[kernel] = (y, uc, nnz, c.buffer.clone())

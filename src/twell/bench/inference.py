@@ -198,7 +198,8 @@ def run_grid(
                         rec["twell_cost"] = mod._twell_layer.cost(M)
                         # the up/down shape the module's prefill calls took (it follows the estimate)
                         split = updown.splits(M, True)
-                        rec["token_config"] = "x".join(map(str, updown.default_config(d, mod._twell_layer.k_est, split=split)))
+                        lay = mod._twell_layer
+                        rec["token_config"] = "x".join(map(str, updown.default_config(d, lay.k_est, split=split, rms_k=lay.k_rms)))
                         rec["updown_kernel"] = "split" if split else "token"
 
                         pre = torch.mm(x, wg.T)
@@ -223,7 +224,9 @@ def run_grid(
                             rec["gate_pack_ms"] = bench_ms(lambda: pack_relu(torch.mm(x, wg.T), tile, DEFAULT_COMPRESSION), rep=rep)
                             g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
                             c = OverflowCounters.zeros(x.device)
-                            rec["updown_ms"] = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c), rep=krep)
+                            be, nw = (int(v) for v in rec["token_config"].split("x"))  # the module's shape
+                            rec["updown_ms"] = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c,
+                                                                               block_e=be, num_warps=nw), rep=krep)
                             pairs = rec["k_measured"] * M
                             rec["updown_pair_GBps"] = pairs * 4 * d / (rec["updown_ms"] * 1e6)
                             del pre, g, w

@@ -11,8 +11,9 @@ Gaussian rows (``s_m`` a per-token scale). The thresholds set how often each uni
     30% of the units are dead (never fire), 1% are hot (fire for up to half the tokens), the
     rest fire at log-normally spread rates; the rates sum to ``k``.
 ``heavy``
-    one threshold for all units, but token scales ``s_m`` are log-normal (sigma 0.6), so a few
-    rows carry tens of times the mean number of active units (they overflow TwELL tiles).
+    one threshold for all units, but token scales ``s_m`` are log-normal (sigma 0.6 unless
+    asked), so a few rows carry tens of times the mean number of active units (they overflow
+    TwELL tiles).
 
 In each case the mean number of active units per token is ``k`` up to sampling noise (the
 generator calibrates on a sample of rows; the benchmark records the measured mean too).
@@ -74,6 +75,7 @@ def make_ffn(
     dtype=torch.bfloat16,
     device="cpu",
     seed: int = 0,
+    heavy_sigma: float = 0.6,
 ) -> SyntheticFFN:
     """Random FFN inputs whose ReLU gate has about ``k`` active units per token on average.
 
@@ -81,6 +83,8 @@ def make_ffn(
         M, d, f: tokens, hidden size, intermediate size (d >= 2).
         k: mean active units per token, 0 < k <= f (``skewed`` reaches at most 0.35 f).
         distribution: ``"even"``, ``"skewed"`` or ``"heavy"`` (see the module docstring).
+        heavy_sigma: ``"heavy"``'s log-normal sigma of the token scales (smaller: rows of more
+            equal length).
 
     Returns:
         :class:`SyntheticFFN` with tensors of ``dtype`` on ``device``.
@@ -96,7 +100,7 @@ def make_ffn(
     x = torch.randn(M, d, generator=dev_gen, device=device)
     scale = torch.ones(M, device=device)
     if distribution == "heavy":
-        scale = torch.exp(0.6 * torch.randn(M, generator=dev_gen, device=device))
+        scale = torch.exp(heavy_sigma * torch.randn(M, generator=dev_gen, device=device))
         x[:, 1:] *= scale[:, None]
     x[:, 0] = 1.0
     w_gate = torch.randn(f, d, generator=dev_gen, device=device) / math.sqrt(d - 1)

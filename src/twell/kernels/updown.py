@@ -68,6 +68,27 @@ class OverflowCounters:
 
 
 @triton.jit
+def _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP: tl.constexpr):
+    """Row m's tile counts and, over its stored entries (overflowed tiles left out), the
+    inclusive and exclusive prefix sums and their total."""
+    tiles = tl.arange(0, NTP)
+    cnt = tl.load(cnt_ptr + m * N_TILES + tiles, mask=tiles < N_TILES, other=0)
+    c = tl.where(cnt > SLOTS, 0, cnt)
+    incl = tl.cumsum(c, axis=0)
+    return cnt, incl, incl - c, tl.sum(c, axis=0)
+
+
+@triton.jit
+def _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP: tl.constexpr):
+    """Entry numbers e of row m -> (offset into values / cols, tile): entry e lives in the first
+    tile whose inclusive prefix exceeds e."""
+    tiles = tl.arange(0, NTP)
+    t_e = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
+    base = tl.sum(tl.where(tiles[None, :] == t_e[:, None], excl[None, :], 0), axis=1)
+    return m * N_TILES * SLOTS + t_e * SLOTS + (e - base), t_e
+
+
+@triton.jit
 def _ffn_from_twell_kernel(
     x_ptr, stride_xm,
     cnt_ptr, val_ptr, col_ptr,
@@ -85,32 +106,22 @@ def _ffn_from_twell_kernel(
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
-    tiles = tl.arange(0, NTP)
-    cnt = tl.load(cnt_ptr + m * N_TILES + tiles, mask=tiles < N_TILES, other=0)
+    cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP)
     over = cnt > SLOTS
     # ONLY_OVER: rows without an overflowed tile were done by another kernel; skip their x
     xmask = dmask
     if ONLY_OVER:
         xmask = dmask & ((offs_d * 0 + tl.sum(over.to(tl.int32), axis=0)) > 0)
     x = tl.load(x_ptr + m * stride_xm + offs_d, mask=xmask, other=0.0).to(tl.float32)
-
-    c = tl.where(over, 0, cnt)
-    incl = tl.cumsum(c, axis=0)
-    excl = incl - c
-    n_entries = tl.sum(c, axis=0)
-    row_base = m * N_TILES * SLOTS
     ones = tl.full([BE], 1, dtype=tl.int32)
 
     acc = tl.zeros([D], dtype=tl.float32)
-    if ONLY_OVER:  # the stored entries were done by the row-block kernel
+    if ONLY_OVER:  # the stored entries were done by the launch before (narrow, split or row-block)
         n_entries = 0
     for e0 in range(0, n_entries, BE):
         e = e0 + tl.arange(0, BE)
         valid = e < n_entries
-        # entry e lives in the first tile whose inclusive prefix exceeds e
-        t_e = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
-        base = tl.sum(tl.where(tiles[None, :] == t_e[:, None], excl[None, :], 0), axis=1)
-        off = row_base + t_e * SLOTS + (e - base)
+        off, t_e = _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP)
         col = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int32)
         v = tl.load(val_ptr + off, mask=valid, other=0.0).to(tl.float32)
         unit = (t_e * TILE + col).to(tl.int64)
@@ -166,27 +177,6 @@ def _ffn_from_twell_kernel(
         tl.store(y_ptr + m * stride_ym + offs_d, acc.to(y_ptr.dtype.element_ty), mask=dmask)
     if TRACK:
         tl.store(nnz_ptr + m, tl.sum(cnt, axis=0))
-
-
-@triton.jit
-def _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP: tl.constexpr):
-    """Row m's tile counts and, over its stored entries (overflowed tiles left out), the
-    inclusive and exclusive prefix sums and their total."""
-    tiles = tl.arange(0, NTP)
-    cnt = tl.load(cnt_ptr + m * N_TILES + tiles, mask=tiles < N_TILES, other=0)
-    c = tl.where(cnt > SLOTS, 0, cnt)
-    incl = tl.cumsum(c, axis=0)
-    return cnt, incl, incl - c, tl.sum(c, axis=0)
-
-
-@triton.jit
-def _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP: tl.constexpr):
-    """Entry numbers e of row m -> (offset into values / cols, tile): entry e lives in the first
-    tile whose inclusive prefix exceeds e."""
-    tiles = tl.arange(0, NTP)
-    t_e = tl.sum((incl[None, :] <= e[:, None]).to(tl.int32), axis=1)
-    base = tl.sum(tl.where(tiles[None, :] == t_e[:, None], excl[None, :], 0), axis=1)
-    return m * N_TILES * SLOTS + t_e * SLOTS + (e - base), t_e
 
 
 @triton.jit
@@ -352,6 +342,16 @@ EXACT_CONFIG: tuple[int, int] = (8, 8)
 # fastest at 131072 for even and skewed units, up to 12%, but 11% slower with heavy rows).
 SPLIT_MIN_M = 65536
 SPLIT_CONFIG: dict[int, tuple[int, int]] = {2048: (4, 4)}
+# ...and SPLIT_NARROW (one entry a step) when the rows are about equally long: the root mean
+# square of the active units per token at most SPLIT_NARROW_MAX_SPREAD times their mean, as the
+# module's probes measure them (evenly spread and skewed units: 1.01 to 1.07). Long rows run
+# their loop once per entry there, so rows of unequal length keep SPLIT_CONFIG. At 131072 tokens
+# (benchmarks/split_spread_probe.py, NOTES_inference twenty-seventh session), 1 x 2 against
+# 4 x 4: k 29 3.89 against 4.03 ms, k 56 6.87 against 7.05, skewed k 29 3.10 against 3.41,
+# skewed k 56 6.10 against 6.46, k 8 1.32 against 1.42; heavy rows at spread 1.26 4.12 against
+# 4.12, at 1.50 4.40 against 4.25, at 3.66 7.36 against 6.68.
+SPLIT_NARROW: dict[int, tuple[int, int]] = {2048: (1, 2)}
+SPLIT_NARROW_MAX_SPREAD = 1.3
 
 # Row-block kernel (BM tokens, BE entries, BK columns of d per step, warps).
 ROWS_CONFIG: tuple[int, int, int, int] = (16, 64, 128, 4)
@@ -362,13 +362,18 @@ def splits(M: int, gated: bool, kernel: str = "auto") -> bool:
     return gated and (kernel == "split" or (kernel == "auto" and M >= SPLIT_MIN_M))
 
 
-def default_config(d: int, mean_k: Optional[float] = None, split: bool = False) -> tuple[int, int]:
+def default_config(d: int, mean_k: Optional[float] = None, split: bool = False,
+                   rms_k: Optional[float] = None) -> tuple[int, int]:
     """``(block_e, num_warps)`` used when the caller passes none; ``mean_k``: the expected active
-    units per token, where the caller knows it (the modules' estimate); ``split``: for the split
-    path's two launches (:func:`splits`)."""
+    units per token and ``rms_k`` their root mean square over the tokens, where the caller
+    knows them (the modules' estimate); ``split``: for the split path's two launches
+    (:func:`splits`)."""
     D = triton.next_power_of_2(max(d, 1))
-    if split and D in SPLIT_CONFIG:
-        return SPLIT_CONFIG[D]
+    if split:
+        if D in SPLIT_NARROW and mean_k and rms_k is not None and rms_k <= SPLIT_NARROW_MAX_SPREAD * mean_k:
+            return SPLIT_NARROW[D]
+        if D in SPLIT_CONFIG:
+            return SPLIT_CONFIG[D]
     if mean_k is not None and D in WIDE_STEP and mean_k >= WIDE_STEP[D][0]:
         return WIDE_STEP[D][1]
     if D in TUNED:
