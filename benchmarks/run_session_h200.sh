@@ -14,6 +14,7 @@
 # training (twell bench training: the training grid and the 0.5b train steps; TRAINING_ARGS),
 # stageprobe (benchmarks/split_stage_probe.py: the split kernels' times, profiled in a chain),
 # spreadprobe (benchmarks/split_spread_probe.py: the inference split path's shapes by the rows' spread),
+# exactprobe (benchmarks/exact_launch_probe.py: overflowed rows, per-row launch against dense rows),
 # prefetchprobe (benchmarks/l2_prefetch_probe.py: gate weights read into L2 during attention),
 # packprobe (benchmarks/pack_config_probe.py: pack and up/down launch shapes by batch size),
 # layoutprobe (benchmarks/train_layout_probe.py: the training op with w_down in the kernels' layout),
@@ -46,6 +47,7 @@ for step in "$@"; do
     splitprobe) cmd=(env OUT="$dir" timeout "${SPLITPROBE_S:-240}" $PY benchmarks/split_chain_probe.py) ;;
     stageprobe) cmd=(env OUT="$dir" timeout 120 $PY benchmarks/split_stage_probe.py) ;;
     spreadprobe) cmd=(timeout 200 $PY benchmarks/split_spread_probe.py "$dir") ;;
+    exactprobe) cmd=(timeout 240 $PY benchmarks/exact_launch_probe.py "$dir") ;;
     prefetchprobe) cmd=(env OUT="$dir" timeout 240 $PY benchmarks/l2_prefetch_probe.py) ;;
     layoutprobe) cmd=(env OUT="$dir" timeout 200 $PY benchmarks/train_layout_probe.py) ;;
     steplayout) cmd=(env OUT="$dir" timeout 300 $PY benchmarks/train_step_layout_probe.py) ;;

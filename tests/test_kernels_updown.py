@@ -100,6 +100,70 @@ def test_stats_outputs(tile, kernel, monkeypatch):
     assert torch.equal(nnz.long(), (pre > 0).sum(1))
 
 
+@pytest.mark.parametrize("dtype,M,d,f,tile,C", CASES, ids=case_id)
+@pytest.mark.parametrize("kernel", ["token", "split"])
+def test_overflowed_rows_dense(dtype, M, d, f, tile, C, kernel, monkeypatch):
+    """With ``pre_writable`` (the modules' and ops' calls), from TWO_PASS_MIN_M tokens the rows
+    with an overflowed tile are listed on the device and computed whole as the dense MLP does
+    (twell.kernels.heavy_rows): every row of a NaN-filled output written and right, the
+    statistics and counters as the exact path gives them, pre's listed rows overwritten with h
+    and no other; without the flag, or with x not contiguous, pre is only read."""
+    monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+    x, wg, wu, wd = gate_case(M, d, f, dtype, seed=M + 3 * d + f)
+    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+    pre = x @ wg.T
+    g = packed(pre, tile, C)
+    listed = g.overflowed().any(dim=1)
+    assert bool(listed.any()) and not bool(listed.all())
+    w = prepare_gated_weights(wu, wd)
+    runs = {}
+    for writable in (True, False):
+        p = pre.clone()
+        c = OverflowCounters.zeros("cpu")
+        uc = torch.zeros(f, dtype=torch.int32)
+        nnz = torch.full((M,), -1, dtype=torch.int32)
+        out = torch.full((M, d), float("nan"), dtype=dtype)
+        y = ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=p, counters=c, unit_counts=uc, row_nnz=nnz, kernel=kernel,
+                           out=out, pre_writable=writable)
+        assert y.data_ptr() == out.data_ptr() and rel_err(y, ref) < TOL[dtype]
+        assert rel_err(y[listed], ref[listed]) < TOL[dtype]
+        assert int(c.tiles) == int(g.overflowed().sum()) and int(c.rows) == int(listed.sum())
+        assert torch.equal(uc.long(), (pre > 0).sum(0)) and torch.equal(nnz.long(), (pre > 0).sum(1))
+        runs[writable] = (y, p)
+    y, p = runs[True]
+    assert torch.equal(p[~listed], pre[~listed])
+    h = torch.relu(pre[listed]) * (x[listed] @ wu.T)  # what the listed rows of pre now hold
+    torch.testing.assert_close(p[listed], h, rtol=TOL[dtype], atol=TOL[dtype])
+    assert torch.equal(runs[False][1], pre)  # only read
+    assert torch.equal(y[~listed], runs[False][0][~listed])  # the other rows: the same kernels
+    # non-gated: h = relu(pre), listed rows dense too
+    pre_u = x @ wu.T
+    hu = packed(pre_u, tile, C)
+    if bool(hu.overflowed().any()):
+        y_u = ffn_from_twell(x, hu, wd.T.contiguous(), pre=pre_u.clone(), pre_writable=True)
+        assert rel_err(y_u, R.mlp(x.double(), wu.double(), wd.double())) < TOL[dtype]
+    # x with unit-stride but non-contiguous rows: the per-row exact launch, pre only read
+    wide = torch.zeros(M, d + 3, dtype=dtype)
+    wide[:, :d] = x
+    p = pre.clone()
+    y_nc = ffn_from_twell(wide[:, :d], g, w.down_t, w_up=w.up, pre=p, kernel=kernel, pre_writable=True)
+    assert torch.equal(p, pre) and torch.equal(y_nc, runs[False][0])
+
+
+def test_overflowed_rows_list_without_overflow(monkeypatch):
+    """Nothing overflowed: the list is empty, y is the per-row path's bit for bit, pre untouched."""
+    monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+    x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=4, adversarial=False)
+    pre = x @ wg.T
+    g = packed(pre, 128, 2)
+    assert not bool(g.overflowed().any())
+    p = pre.clone()
+    c = OverflowCounters.zeros("cpu")
+    y = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=p, counters=c, pre_writable=True)
+    assert torch.equal(y, ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre)) and torch.equal(p, pre)
+    assert int(c.tiles) == 0 and int(c.rows) == 0
+
+
 def test_split_path_from_split_min_m(monkeypatch):
     """"auto" splits gated calls of SPLIT_MIN_M tokens and more (with SPLIT_CONFIG's shape unless
     the caller gives one), never a non-gated call; "split" needs w_up."""
@@ -421,6 +485,39 @@ def test_split_gpu_bf16_matches_the_fused_kernel(dist, shape):
         assert torch.equal(a, b)
     assert torch.equal(outs["split"][1].long(), (pre > 0).sum(0))
     assert int(outs["split"][3][0]) > 0  # the dense row (and heavy rows) overflowed
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernel", ["split", "token"])
+def test_overflowed_rows_dense_gpu_bf16(kernel):
+    """At the real shape with heavy rows and a fully dense row, the listed rows computed whole
+    (pre_writable): errors within dense bf16's, statistics and counters as the exact launch's, y
+    of the other rows as that launch leaves them."""
+    from twell.bench.inference import errors, reference_fp32
+    from twell.ops import DEFAULT_COMPRESSION, default_tile
+
+    s = _gpu_case("heavy")
+    M, f = s.x.shape[0], s.w_gate.shape[0]
+    ref = reference_fp32(s.x, s.w_gate, s.w_up, s.w_down)
+    _, dense_row = errors(torch.relu(s.x @ s.w_gate.T) * (s.x @ s.w_up.T) @ s.w_down.T, ref)
+    pre = s.x @ s.w_gate.T
+    g = twell.kernels.pack_relu(pre, default_tile(f), DEFAULT_COMPRESSION)
+    listed = (g.counts > g.slots).any(dim=1)
+    assert int(listed.sum()) >= 2
+    w = prepare_gated_weights(s.w_up, s.w_down)
+    runs = {}
+    for writable in (True, False):
+        uc = torch.zeros(f, dtype=torch.int32, device="cuda")
+        nnz = torch.full((M,), -1, dtype=torch.int32, device="cuda")
+        c = OverflowCounters.zeros("cuda")
+        y = ffn_from_twell(s.x, g, w.down_t, w_up=w.up, pre=pre.clone(), counters=c, unit_counts=uc, row_nnz=nnz,
+                           kernel=kernel, out=torch.full_like(s.x, float("nan")), pre_writable=writable)
+        rel, row = errors(y, ref)
+        assert rel < 1e-2 and row <= 2 * dense_row, (writable, rel, row, dense_row)
+        assert torch.equal(uc.long(), (pre > 0).sum(0)) and torch.equal(nnz.long(), (pre > 0).sum(1))
+        assert int(c.rows) == int(listed.sum()) and int(c.tiles) == int((g.counts > g.slots).sum())
+        runs[writable] = y
+    assert torch.equal(runs[True][~listed], runs[False][~listed])
 
 
 @pytest.mark.gpu

@@ -595,7 +595,7 @@ class LayerState:
         nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
         be, nw = default_config(x.shape[1], self.k_est, split=splits(M, w_up is not None), rms_k=self.k_rms)
         y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz,
-                           block_e=be, num_warps=nw, out=out)
+                           block_e=be, num_warps=nw, out=out, pre_writable=True)  # pre is ours: dense overflowed rows
         if track:
             m._record_counts(nnz, uc)
         if probe:

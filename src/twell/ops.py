@@ -174,7 +174,8 @@ def twell_gated_mlp(
         weights = prepare_gated_weights(w_up, w_down)
     g, pre = gate_to_twell(x2, w_gate, tile, compression, method)
     y = ffn_from_twell(
-        x2, g, weights.down_t, w_up=weights.up, pre=pre, w_first=None if pre is not None else w_gate, counters=counters
+        x2, g, weights.down_t, w_up=weights.up, pre=pre, w_first=None if pre is not None else w_gate, counters=counters,
+        pre_writable=True,  # our own pre-activation: overflowed rows may go dense over it
     )
     return y.reshape(shape)
 
@@ -209,5 +210,6 @@ def twell_mlp(
     if w_down_t is None:
         w_down_t = w_down.T.contiguous()
     h, pre = gate_to_twell(x2, w_up, tile, compression, method)
-    y = ffn_from_twell(x2, h, w_down_t, pre=pre, w_first=None if pre is not None else w_up, counters=counters)
+    y = ffn_from_twell(x2, h, w_down_t, pre=pre, w_first=None if pre is not None else w_up, counters=counters,
+                       pre_writable=True)
     return y.reshape(shape)

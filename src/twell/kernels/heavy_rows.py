@@ -53,7 +53,7 @@ def _dot_acc(acc, a, b_t, IEEE: tl.constexpr):
 @triton.jit
 def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_ptr, n_ptr,
                      l1_ptr, cnt_ptr, M, d, f, P,
-                     GATED: tl.constexpr, IEEE: tl.constexpr,
+                     GATED: tl.constexpr, IEEE: tl.constexpr, L1: tl.constexpr, COUNT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -77,12 +77,14 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
             h = h * u
         h = h.to(a_ptr.dtype.element_ty)
         tl.store(at, h, mask=ok)
-        # |h| of this column block, one slot per (block, row): summed over blocks by the caller
-        # in a fixed order (no float atomics: the L1 term comes out the same on every run)
-        tl.store(l1_ptr + pid_n.to(tl.int64) * M + r, tl.sum(tl.abs(h.to(tl.float32)), axis=1), mask=valid)
-        active = (fires(a) & ok).to(tl.int32)
-        per_col = tl.sum(active, axis=0)
-        tl.atomic_add(cnt_ptr + cols, per_col.to(cnt_ptr.dtype.element_ty), mask=cmask & (per_col > 0), sem="relaxed")
+        if L1:
+            # |h| of this column block, one slot per (block, row): summed over blocks by the caller
+            # in a fixed order (no float atomics: the L1 term comes out the same on every run)
+            tl.store(l1_ptr + pid_n.to(tl.int64) * M + r, tl.sum(tl.abs(h.to(tl.float32)), axis=1), mask=valid)
+        if COUNT:
+            active = (fires(a) & ok).to(tl.int32)
+            per_col = tl.sum(active, axis=0)
+            tl.atomic_add(cnt_ptr + cols, per_col.to(cnt_ptr.dtype.element_ty), mask=cmask & (per_col > 0), sem="relaxed")
 
 
 @triton.jit
@@ -142,7 +144,8 @@ def heavy_rows_forward(
     num_warps: int = 4,
     num_stages: int = 3,
     unit_counts: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    stats: bool = True,
+) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
     """Forward of the listed rows held dense, with no host synchronisation.
 
     Args:
@@ -159,11 +162,14 @@ def heavy_rows_forward(
         unit_counts: optional ``[f]`` int32/int64 tensor on x's device to add the listed rows'
             counts to (in place; the light rows' counts, so that no second buffer is made and
             added), returned as the second result.
+        stats: False: neither the sums of ``|h|`` nor the counts unless ``unit_counts`` is
+            given (inference: :func:`twell.kernels.ffn_from_twell`'s overflowed rows).
 
     Returns:
         ``(l1_rows [M] fp32, unit_counts [f])``: the listed rows' sum of ``|h|`` (zero for
         the other rows) and how many listed rows each unit is active in (``a > 0`` or NaN),
-        int32 in a new tensor, or added to ``unit_counts``.
+        int32 in a new tensor, or added to ``unit_counts``; with ``stats`` False, None for
+        the sums and for counts not asked for.
     """
     check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
     check_tensor(a, "a", dim=2, dtypes=KERNEL_DTYPES)
@@ -186,14 +192,30 @@ def heavy_rows_forward(
     check_weight_rows(w_up, "w_up", f, d, x)
     check_launchable(x, "x")
     if unit_counts is None:
-        unit_counts = torch.zeros(f, dtype=torch.int32, device=x.device)
+        if stats:
+            unit_counts = torch.zeros(f, dtype=torch.int32, device=x.device)
     elif unit_counts.shape != (f,) or unit_counts.dtype not in (torch.int32, torch.int64) or unit_counts.device != x.device \
             or not unit_counts.is_contiguous():
         raise ValueError(f"unit_counts must be a contiguous [f] = [{f}] int32/int64 tensor on {x.device}, got "
                          f"{list(unit_counts.shape)} {unit_counts.dtype} on {unit_counts.device}")
-    partial = torch.zeros(triton.cdiv(f, block_n), M, dtype=torch.float32, device=x.device)
+    partial = torch.zeros(triton.cdiv(f, block_n), M, dtype=torch.float32, device=x.device) if stats else None
     if M == 0 or f == 0 or rows.numel() == 0:
-        return partial.sum(0), unit_counts
+        return None if partial is None else partial.sum(0), unit_counts
+    launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, partial, unit_counts, block_m, block_n, block_k, num_warps,
+                      num_stages)
+    return None if partial is None else partial.sum(0), unit_counts
+
+
+def launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, l1_partial, unit_counts, block_m, block_n, block_k,
+                      num_warps, num_stages) -> None:
+    """The two launches of :func:`heavy_rows_forward`, arguments as it checked them
+    (``l1_partial``: its ``[cdiv(f, block_n), M]`` fp32 zeros, or None for no sums of ``|h|``;
+    ``unit_counts`` None for no counts); for callers that checked them already
+    (:func:`twell.kernels.ffn_from_twell`), whose host time per call it saves."""
+    M, d = x.shape
+    f = a.shape[1]
+    if M == 0 or f == 0 or rows.numel() == 0:
+        return
     ieee = _dot_in_fp32(x)
     n_ptr = n_rows.reshape(1)
     with on_device_of(x):
@@ -201,8 +223,9 @@ def heavy_rows_forward(
         P = _row_programs(x, M, block_m, col_blocks)
         _heavy_up_kernel[(col_blocks, P)](
             x, x.stride(0), a, a.stride(0), a if w_up is None else w_up, d if w_up is None else w_up.stride(0),
-            rows, n_ptr, partial, unit_counts, M, d, f, P,
-            GATED=w_up is not None, IEEE=ieee, BM=block_m, BN=block_n, BK=block_k,
+            rows, n_ptr, x if l1_partial is None else l1_partial, x if unit_counts is None else unit_counts, M, d, f, P,
+            GATED=w_up is not None, IEEE=ieee, L1=l1_partial is not None, COUNT=unit_counts is not None,
+            BM=block_m, BN=block_n, BK=block_k,
             num_warps=num_warps, num_stages=num_stages,
         )
         d_blocks = triton.cdiv(d, block_n)
@@ -211,4 +234,3 @@ def heavy_rows_forward(
             a, a.stride(0), w_down, w_down.stride(0), w_down.stride(1), y, y.stride(0), rows, n_ptr, d, f, P,
             IEEE=ieee, BM=block_m, BD=block_n, BK=block_k, num_warps=num_warps, num_stages=num_stages,
         )
-    return partial.sum(0), unit_counts
