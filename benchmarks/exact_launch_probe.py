@@ -5,7 +5,11 @@ dense-rows path), and against no exact launch at all (a wrapper drops the per-ro
 then wrong where tiles overflowed, a floor). bf16, d 2048, f 5632, the module's TwELL (cuBLAS
 gate, ``pack_relu``) and up/down shape for the case; also the whole forced op
 (``twell_gated_mlp``) against dense. Three interleaved rounds, medians. The dense-rows calls
-overwrite the listed rows of ``pre`` with h on every call: the same work each time.
+overwrite the listed rows of ``pre`` with h on every call (the same work each time); ``pre`` is
+restored after them, so that the per-row launch reads the gate. (The committed
+``results/runtime_probe/s27/exact_launch_probe.json`` came from the version before that
+restore: its per-row heavy-row times in rounds 2 and 3 read h, fewer active units than the
+gate has, so they understate that launch's cost.)
 
     python benchmarks/exact_launch_probe.py [OUTDIR]
 
@@ -55,6 +59,7 @@ def main() -> None:
             k_mean, k_rms = float(nnz.mean()), float(nnz.pow(2).mean().sqrt())
             be, nw = updown.default_config(D, k_mean, split=updown.splits(M, True), rms_k=k_rms)
             c = OverflowCounters.zeros("cuda")
+            pristine = pre.clone()
 
             def run(writable, s=s, g=g, w=w, pre=pre):
                 return ffn_from_twell(s.x, g, w.down_t, w_up=w.up, pre=pre, counters=c, block_e=be, num_warps=nw,
@@ -72,6 +77,7 @@ def main() -> None:
                         times[n].append(bench_ms(lambda writable=writable, run=run: run(writable), rep=40))
                     finally:
                         updown._ffn_from_twell_kernel, updown.DENSE_ROWS_CONFIG = REAL, shipped
+                        pre.copy_(pristine)
                 times["op dense"].append(bench_ms(lambda s=s: dense_gated(s.x, s.w_gate, s.w_up, s.w_down), rep=40))
                 times["op twell"].append(bench_ms(lambda s=s, w=w: twell_gated_mlp(s.x, s.w_gate, s.w_up, s.w_down, weights=w), rep=40))
             ms = {n: sorted(t)[1] for n, t in times.items()}
@@ -79,7 +85,7 @@ def main() -> None:
                        ms=ms, rounds=times)
             recs.append(rec)
             print(f"M {M} k {k} {dist}: " + ", ".join(f"{n} {t:.4f}" for n, t in ms.items()), flush=True)
-            del s, w, pre, g, run
+            del s, w, pre, g, run, pristine
             torch.cuda.empty_cache()
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, "exact_launch_probe.json"), "w") as fh:

@@ -1,7 +1,9 @@
 """The inference module (`SparseGatedMLP`, eval, track_stats off) against dense PyTorch at a few
 sizes, as the inference grid times it (`twell.bench.inference.run_grid`, module only: dense and
 twell in alternation, three rounds, medians), for an A/B of two trees: run it with each tree's
-``src`` first on PYTHONPATH and compare the ratios.
+``src`` first on PYTHONPATH and compare the ratios. Take the old tree from an explicit commit
+(``git archive <hash> src``): on the device machine ``HEAD`` is not this checkout's (in the
+twenty-seventh session it stayed at the session's first commit; NOTES_inference).
 
     python benchmarks/infer_module_ab.py OUTDIR LABEL
 

@@ -15,6 +15,7 @@
 # stageprobe (benchmarks/split_stage_probe.py: the split kernels' times, profiled in a chain),
 # spreadprobe (benchmarks/split_spread_probe.py: the inference split path's shapes by the rows' spread),
 # exactprobe (benchmarks/exact_launch_probe.py: overflowed rows, per-row launch against dense rows),
+# denserows (benchmarks/dense_rows_probe.py: the dense-rows limit DENSE_ROW_MIN),
 # prefetchprobe (benchmarks/l2_prefetch_probe.py: gate weights read into L2 during attention),
 # packprobe (benchmarks/pack_config_probe.py: pack and up/down launch shapes by batch size),
 # layoutprobe (benchmarks/train_layout_probe.py: the training op with w_down in the kernels' layout),
@@ -48,6 +49,7 @@ for step in "$@"; do
     stageprobe) cmd=(env OUT="$dir" timeout 120 $PY benchmarks/split_stage_probe.py) ;;
     spreadprobe) cmd=(timeout 200 $PY benchmarks/split_spread_probe.py "$dir") ;;
     exactprobe) cmd=(timeout 240 $PY benchmarks/exact_launch_probe.py "$dir") ;;
+    denserows) cmd=(timeout 240 $PY benchmarks/dense_rows_probe.py "$dir") ;;
     prefetchprobe) cmd=(env OUT="$dir" timeout 240 $PY benchmarks/l2_prefetch_probe.py) ;;
     layoutprobe) cmd=(env OUT="$dir" timeout 200 $PY benchmarks/train_layout_probe.py) ;;
     steplayout) cmd=(env OUT="$dir" timeout 300 $PY benchmarks/train_step_layout_probe.py) ;;

@@ -102,19 +102,28 @@ def test_stats_outputs(tile, kernel, monkeypatch):
 
 @pytest.mark.parametrize("dtype,M,d,f,tile,C", CASES, ids=case_id)
 @pytest.mark.parametrize("kernel", ["token", "split"])
-def test_overflowed_rows_dense(dtype, M, d, f, tile, C, kernel, monkeypatch):
+@pytest.mark.parametrize("row_limit", [None, 3, -1])
+def test_overflowed_rows_dense(dtype, M, d, f, tile, C, kernel, row_limit, monkeypatch):
     """With ``pre_writable`` (the modules' and ops' calls), from TWO_PASS_MIN_M tokens the rows
-    with an overflowed tile are listed on the device and computed whole as the dense MLP does
-    (twell.kernels.heavy_rows): every row of a NaN-filled output written and right, the
+    with an overflowed tile or more than DENSE_ROW_MIN active units (3 here: long rows that fit
+    their tiles; -1: every row) are listed on the device and computed whole as the dense MLP
+    does (twell.kernels.heavy_rows): every row of a NaN-filled output written and right, the
     statistics and counters as the exact path gives them, pre's listed rows overwritten with h
-    and no other; without the flag, or with x not contiguous, pre is only read."""
+    and no other; without the flag, or with x not contiguous, pre is only read. Lists built by
+    blocks of 4 rows, so that several list programs append to one list."""
     monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+    monkeypatch.setattr(updown, "LIST_ROWS_BLOCK", 4)
+    if row_limit is not None:
+        monkeypatch.setattr(updown, "DENSE_ROW_MIN", row_limit)
     x, wg, wu, wd = gate_case(M, d, f, dtype, seed=M + 3 * d + f)
     ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
     pre = x @ wg.T
     g = packed(pre, tile, C)
-    listed = g.overflowed().any(dim=1)
-    assert bool(listed.any()) and not bool(listed.all())
+    overflowed = g.overflowed().any(dim=1)
+    listed = overflowed | ((pre > 0).sum(dim=1) > updown.DENSE_ROW_MIN)
+    assert bool(listed.any()) and (row_limit == -1) == bool(listed.all())
+    if row_limit is not None and not bool((listed & ~overflowed).any()):
+        pytest.skip("every row above the limit overflows a tile here (one-slot tiles)")
     w = prepare_gated_weights(wu, wd)
     runs = {}
     for writable in (True, False):
@@ -127,7 +136,7 @@ def test_overflowed_rows_dense(dtype, M, d, f, tile, C, kernel, monkeypatch):
                            out=out, pre_writable=writable)
         assert y.data_ptr() == out.data_ptr() and rel_err(y, ref) < TOL[dtype]
         assert rel_err(y[listed], ref[listed]) < TOL[dtype]
-        assert int(c.tiles) == int(g.overflowed().sum()) and int(c.rows) == int(listed.sum())
+        assert int(c.tiles) == int(g.overflowed().sum()) and int(c.rows) == int(overflowed.sum())
         assert torch.equal(uc.long(), (pre > 0).sum(0)) and torch.equal(nnz.long(), (pre > 0).sum(1))
         runs[writable] = (y, p)
     y, p = runs[True]
@@ -490,9 +499,9 @@ def test_split_gpu_bf16_matches_the_fused_kernel(dist, shape):
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernel", ["split", "token"])
 def test_overflowed_rows_dense_gpu_bf16(kernel):
-    """At the real shape with heavy rows and a fully dense row, the listed rows computed whole
-    (pre_writable): errors within dense bf16's, statistics and counters as the exact launch's, y
-    of the other rows as that launch leaves them."""
+    """At the real shape with heavy rows and a fully dense row, the listed rows (overflowed, or
+    above DENSE_ROW_MIN) computed whole (pre_writable): errors within dense bf16's, statistics
+    and counters as the exact launch's, y of the other rows as the first launch leaves them."""
     from twell.bench.inference import errors, reference_fp32
     from twell.ops import DEFAULT_COMPRESSION, default_tile
 
@@ -502,8 +511,9 @@ def test_overflowed_rows_dense_gpu_bf16(kernel):
     _, dense_row = errors(torch.relu(s.x @ s.w_gate.T) * (s.x @ s.w_up.T) @ s.w_down.T, ref)
     pre = s.x @ s.w_gate.T
     g = twell.kernels.pack_relu(pre, default_tile(f), DEFAULT_COMPRESSION)
-    listed = (g.counts > g.slots).any(dim=1)
-    assert int(listed.sum()) >= 2
+    overflowed = (g.counts > g.slots).any(dim=1)
+    listed = overflowed | ((pre > 0).sum(dim=1) > updown.DENSE_ROW_MIN)
+    assert int(overflowed.sum()) >= 2 and int((listed & ~overflowed).sum()) >= 2
     w = prepare_gated_weights(s.w_up, s.w_down)
     runs = {}
     for writable in (True, False):
@@ -515,7 +525,7 @@ def test_overflowed_rows_dense_gpu_bf16(kernel):
         rel, row = errors(y, ref)
         assert rel < 1e-2 and row <= 2 * dense_row, (writable, rel, row, dense_row)
         assert torch.equal(uc.long(), (pre > 0).sum(0)) and torch.equal(nnz.long(), (pre > 0).sum(1))
-        assert int(c.rows) == int(listed.sum()) and int(c.tiles) == int((g.counts > g.slots).sum())
+        assert int(c.rows) == int(overflowed.sum()) and int(c.tiles) == int((g.counts > g.slots).sum())
         runs[writable] = y
     assert torch.equal(runs[True][~listed], runs[False][~listed])
 

@@ -233,9 +233,12 @@ def test_row_stats():
     from twell.dispatch import row_stats
 
     p = torch.tensor([0.0, 3.0, 4.0, 29.0, 1.0])
-    mean, rms, top, over = row_stats(p, torch.tensor(0.25)).tolist()
+    mean, rms, top, over, dense, light_mean, light_rms, light_top = row_stats(p, torch.tensor(0.25), dense_min=3).tolist()
     assert mean == pytest.approx(7.4) and rms == pytest.approx(float(p.square().mean().sqrt()), rel=1e-6)
     assert top == 29.0 and over == 0.25
+    # rows above dense_min (4 and 29) are computed whole: the rest's statistics count them as 0
+    assert dense == pytest.approx(0.4) and light_mean == pytest.approx(0.8)
+    assert light_rms == pytest.approx((10 / 5) ** 0.5, rel=1e-6) and light_top == 3.0
 
 
 def test_probes_are_spaced():
@@ -752,12 +755,14 @@ def test_prefill_threshold_is_inclusive():
 def test_poll_reads_each_slot_of_a_probe():
     """A rows probe: k_est is the mean, k_rms the root mean square; a path without overflow puts
     the rms in the overflow slot as a placeholder (row_stats), which is not overflow; the prefill
-    path's overflowed tiles per token cost min(tile, f) / 8 each. A small dense call's union share
-    (in the overflow slot) is fitted, and replaced by one measured on as many tokens or more."""
+    path's overflowed tiles per token and its rows above DENSE_ROW_MIN cost DENSE_ROW_COST each
+    (computed whole), the cost's other terms taken over the remaining rows. A small dense call's
+    union share (in the overflow slot) is fitted, and replaced by one measured on as many tokens
+    or more."""
     from twell.dispatch import row_stats
+    from twell.kernels.updown import DENSE_ROW_MIN
 
     s = SparseGatedMLP(8, 16)._twell_layer
-    s._tile = 256
     per_row = torch.tensor([10.0, 10.0, 10.0, 50.0])  # mean 20, rms 27.39, max 50
     mean, rms = 20.0, float(per_row.square().mean().sqrt())
     s._host, s._event, s._union_m, s._no_overflow = row_stats(per_row), Done(), 0, True
@@ -766,7 +771,14 @@ def test_poll_reads_each_slot_of_a_probe():
     assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean), 50.0))
     s._host, s._event, s._no_overflow = row_stats(per_row, torch.tensor(0.5)), Done(), False
     s._poll()
-    assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean) + 0.5 * 256 / 8, 50.0))
+    assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean) + 0.5 * LayerState.DENSE_ROW_COST, 50.0))
+    # a row above DENSE_ROW_MIN: a quarter of the rows dense, the others' mean 7.5, rms 8.66, max 10
+    long_row = torch.tensor([10.0, 10.0, 10.0, DENSE_ROW_MIN + 1.0])
+    s._host, s._event = row_stats(long_row, torch.tensor(0.0)), Done()
+    s._poll()
+    assert s.k_est == pytest.approx(float(long_row.mean()))
+    light_rms = (300 / 4) ** 0.5
+    assert s.estimate == pytest.approx((7.5 + LayerState.RMS_WEIGHT * (light_rms - 7.5) + 0.25 * LayerState.DENSE_ROW_COST, 10.0))
     # a small dense call's probe: the union in the overflow slot, never read as overflow
     s._host, s._event, s._union_m = row_stats(per_row, torch.tensor(0.05)), Done(), 16
     s._poll()
@@ -806,21 +818,19 @@ def test_run_writes_out_where_its_path_can(mode, M, capturing):
     torch.testing.assert_close(y, ref)
 
 
-def test_prefill_overflow_cost_uses_the_tile_within_f():
-    """A layer narrower than its TwELL tile (f 100, tile 128) counts an overflowed tile as f units."""
-    from twell.ops import default_tile
-
+def test_prefill_overflow_cost_counts_rows_computed_whole():
+    """An overflowed tile per token costs DENSE_ROW_COST (its row is computed whole on tensor
+    cores), whatever the tile and f; a probe of four slots (no dense-row statistics) reads so."""
     torch.manual_seed(9)
     m = SparseGatedMLP(40, 100).eval()
     m.kernel_mode = "prefill"
-    assert default_tile(100) > 100
     with torch.no_grad():
         m(torch.randn(6, 40))
     s = m._twell_layer
     assert m.last_path == "prefill"
     s._host, s._event, s._union_m, s._no_overflow = torch.tensor([10.0, 10.0, 20.0, 0.5]), Done(), 0, False
     s._poll()
-    assert s.estimate == pytest.approx((10.0 + 0.5 * 100 / 8, 20.0))
+    assert s.estimate == pytest.approx((10.0 + 0.5 * LayerState.DENSE_ROW_COST, 20.0))
 
 
 def test_split_rule_bounds_are_inclusive():

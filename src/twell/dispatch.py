@@ -12,7 +12,8 @@ Three paths compute the same function (up to rounding) for every input:
     ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
 ``"prefill"`` (large batches)
     cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the fused up/down kernel
-    (:func:`twell.kernels.ffn_from_twell`); overflowed rows take the exact path.
+    (:func:`twell.kernels.ffn_from_twell`); rows with an overflowed tile or more than
+    ``twell.kernels.updown.DENSE_ROW_MIN`` active units are computed whole on tensor cores.
 ``"dense"``
     cuBLAS gate and up, ``relu(gate) * up`` fused into one Triton pass, cuBLAS down.
 
@@ -203,13 +204,23 @@ def _warn_distributed_layout() -> None:
             "inference call twell.use_kernel_layout(model) after model.eval().", stacklevel=3)
 
 
-def row_stats(per_row: torch.Tensor, over_per_token: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``[4]`` float32: mean, rms and max of ``per_row`` (``[n]`` float32 active units per row),
-    then ``over_per_token`` (or the rms again as a placeholder when None). Five launches: a
-    probe runs on the caller's time."""
+def row_stats(per_row: torch.Tensor, over_per_token: Optional[torch.Tensor] = None,
+              dense_min: Optional[float] = None) -> torch.Tensor:
+    """``[8]`` float32: mean, rms and max of ``per_row`` (``[n]`` float32 active units per row),
+    then ``over_per_token`` (or the rms again as a placeholder when None); then the share of rows
+    with more than ``dense_min`` active units (default: the up/down kernels' ``DENSE_ROW_MIN``,
+    rows they compute whole on tensor cores) and the mean, rms and max of ``per_row`` with those
+    rows counted as 0 (what the first up/down launch does). About a dozen launches: a probe runs
+    on the caller's time."""
+    if dense_min is None:
+        from .kernels.updown import DENSE_ROW_MIN as dense_min
     std, mean = torch.std_mean(per_row, correction=0)
-    rms = torch.hypot(std, mean)
-    return torch.stack([mean, rms, per_row.max(), rms if over_per_token is None else over_per_token])
+    heavy = per_row > dense_min
+    light = per_row.masked_fill(heavy, 0.0)
+    light_std, light_mean = torch.std_mean(light, correction=0)
+    return torch.stack([mean, torch.hypot(std, mean), per_row.max(),
+                        torch.hypot(std, mean) if over_per_token is None else over_per_token.to(mean.dtype),
+                        heavy.to(mean.dtype).mean(), light_mean, torch.hypot(light_std, light_mean), light.max()])
 
 
 _BY_WEIGHT: "dict[int, weakref.ref[LayerState]]" = {}
@@ -252,19 +263,23 @@ class LayerState:
     The prefill kernels take a call of ``M`` tokens while ``cost(M) <= max_density * f``
     (5% more once on them: ``HYSTERESIS``), in active units per token::
 
-        cost = mean + 0.1 * (rms - mean) + 850 * max / M + overflowed tiles per token * min(tile, f) / 8
+        cost = mean + 0.1 * (rms - mean) + 850 * max / M + 150 * dense rows per token
 
-    The up/down kernel runs one program per token, so its time is at least the longest row's
-    (about 1 us per entry on the H200, against about 1.2 ns per entry of throughput: the
-    ``850 * max / M`` term), and a heavy-tailed layer loses more than its mean says (the rms
-    term); an overflowed tile is recomputed exactly at about an eighth of a dense pass over its
-    units. The threshold and the weights come from the H200 benchmark
-    (benchmarks/NOTES_inference.md).
+    where mean, rms and max are taken over the rows the first up/down launch processes (rows
+    with more than ``twell.kernels.updown.DENSE_ROW_MIN`` active units or an overflowed tile
+    count as 0: they are computed whole on tensor cores, about 100 entries' time each, priced at
+    150). That
+    launch runs one program per token, so its time is at least the longest row's (about 1 us
+    per entry on the H200, against about 1.2 ns per entry of throughput: the ``850 * max / M``
+    term), and a heavy-tailed layer loses more than its mean says (the rms term). The threshold
+    and the weights come from the H200 benchmark (benchmarks/NOTES_inference.md: break-even at
+    64 to 70 active units per token on evenly spread units, twenty-seventh session).
     """
 
-    DEFAULT_MAX_DENSITY = 0.0102
+    DEFAULT_MAX_DENSITY = 0.011
     RMS_WEIGHT = 0.1
     TAIL_WEIGHT = 850.0
+    DENSE_ROW_COST = 150.0
     HYSTERESIS = 1.05
     PROBE_EVERY = 8  # calls between two estimates (each costs a few small launches)
     PROBE_EVERY_SMALL = 64  # the same for calls of fewer than PREFILL_MIN_M tokens
@@ -292,7 +307,6 @@ class LayerState:
         self._union_m = 0  # tokens of the small dense call whose probe is in flight (0: none)
         self.counters = None  # OverflowCounters of the prefill path, accumulated over calls
         self.last_path: Optional[str] = None
-        self._tile = 256
         self._host: Optional[torch.Tensor] = None
         self._event = None
         self._no_overflow = False
@@ -325,14 +339,17 @@ class LayerState:
 
     def _poll(self) -> None:
         if self._event is not None and self._event.query():
-            # mean, rms, max of active units per row; overflowed tiles per row
-            a, b, c, e = (float(v) for v in self._host.tolist())
+            # mean, rms, max of active units per row; overflowed tiles per row; then the share
+            # of rows computed whole and the mean, rms and max of the others (row_stats)
+            vals = [float(v) for v in self._host.tolist()]
+            a, b, c, e = vals[:4]
+            dense, la, lb, lc = vals[4:8] if len(vals) >= 8 else (0.0, a, b, c)
             if self._union_m:  # a small dense call: e is the share of units active in its batch
                 self._fit_union(e, self._union_m)
                 e = 0.0
             if self._no_overflow:
                 e = 0.0
-            self.estimate = (a + self.RMS_WEIGHT * max(0.0, b - a) + e * self._tile / 8, c)
+            self.estimate = (la + self.RMS_WEIGHT * max(0.0, lb - la) + max(dense, e) * self.DENSE_ROW_COST, lc)
             self.k_est, self.k_rms = a, b
             self._event = None
 
@@ -409,12 +426,13 @@ class LayerState:
         return self._calls % every == 1 or self.k_est is None or self._union_fit_m < M <= _fused_max_m()
 
     def _publish(self, values: torch.Tensor, no_overflow: bool = False) -> None:
-        """Copy ``values`` ([4] float32 on the GPU) to pinned host memory without blocking."""
+        """Copy ``values`` (:func:`row_stats`' [8] float32 on the GPU) to pinned host memory
+        without blocking."""
         if not values.is_cuda:
             return
         self._no_overflow = no_overflow
-        if self._host is None:
-            self._host = torch.empty(4, dtype=torch.float32, pin_memory=True)
+        if self._host is None or self._host.numel() != values.numel():
+            self._host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
         self._host.copy_(values, non_blocking=True)
         self._event = torch.cuda.Event()
         self._event.record()
@@ -589,7 +607,6 @@ class LayerState:
         before = self.counters.tiles.clone() if probe else None
         pre = torch.mm(x, w_first.t())  # cuBLAS gate (measured faster than a fused Triton gate)
         tile = default_tile(f)
-        self._tile = min(tile, f)
         g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None

@@ -1,4 +1,6 @@
-"""The forward of the hybrid format's heavy rows with no host synchronisation.
+"""The forward of the hybrid format's heavy rows with no host synchronisation (and, through
+:func:`launch_heavy_rows`, the inference up/down's rows computed whole:
+:func:`twell.kernels.ffn_from_twell` with ``pre_writable``).
 
 A heavy row has more active units than the ELL width W and is held dense. Which rows are heavy,
 and how many, is known only on the GPU (``counts > W`` after the pack); reading that count back

@@ -19,8 +19,9 @@ units of such a tile cost arithmetic but no memory traffic (their loads are mask
 ``TWO_PASS_MIN_M`` tokens on, the exact path runs in a second launch with wider programs, so an
 overflowed row does not become the serial tail of the narrow, tuned first launch; or, when the
 caller lets ``pre`` be overwritten (``pre_writable``: the modules and the ops), the rows with an
-overflowed tile are listed on the device and computed whole, as the dense MLP computes them, on
-tensor cores over blocks of listed rows (:mod:`.heavy_rows`), the first launch leaving them out.
+overflowed tile or more than ``DENSE_ROW_MIN`` active units are listed on the device and
+computed whole, as the dense MLP computes them, on tensor cores over blocks of listed rows
+(:mod:`.heavy_rows`), the first launch leaving them out.
 Every overflowed tile and every row with one is counted in :class:`OverflowCounters`, on the
 device, with no host synchronisation.
 
@@ -72,16 +73,24 @@ class OverflowCounters:
 
 
 @triton.jit
-def _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP: tl.constexpr, WHOLE_ROWS: tl.constexpr):
+def _dense_row(over, cnt, row_limit, axis: tl.constexpr):
+    """Rows computed whole by the dense-rows path: an overflowed tile, or more than
+    ``row_limit`` active units (``over``, ``cnt``: tile flags and counts, tiles along ``axis``)."""
+    return (tl.max(over.to(tl.int32), axis=axis) > 0) | (tl.sum(cnt, axis=axis) > row_limit)
+
+
+@triton.jit
+def _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, row_limit, NTP: tl.constexpr, WHOLE_ROWS: tl.constexpr):
     """Row m's tile counts and, over its stored entries (overflowed tiles left out), the
     inclusive and exclusive prefix sums and their total. WHOLE_ROWS: a row with an overflowed
-    tile has no entries to process here (its whole row is computed dense afterwards)."""
+    tile or more than ``row_limit`` active units has no entries to process here (the whole row
+    is computed dense afterwards: _dense_row, as _dense_rows_kernel lists it)."""
     tiles = tl.arange(0, NTP)
     cnt = tl.load(cnt_ptr + m * N_TILES + tiles, mask=tiles < N_TILES, other=0)
     over = cnt > SLOTS
     c = tl.where(over, 0, cnt)
     if WHOLE_ROWS:
-        c = tl.where(tl.max(over.to(tl.int32), axis=0) > 0, 0, c)
+        c = tl.where(_dense_row(over, cnt, row_limit, 0), 0, c)
     incl = tl.cumsum(c, axis=0)
     return cnt, incl, incl - c, tl.sum(c, axis=0)
 
@@ -97,21 +106,24 @@ def _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP: tl.constexpr):
 
 
 @triton.jit
-def _overflowed_rows_kernel(cnt_ptr, M, SLOTS, N_TILES, rows_ptr, n_ptr, ovf_ptr, BM: tl.constexpr, NTP: tl.constexpr):
-    # The rows with an overflowed tile, appended to a list whose length (n_ptr, zeroed by the
-    # caller) stays on the device, in no particular order; the counters take their tiles and rows.
+def _dense_rows_kernel(cnt_ptr, M, SLOTS, N_TILES, row_limit, rows_ptr, n_ptr, ovf_ptr, BM: tl.constexpr, NTP: tl.constexpr):
+    # The rows with an overflowed tile or more than row_limit active units (_dense_row),
+    # appended to a list whose length (n_ptr, zeroed by the caller) stays on the device, in no
+    # particular order; the counters take the overflowed tiles and the rows that have one.
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     tiles = tl.arange(0, NTP)
     ok = (rows < M)[:, None] & (tiles < N_TILES)[None, :]
     cnt = tl.load(cnt_ptr + rows.to(tl.int64)[:, None] * N_TILES + tiles[None, :], mask=ok, other=0)
-    over = (cnt > SLOTS).to(tl.int32)
-    row_over = tl.max(over, axis=1)
-    n = tl.sum(row_over, axis=0)
+    over = cnt > SLOTS
+    listed = (_dense_row(over, cnt, row_limit, 1) & (rows < M)).to(tl.int32)
+    n = tl.sum(listed, axis=0)
     if n > 0:
         base = tl.atomic_add(n_ptr, n)
-        tl.store(rows_ptr + base + tl.cumsum(row_over, axis=0) - 1, rows, mask=row_over > 0)
-        tl.atomic_add(ovf_ptr, tl.sum(tl.sum(over, axis=1), axis=0).to(tl.int64))
-        tl.atomic_add(ovf_ptr + 1, n.to(tl.int64))
+        tl.store(rows_ptr + base + tl.cumsum(listed, axis=0) - 1, rows, mask=listed > 0)
+        n_over = tl.sum(tl.max(over.to(tl.int32), axis=1), axis=0)
+        if n_over > 0:
+            tl.atomic_add(ovf_ptr, tl.sum(tl.sum(over.to(tl.int32), axis=1), axis=0).to(tl.int64))
+            tl.atomic_add(ovf_ptr + 1, n_over.to(tl.int64))
 
 
 @triton.jit
@@ -124,7 +136,7 @@ def _ffn_from_twell_kernel(
     pre_ptr, stride_pm,
     y_ptr, stride_ym,
     ovf_ptr, uc_ptr, nnz_ptr,
-    d, f, SLOTS, N_TILES, TILE,
+    d, f, SLOTS, N_TILES, TILE, row_limit,
     D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr,
     GATED: tl.constexpr, HAS_PRE: tl.constexpr, TRACK: tl.constexpr, ONLY_OVER: tl.constexpr,
     SKIP_OVER: tl.constexpr, WHOLE_ROWS: tl.constexpr,
@@ -132,7 +144,7 @@ def _ffn_from_twell_kernel(
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
-    cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP, WHOLE_ROWS)
+    cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, row_limit, NTP, WHOLE_ROWS)
     over = cnt > SLOTS
     # ONLY_OVER: rows without an overflowed tile were done by another kernel; skip their x
     xmask = dmask
@@ -208,7 +220,7 @@ def _ffn_from_twell_kernel(
 @triton.jit
 def _twell_up_kernel(
     x_ptr, stride_xm, cnt_ptr, val_ptr, col_ptr, wu_ptr, stride_wu, h_ptr,
-    d, SLOTS, N_TILES, TILE,
+    d, SLOTS, N_TILES, TILE, row_limit,
     D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr, WHOLE_ROWS: tl.constexpr,
 ):
     # Split path, first launch (gated): h = g (x[m] . w_up[j]) for each stored entry, kept in
@@ -219,7 +231,7 @@ def _twell_up_kernel(
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
-    cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP, WHOLE_ROWS)
+    cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, row_limit, NTP, WHOLE_ROWS)
     x = tl.load(x_ptr + m * stride_xm + offs_d, mask=dmask, other=0.0).to(tl.float32)
     for e0 in range(0, n_entries, BE):
         e = e0 + tl.arange(0, BE)
@@ -235,7 +247,7 @@ def _twell_up_kernel(
 @triton.jit
 def _twell_down_kernel(
     cnt_ptr, col_ptr, h_ptr, wd_ptr, stride_wd, y_ptr, stride_ym, uc_ptr, nnz_ptr,
-    d, SLOTS, N_TILES, TILE,
+    d, SLOTS, N_TILES, TILE, row_limit,
     D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr, TRACK: tl.constexpr, WHOLE_ROWS: tl.constexpr,
 ):
     # Split path, second launch: y[m] = sum_j h_j w_down^T[j] over the stored entries (the
@@ -243,7 +255,7 @@ def _twell_down_kernel(
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
-    cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, NTP, WHOLE_ROWS)
+    cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, row_limit, NTP, WHOLE_ROWS)
     ones = tl.full([BE], 1, dtype=tl.int32)
     acc = tl.zeros([D], dtype=tl.float32)
     for e0 in range(0, n_entries, BE):
@@ -359,14 +371,23 @@ WIDE_STEP: dict[int, tuple[float, tuple[int, int]]] = {2048: (40.0, (4, 4))}
 TWO_PASS_MIN_M = 4096
 EXACT_CONFIG: tuple[int, int] = (8, 8)
 # ...or, where the caller lets ffn_from_twell overwrite ``pre`` (``pre_writable``: the modules
-# and twell_gated_mlp, whose pre-activation is their own), the rows with an overflowed tile are
-# listed on the device and computed whole as the dense MLP computes them, on tensor cores over
+# and twell_gated_mlp, whose pre-activation is their own), the rows with an overflowed tile (and
+# those above DENSE_ROW_MIN) are listed on the device and computed whole as the dense MLP
+# computes them, on tensor cores over
 # blocks of listed rows (twell.kernels.heavy_rows, at DENSE_ROWS_CONFIG). The per-row exact
 # launch is one program per token, and a row's overflowed tile is a serial walk over its units:
 # at 131072 tokens it took 0.17 ms with nothing overflowed and 2.3 ms for 361 heavy rows (k 29),
 # at 16384 tokens 1.4 ms for 25 heavy rows (benchmarks/exact_launch_probe.py, NOTES_inference
 # twenty-seventh session).
 DENSE_ROWS_CONFIG: dict = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+# Rows with more than this many active units take the dense-rows path too, overflowed or not: a
+# long row is the serial tail of the first launch (one program per token), while on tensor
+# cores a whole row costs about what a hundred entries cost there. The forced op with heavy
+# rows (benchmarks/dense_rows_probe.py, NOTES_inference twenty-seventh session; H200, bf16,
+# d 2048, f 5632) at limits 128 / 256 / 512 / none: 131072 tokens k 29 2.01x / 1.92x / 1.74x /
+# 1.48x dense, k 56 1.88x / 1.81x / 1.55x / 1.32x; 16384 tokens k 29 1.82x / 1.70x / 1.47x /
+# 1.17x. twell.dispatch prices the layer's rows with it.
+DENSE_ROW_MIN = 128
 LIST_ROWS_BLOCK = 256
 
 # The split path (gated; up products in one launch, down rows in a second) from this many
@@ -454,9 +475,10 @@ def ffn_from_twell(
             Pass both or neither.
         block_e, num_warps: tuning knobs (entries per step, warps per program).
         pre_writable: ``pre`` is the caller's scratch: from ``TWO_PASS_MIN_M`` tokens on, the
-            rows with an overflowed tile are then computed whole on tensor cores (listed on the
-            device, no host synchronisation) and their rows of ``pre`` overwritten with ``h``,
-            instead of one exact program per token; ``y`` of those rows as the dense MLP
+            rows with an overflowed tile or more than ``DENSE_ROW_MIN`` active units are then
+            computed whole on tensor cores (listed on the device, no host synchronisation) and
+            their rows of ``pre`` overwritten with ``h``, instead of an exact program per token
+            for the overflowed ones and the first launch for the others; ``y`` of those rows as the dense MLP
             rounds it. False (the default): ``pre`` is only read.
         kernel: ``"token"``: one program per token, any tile, up and down fused;
             ``"split"`` (gated only): one program per token, the up products in one launch
@@ -544,6 +566,7 @@ def ffn_from_twell(
         return out
     # overflowed rows whole, on tensor cores (see DENSE_ROWS_CONFIG); heavy_rows wants x contiguous
     dense_rows = pre is not None and pre_writable and not rows_kernel and M >= TWO_PASS_MIN_M and x.is_contiguous()
+    row_limit = DENSE_ROW_MIN
     D = triton.next_power_of_2(max(d, 1))
     gated = w_up is not None
     split = not rows_kernel and splits(M, gated, kernel)
@@ -580,7 +603,7 @@ def ffn_from_twell(
                 pre if pre is not None else x, pre.stride(0) if pre is not None else 0,
                 out, out.stride(0),
                 ovf, unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
-                d, f, g.slots, g.n_tiles, g.tile,
+                d, f, g.slots, g.n_tiles, g.tile, row_limit,
                 D=D, BE=be, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
                 TRACK=unit_counts is not None, ONLY_OVER=only_over, SKIP_OVER=skip_over, WHOLE_ROWS=dense_rows,
                 num_warps=warps,
@@ -592,8 +615,9 @@ def ffn_from_twell(
                 return
             rows = torch.empty(M, dtype=torch.int32, device=x.device)
             n_rows = torch.zeros(1, dtype=torch.int32, device=x.device)
-            _overflowed_rows_kernel[(triton.cdiv(M, LIST_ROWS_BLOCK),)](
-                g.counts, M, g.slots, g.n_tiles, rows, n_rows, ovf, BM=LIST_ROWS_BLOCK, NTP=triton.next_power_of_2(g.n_tiles),
+            _dense_rows_kernel[(triton.cdiv(M, LIST_ROWS_BLOCK),)](
+                g.counts, M, g.slots, g.n_tiles, row_limit, rows, n_rows, ovf, BM=LIST_ROWS_BLOCK,
+                NTP=triton.next_power_of_2(g.n_tiles),
             )
             cfg = DENSE_ROWS_CONFIG
             launch_heavy_rows(x, pre, rows, n_rows, out, w_down_t.t(), w_up, None, unit_counts, cfg["block_m"],
@@ -606,12 +630,12 @@ def ffn_from_twell(
             NTP = triton.next_power_of_2(g.n_tiles)
             _twell_up_kernel[(M,)](
                 x, x.stride(0), g.counts, g.values, g.cols, w_up, w_up.stride(0), h,
-                d, g.slots, g.n_tiles, g.tile, D=D, BE=BE, NTP=NTP, WHOLE_ROWS=dense_rows, num_warps=nw,
+                d, g.slots, g.n_tiles, g.tile, row_limit, D=D, BE=BE, NTP=NTP, WHOLE_ROWS=dense_rows, num_warps=nw,
             )
             _twell_down_kernel[(M,)](
                 g.counts, g.cols, h, w_down_t, w_down_t.stride(0), out, out.stride(0),
                 unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
-                d, g.slots, g.n_tiles, g.tile, D=D, BE=BE, NTP=NTP, TRACK=unit_counts is not None,
+                d, g.slots, g.n_tiles, g.tile, row_limit, D=D, BE=BE, NTP=NTP, TRACK=unit_counts is not None,
                 WHOLE_ROWS=dense_rows, num_warps=nw,
             )
             exact_launch()
