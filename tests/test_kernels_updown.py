@@ -102,25 +102,30 @@ def test_stats_outputs(tile, kernel, monkeypatch):
 
 @pytest.mark.parametrize("dtype,M,d,f,tile,C", CASES, ids=case_id)
 @pytest.mark.parametrize("kernel", ["token", "split"])
-@pytest.mark.parametrize("row_limit", [None, 3, -1])
+@pytest.mark.parametrize("row_limit", [None, "boundary", -1])
 def test_overflowed_rows_dense(dtype, M, d, f, tile, C, kernel, row_limit, monkeypatch):
     """With ``pre_writable`` (the modules' and ops' calls), from TWO_PASS_MIN_M tokens the rows
-    with an overflowed tile or more than DENSE_ROW_MIN active units (3 here: long rows that fit
-    their tiles; -1: every row) are listed on the device and computed whole as the dense MLP
-    does (twell.kernels.heavy_rows): every row of a NaN-filled output written and right, the
-    statistics and counters as the exact path gives them, pre's listed rows overwritten with h
-    and no other; without the flag, or with x not contiguous, pre is only read. Lists built by
-    blocks of 4 rows, so that several list programs append to one list."""
+    with an overflowed tile or more than DENSE_ROW_MIN active units ("boundary": the fewest
+    active units of a row that fits its tiles, so that rows of exactly that many stay and longer
+    ones are listed; -1: every row) are listed on the device and computed whole as the dense
+    MLP does (twell.kernels.heavy_rows): every row of a NaN-filled output written and right,
+    the statistics and counters as the exact path gives them, pre's listed rows overwritten
+    with h and no other; without the flag pre is only read. x with strided rows takes the same
+    path. Lists built by blocks of 4 rows, so that several list programs append to one list."""
     monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
     monkeypatch.setattr(updown, "LIST_ROWS_BLOCK", 4)
-    if row_limit is not None:
-        monkeypatch.setattr(updown, "DENSE_ROW_MIN", row_limit)
     x, wg, wu, wd = gate_case(M, d, f, dtype, seed=M + 3 * d + f)
     ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
     pre = x @ wg.T
     g = packed(pre, tile, C)
     overflowed = g.overflowed().any(dim=1)
-    listed = overflowed | ((pre > 0).sum(dim=1) > updown.DENSE_ROW_MIN)
+    active = (pre > 0).sum(dim=1)
+    if row_limit == "boundary":
+        fitting = active[~overflowed & (active > 0)]
+        row_limit = int(fitting.min()) if fitting.numel() else 0
+    if row_limit is not None:
+        monkeypatch.setattr(updown, "DENSE_ROW_MIN", row_limit)
+    listed = overflowed | (active > updown.DENSE_ROW_MIN)
     assert bool(listed.any()) and (row_limit == -1) == bool(listed.all())
     if row_limit is not None and not bool((listed & ~overflowed).any()):
         pytest.skip("every row above the limit overflows a tile here (one-slot tiles)")
@@ -151,12 +156,12 @@ def test_overflowed_rows_dense(dtype, M, d, f, tile, C, kernel, row_limit, monke
     if bool(hu.overflowed().any()):
         y_u = ffn_from_twell(x, hu, wd.T.contiguous(), pre=pre_u.clone(), pre_writable=True)
         assert rel_err(y_u, R.mlp(x.double(), wu.double(), wd.double())) < TOL[dtype]
-    # x with unit-stride but non-contiguous rows: the per-row exact launch, pre only read
+    # x with unit-stride but strided rows: the same listed rows, the same y and pre
     wide = torch.zeros(M, d + 3, dtype=dtype)
     wide[:, :d] = x
-    p = pre.clone()
-    y_nc = ffn_from_twell(wide[:, :d], g, w.down_t, w_up=w.up, pre=p, kernel=kernel, pre_writable=True)
-    assert torch.equal(p, pre) and torch.equal(y_nc, runs[False][0])
+    p_nc = pre.clone()
+    y_nc = ffn_from_twell(wide[:, :d], g, w.down_t, w_up=w.up, pre=p_nc, kernel=kernel, pre_writable=True)
+    assert torch.equal(p_nc, p) and torch.equal(y_nc, y)
 
 
 def test_overflowed_rows_list_without_overflow(monkeypatch):

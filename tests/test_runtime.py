@@ -777,8 +777,17 @@ def test_poll_reads_each_slot_of_a_probe():
     s._host, s._event = row_stats(long_row, torch.tensor(0.0)), Done()
     s._poll()
     assert s.k_est == pytest.approx(float(long_row.mean()))
+    assert s.k_rms == pytest.approx(float(long_row.square().mean().sqrt()))  # all rows: decode's rule reads it
     light_rms = (300 / 4) ** 0.5
-    assert s.estimate == pytest.approx((7.5 + LayerState.RMS_WEIGHT * (light_rms - 7.5) + 0.25 * LayerState.DENSE_ROW_COST, 10.0))
+    light = 7.5 + LayerState.RMS_WEIGHT * (light_rms - 7.5)
+    assert s.estimate == pytest.approx((light + 0.25 * LayerState.DENSE_ROW_COST, 10.0))
+    # overflowed tiles and long rows are the same rows when a row has one tile: the larger share
+    s._host, s._event = row_stats(long_row, torch.tensor(0.1)), Done()
+    s._poll()
+    assert s.estimate == pytest.approx((light + 0.25 * LayerState.DENSE_ROW_COST, 10.0))
+    s._host, s._event = row_stats(long_row, torch.tensor(0.4)), Done()
+    s._poll()
+    assert s.estimate == pytest.approx((light + 0.4 * LayerState.DENSE_ROW_COST, 10.0))
     # a small dense call's probe: the union in the overflow slot, never read as overflow
     s._host, s._event, s._union_m = row_stats(per_row, torch.tensor(0.05)), Done(), 16
     s._poll()
@@ -828,9 +837,9 @@ def test_prefill_overflow_cost_counts_rows_computed_whole():
         m(torch.randn(6, 40))
     s = m._twell_layer
     assert m.last_path == "prefill"
-    s._host, s._event, s._union_m, s._no_overflow = torch.tensor([10.0, 10.0, 20.0, 0.5]), Done(), 0, False
+    s._host, s._event, s._union_m, s._no_overflow = torch.tensor([10.0, 12.0, 20.0, 0.5]), Done(), 0, False
     s._poll()
-    assert s.estimate == pytest.approx((10.0 + 0.5 * LayerState.DENSE_ROW_COST, 20.0))
+    assert s.estimate == pytest.approx((10.0 + LayerState.RMS_WEIGHT * 2.0 + 0.5 * LayerState.DENSE_ROW_COST, 20.0))
 
 
 def test_split_rule_bounds_are_inclusive():

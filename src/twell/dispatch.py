@@ -266,9 +266,11 @@ class LayerState:
         cost = mean + 0.1 * (rms - mean) + 850 * max / M + 150 * dense rows per token
 
     where mean, rms and max are taken over the rows the first up/down launch processes (rows
-    with more than ``twell.kernels.updown.DENSE_ROW_MIN`` active units or an overflowed tile
-    count as 0: they are computed whole on tensor cores, about 100 entries' time each, priced at
-    150). That
+    with more than ``twell.kernels.updown.DENSE_ROW_MIN`` active units count as 0: they are
+    computed whole on tensor cores, about 100 entries' time each, priced at 150), and dense rows
+    per token is the larger of their share and the overflowed tiles per token (whose rows are
+    computed whole too; a row that overflows with at most DENSE_ROW_MIN units, possible where a
+    tile has fewer slots, is then counted in both). That
     launch runs one program per token, so its time is at least the longest row's (about 1 us
     per entry on the H200, against about 1.2 ns per entry of throughput: the ``850 * max / M``
     term), and a heavy-tailed layer loses more than its mean says (the rms term). The threshold

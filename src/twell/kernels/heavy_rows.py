@@ -210,10 +210,11 @@ def heavy_rows_forward(
 
 def launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, l1_partial, unit_counts, block_m, block_n, block_k,
                       num_warps, num_stages) -> None:
-    """The two launches of :func:`heavy_rows_forward`, arguments as it checked them
-    (``l1_partial``: its ``[cdiv(f, block_n), M]`` fp32 zeros, or None for no sums of ``|h|``;
-    ``unit_counts`` None for no counts); for callers that checked them already
-    (:func:`twell.kernels.ffn_from_twell`), whose host time per call it saves."""
+    """The two launches of :func:`heavy_rows_forward`, arguments as it checks them except that
+    x's rows may have any stride (unit-stride columns) (``l1_partial``: its ``[cdiv(f, block_n),
+    M]`` fp32 zeros, or None for no sums of ``|h|``; ``unit_counts`` None for no counts); for
+    callers that checked them already (:func:`twell.kernels.ffn_from_twell`), whose host time
+    per call it saves."""
     M, d = x.shape
     f = a.shape[1]
     if M == 0 or f == 0 or rows.numel() == 0:

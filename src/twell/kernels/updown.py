@@ -564,8 +564,8 @@ def ffn_from_twell(
     rows_kernel = kernel == "rows"
     if M == 0:
         return out
-    # overflowed rows whole, on tensor cores (see DENSE_ROWS_CONFIG); heavy_rows wants x contiguous
-    dense_rows = pre is not None and pre_writable and not rows_kernel and M >= TWO_PASS_MIN_M and x.is_contiguous()
+    # overflowed and long rows whole, on tensor cores (see DENSE_ROWS_CONFIG; x's rows at any stride)
+    dense_rows = pre is not None and pre_writable and not rows_kernel and M >= TWO_PASS_MIN_M
     row_limit = DENSE_ROW_MIN
     D = triton.next_power_of_2(max(d, 1))
     gated = w_up is not None
