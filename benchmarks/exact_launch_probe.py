@@ -25,9 +25,9 @@ import sys
 import torch
 
 from twell.bench.inference import bench_ms, dense_gated, machine_info
-from twell.bench.synthetic import make_ffn
-from twell.kernels import OverflowCounters, ffn_from_twell, pack_relu, updown
-from twell.ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights, twell_gated_mlp
+from twell.kernels import OverflowCounters, ffn_from_twell, updown
+from twell.ops import twell_gated_mlp
+from updown_split_probe import twell_case
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
 D, F = 2048, 5632
@@ -51,11 +51,7 @@ def main() -> None:
     shipped = dict(updown.DENSE_ROWS_CONFIG)
     with torch.no_grad():
         for M, k, dist in CASES:
-            s = make_ffn(M, D, F, k, dist, torch.bfloat16, "cuda", seed=M + k + D)
-            w = prepare_gated_weights(s.w_up, s.w_down)
-            pre = torch.mm(s.x, s.w_gate.T)
-            g = pack_relu(pre, default_tile(F), DEFAULT_COMPRESSION)
-            nnz = (pre > 0).sum(1).double()
+            s, w, pre, g, nnz = twell_case(M, k, dist)
             k_mean, k_rms = float(nnz.mean()), float(nnz.pow(2).mean().sqrt())
             be, nw = updown.default_config(D, k_mean, split=updown.splits(M, True), rms_k=k_rms)
             c = OverflowCounters.zeros("cuda")

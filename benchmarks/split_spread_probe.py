@@ -20,9 +20,8 @@ import sys
 import torch
 
 from twell.bench.inference import bench_ms, machine_info
-from twell.bench.synthetic import make_ffn
-from twell.kernels import OverflowCounters, ffn_from_twell, pack_relu, updown
-from twell.ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights
+from twell.kernels import OverflowCounters, ffn_from_twell, updown
+from updown_split_probe import twell_case
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
 M, D, F = 131072, 2048, 5632
@@ -35,12 +34,7 @@ def main() -> None:
     recs = []
     with torch.no_grad():
         for k, dist, sigma in CASES:
-            kw = {} if sigma is None else dict(heavy_sigma=sigma)
-            s = make_ffn(M, D, F, k, dist, torch.bfloat16, "cuda", seed=M + k + D, **kw)
-            w = prepare_gated_weights(s.w_up, s.w_down)
-            pre = torch.mm(s.x, s.w_gate.T)
-            g = pack_relu(pre, default_tile(F), DEFAULT_COMPRESSION)
-            nnz = (pre > 0).sum(1).double()
+            s, w, pre, g, nnz = twell_case(M, k, dist, **({} if sigma is None else dict(heavy_sigma=sigma)))
             k_mean, k_rms = float(nnz.mean()), float(nnz.pow(2).mean().sqrt())
             tok = updown.default_config(D, k_mean)
             c = OverflowCounters.zeros("cuda")

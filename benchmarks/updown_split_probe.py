@@ -27,15 +27,24 @@ CASES = [(M, k, "even") for M in (4096, 16384, 131072) for k in (8, 29, 56)] + [
 SHAPES = [(1, 4), (2, 4), (1, 2), (2, 2), (1, 8), (4, 4)]
 
 
+def twell_case(M: int, k: float, dist: str, device: str = "cuda", **make_kw):
+    """One case as the module's prefill path sees it (shared with split_spread_probe.py and
+    exact_launch_probe.py): ``(s, w, pre, g, per_row)``, the synthetic FFN (bf16, d D, f F),
+    its prepared weights, the cuBLAS gate's pre-activation, its TwELL (``pack_relu``) and the
+    active units per row (float64)."""
+    s = make_ffn(M, D, F, k, dist, torch.bfloat16, device, seed=M + int(k) + D, **make_kw)
+    w = prepare_gated_weights(s.w_up, s.w_down)
+    pre = torch.mm(s.x, s.w_gate.T)
+    g = pack_relu(pre, default_tile(F), DEFAULT_COMPRESSION)
+    return s, w, pre, g, g.counts.sum(1).double()
+
+
 def main() -> None:
     recs = []
     with torch.no_grad():
         for M, k, dist in CASES:
-            s = make_ffn(M, D, F, k, dist, torch.bfloat16, "cuda", seed=M + k + D)
-            w = prepare_gated_weights(s.w_up, s.w_down)
-            pre = torch.mm(s.x, s.w_gate.T)
-            g = pack_relu(pre, default_tile(F), DEFAULT_COMPRESSION)
-            k_mean = float(g.counts.sum(1).float().mean())
+            s, w, pre, g, per_row = twell_case(M, k, dist)
+            k_mean = float(per_row.mean())
             tok = updown.default_config(D, k_mean)
             c = OverflowCounters.zeros("cuda")
             variants = {f"token {tok[0]}x{tok[1]}": dict(kernel="token", block_e=tok[0], num_warps=tok[1])}

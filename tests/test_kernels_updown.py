@@ -314,6 +314,19 @@ def test_module_kernel_path_sees_new_weights():
         assert m.down_proj.weight.t().is_contiguous()  # laid out for the kernels again
 
 
+def _spy_updown_shapes(monkeypatch) -> list:
+    """The (block_e, num_warps) of each ffn_from_twell call the modules make, in a list."""
+    seen = []
+    real = ffn_from_twell
+
+    def spy(*args, **kw):
+        seen.append((kw["block_e"], kw["num_warps"]))
+        return real(*args, **kw)
+
+    monkeypatch.setattr(twell.kernels, "ffn_from_twell", spy)
+    return seen
+
+
 def test_updown_shape_follows_the_layers_density(monkeypatch):
     """At d 2048 two entries a step below WIDE_STEP's mean, four from it; the module's prefill
     calls pass the shape for the layer's estimate (none yet: the sparse shape)."""
@@ -325,14 +338,7 @@ def test_updown_shape_follows_the_layers_density(monkeypatch):
     assert default_config(2048, k_wide) == wide != TUNED[2048]
     assert default_config(1500, k_wide) == wide  # padded to 2048
     assert default_config(4096, 500.0) == TUNED[4096]  # no second shape measured there
-    seen = []
-    real = ffn_from_twell
-
-    def spy(*args, **kw):
-        seen.append((kw["block_e"], kw["num_warps"]))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(twell.kernels, "ffn_from_twell", spy)
+    seen = _spy_updown_shapes(monkeypatch)
     monkeypatch.setitem(WIDE_STEP, 64, (10.0, (8, 1)))  # d 40 pads to 64: a second shape there
     m = twell.SparseGatedMLP(40, 100).eval()
     m.kernel_mode = "prefill"
@@ -360,14 +366,7 @@ def test_split_shape_follows_the_rows_spread(monkeypatch):
     assert default_config(2048, 29.0, split=True) == default_config(2048, None, split=True, rms_k=29.0) == wide
     assert default_config(2048, 29.0, rms_k=29.0) == TUNED[2048]  # the fused path keeps its rule
     assert default_config(4096, 29.0, split=True, rms_k=29.0) == TUNED[4096]  # no split shape measured there
-    seen = []
-    real = ffn_from_twell
-
-    def spy(*args, **kw):
-        seen.append((kw["block_e"], kw["num_warps"]))
-        return real(*args, **kw)
-
-    monkeypatch.setattr(twell.kernels, "ffn_from_twell", spy)
+    seen = _spy_updown_shapes(monkeypatch)
     monkeypatch.setattr(updown, "SPLIT_MIN_M", 1)
     monkeypatch.setitem(SPLIT_NARROW, 64, (1, 1))  # d 40 pads to 64
     monkeypatch.setitem(SPLIT_CONFIG, 64, (4, 2))

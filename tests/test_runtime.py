@@ -827,6 +827,15 @@ def test_run_writes_out_where_its_path_can(mode, M, capturing):
     torch.testing.assert_close(y, ref)
 
 
+def test_auto_prefill_calls_take_the_dense_rows_path():
+    """The estimate prices long and overflowed rows as computed whole on tensor cores, which
+    ffn_from_twell does from TWO_PASS_MIN_M tokens: every call "auto" sends to the prefill
+    kernels (eager or in a capture) has at least that many."""
+    from twell.kernels import updown
+
+    assert min(PREFILL_MIN_M, EAGER_PREFILL_MIN_M) >= updown.TWO_PASS_MIN_M
+
+
 def test_prefill_overflow_cost_counts_rows_computed_whole():
     """An overflowed tile per token costs DENSE_ROW_COST (its row is computed whole on tensor
     cores), whatever the tile and f; a probe of four slots (no dense-row statistics) reads so."""

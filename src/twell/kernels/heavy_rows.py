@@ -146,8 +146,7 @@ def heavy_rows_forward(
     num_warps: int = 4,
     num_stages: int = 3,
     unit_counts: Optional[torch.Tensor] = None,
-    stats: bool = True,
-) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward of the listed rows held dense, with no host synchronisation.
 
     Args:
@@ -164,14 +163,11 @@ def heavy_rows_forward(
         unit_counts: optional ``[f]`` int32/int64 tensor on x's device to add the listed rows'
             counts to (in place; the light rows' counts, so that no second buffer is made and
             added), returned as the second result.
-        stats: False: neither the sums of ``|h|`` nor the counts unless ``unit_counts`` is
-            given (inference: :func:`twell.kernels.ffn_from_twell`'s overflowed rows).
 
     Returns:
         ``(l1_rows [M] fp32, unit_counts [f])``: the listed rows' sum of ``|h|`` (zero for
         the other rows) and how many listed rows each unit is active in (``a > 0`` or NaN),
-        int32 in a new tensor, or added to ``unit_counts``; with ``stats`` False, None for
-        the sums and for counts not asked for.
+        int32 in a new tensor, or added to ``unit_counts``.
     """
     check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
     check_tensor(a, "a", dim=2, dtypes=KERNEL_DTYPES)
@@ -194,21 +190,18 @@ def heavy_rows_forward(
     check_weight_rows(w_up, "w_up", f, d, x)
     check_launchable(x, "x")
     if unit_counts is None:
-        if stats:
-            unit_counts = torch.zeros(f, dtype=torch.int32, device=x.device)
+        unit_counts = torch.zeros(f, dtype=torch.int32, device=x.device)
     elif unit_counts.shape != (f,) or unit_counts.dtype not in (torch.int32, torch.int64) or unit_counts.device != x.device \
             or not unit_counts.is_contiguous():
         raise ValueError(f"unit_counts must be a contiguous [f] = [{f}] int32/int64 tensor on {x.device}, got "
                          f"{list(unit_counts.shape)} {unit_counts.dtype} on {unit_counts.device}")
-    partial = torch.zeros(triton.cdiv(f, block_n), M, dtype=torch.float32, device=x.device) if stats else None
-    if M == 0 or f == 0 or rows.numel() == 0:
-        return None if partial is None else partial.sum(0), unit_counts
-    launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, partial, unit_counts, block_m, block_n, block_k, num_warps,
-                      num_stages)
-    return None if partial is None else partial.sum(0), unit_counts
+    partial = torch.zeros(triton.cdiv(f, block_n), M, dtype=torch.float32, device=x.device)
+    launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, partial, unit_counts, block_m=block_m, block_n=block_n,
+                      block_k=block_k, num_warps=num_warps, num_stages=num_stages)
+    return partial.sum(0), unit_counts
 
 
-def launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, l1_partial, unit_counts, block_m, block_n, block_k,
+def launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, l1_partial, unit_counts, *, block_m, block_n, block_k,
                       num_warps, num_stages) -> None:
     """The two launches of :func:`heavy_rows_forward`, arguments as it checks them except that
     x's rows may have any stride (unit-stride columns) (``l1_partial``: its ``[cdiv(f, block_n),

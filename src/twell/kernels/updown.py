@@ -619,9 +619,7 @@ def ffn_from_twell(
                 g.counts, M, g.slots, g.n_tiles, row_limit, rows, n_rows, ovf, BM=LIST_ROWS_BLOCK,
                 NTP=triton.next_power_of_2(g.n_tiles),
             )
-            cfg = DENSE_ROWS_CONFIG
-            launch_heavy_rows(x, pre, rows, n_rows, out, w_down_t.t(), w_up, None, unit_counts, cfg["block_m"],
-                              cfg["block_n"], cfg["block_k"], cfg["num_warps"], cfg["num_stages"])
+            launch_heavy_rows(x, pre, rows, n_rows, out, w_down_t.t(), w_up, None, unit_counts, **DENSE_ROWS_CONFIG)
 
         if rows_kernel:
             token_kernel(True, False, BE, nw)
