@@ -55,7 +55,26 @@ def test_unit_counts_and_keys(blocks, M, W, f, share):
         keep = used.flatten() & (True if ex is None else ~ex[cols.flatten().long()])
         want_key = torch.where(keep, cols.flatten().to(torch.int32), f + p % TI.TRASH_KEYS)
         key = TI.slot_keys(cols.to(DEV), counts.to(DEV), f, None if ex is None else ex.to(DEV)).cpu()
-        assert key.dtype == torch.int32 and torch.equal(key, want_key)
+        assert key.dtype == TI.key_dtype(f) == torch.int16 and torch.equal(key.to(torch.int32), want_key)
+
+
+@pytest.mark.parametrize("f", [32768 - TI.TRASH_KEYS, 32768 - TI.TRASH_KEYS + 1])
+def test_keys_switch_to_int32_where_int16_cannot_hold_them(f):
+    """At the largest f for 16-bit keys the last trash key is 32767; one unit more and they are
+    int32. Units near f and trash keys near the top: a wrapped key would sort before the units."""
+    M, W = 5, 3
+    cols = torch.tensor([[f - 1, f - 2, 0]] * M, dtype=torch.int32)
+    counts = torch.tensor([3, 1, 0, 4, 2], dtype=torch.int32)  # row 3 is heavy
+    key = TI.slot_keys(cols.to(DEV), counts.to(DEV), f).cpu()
+    assert key.dtype == (torch.int16 if f == 32768 - TI.TRASH_KEYS else torch.int32)
+    p = torch.arange(M * W, dtype=torch.int32)
+    want = torch.where(used_slots(cols, counts).flatten(), cols.flatten(), f + p % TI.TRASH_KEYS)
+    assert torch.equal(key.to(torch.int32), want)
+    order, offsets = TI.unit_index(cols.to(DEV), counts.to(DEV), f)
+    order, offsets = order.cpu(), offsets.cpu()
+    # unit 0: slot 2; unit f - 2: slots 1, 13; unit f - 1: slots 0, 3, 12 (row 3 heavy, row 2 empty)
+    assert offsets[[0, 1, f - 2, f - 1, f]].tolist() == [0, 1, 1, 3, 6]
+    assert order[:6].tolist() == [2, 1, 13, 0, 3, 12]
 
 
 def test_unit_index_groups_slots_by_unit(blocks):
