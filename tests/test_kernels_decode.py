@@ -149,6 +149,27 @@ def test_decode_gpu_bf16(M, k):
     assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_decode_gpu_partials_past_int32_offsets():
+    """150000 tokens at d 2048 (``kernel_mode="decode"`` takes any M): the eighth share of the
+    fp32 partials ``[8, M, d]`` starts past 2^31 elements, where offsets computed in int32
+    wrapped (an audit, 2026-12-04). About 10 GB of partials."""
+    from twell.bench.inference import dense_gated, errors, reference_fp32
+
+    M, d, f = 150_000, 2048, 256
+    assert 7 * M * d >= 2**31 and decode.decode_config(M)[-1] == 8
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(M, d, device="cuda", generator=g).to(torch.bfloat16)
+    w_gate, w_up = (torch.randn(f, d, device="cuda", generator=g).div(d**0.5).to(torch.bfloat16) for _ in range(2))
+    w_down = torch.randn(d, f, device="cuda", generator=g).div(f**0.5).to(torch.bfloat16)
+    y = ffn_decode(x, w_gate, w_down.T.contiguous(), w_up=w_up)
+    ref = reference_fp32(x, w_gate, w_up, w_down)
+    _, dense_row = errors(dense_gated(x, w_gate, w_up, w_down), ref)
+    rel, row = errors(y, ref)
+    assert rel < 1e-2 and row <= 2 * dense_row + 1e-6, (rel, row, dense_row)
+
+
 # --- the fused decode kernel (twell.kernels.decode_fused) ----------------------------------------
 
 # M, d, f, (BU, BK, BD, warps, stages) or a GemvConfig (the CUDA-core variant); None: the default

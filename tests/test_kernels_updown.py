@@ -164,6 +164,38 @@ def test_overflowed_rows_dense(dtype, M, d, f, tile, C, kernel, row_limit, monke
     assert torch.equal(p_nc, p) and torch.equal(y_nc, y)
 
 
+def test_weights_past_int32_offsets_take_the_exact_launch(monkeypatch):
+    """The heavy-rows kernels address weights with int32 offsets: weights whose views span 2^31
+    elements or more (none real: the span is checked on meta tensors) are refused there, and
+    ffn_from_twell takes the exact launch instead of listing rows (here with the limit lowered
+    so that a small case crosses it: pre is left as it was, y as without pre_writable)."""
+    from twell.kernels import heavy_rows
+
+    meta = dict(device="meta", dtype=torch.bfloat16)
+    assert heavy_rows.weights_addressable(torch.empty(131072, 16384, **meta), None)  # last element 2^31 - 1
+    assert not heavy_rows.weights_addressable(torch.empty(131073, 16384, **meta))
+    fused = torch.empty(65536, 2 * 16384, **meta)  # the second half of a fused [f, 2d] matrix
+    assert heavy_rows.weights_addressable(fused[:, 16384:])
+    assert not heavy_rows.weights_addressable(torch.empty(65537, 2 * 16384, **meta)[:, 16384:])
+    assert not heavy_rows.weights_addressable(torch.empty(16384, 131073, **meta).t())  # w_down_t as a view
+    M, d, f = 2, 16384, 131073
+    x, a, y = torch.empty(M, d, **meta), torch.empty(M, f, **meta), torch.empty(M, d, **meta)
+    rows, n = torch.zeros(M, dtype=torch.int64, device="meta"), torch.ones(1, dtype=torch.int64, device="meta")
+    with pytest.raises(ValueError, match="2\\^31"):
+        heavy_rows.heavy_rows_forward(x, a, rows, n, y, torch.empty(d, f, **meta), torch.empty(f, d, **meta))
+
+    monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+    monkeypatch.setattr(heavy_rows, "_MAX_SPAN", 40 * 100 - 1)  # w_up [100, 40] reaches element 3999
+    x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=5)
+    pre = x @ wg.T
+    g = packed(pre, 16, 2)
+    assert bool(g.overflowed().any())
+    p = pre.clone()
+    y = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=p, pre_writable=True)
+    assert torch.equal(p, pre) and torch.equal(y, ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre))
+    assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < TOL[torch.float32]
+
+
 def test_overflowed_rows_list_without_overflow(monkeypatch):
     """Nothing overflowed: the list is empty, y is the per-row path's bit for bit, pre untouched."""
     monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)

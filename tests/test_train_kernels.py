@@ -407,6 +407,11 @@ def test_validation():
         sparse_gated_ffn(x, wg, wu, wd, 0)
     with pytest.raises(ValueError, match="w_up must be"):
         sparse_ffn(x, wu[:, :20], wd, 16)
+    # weights spanning 2^31 elements (meta: shapes only): the heavy rows' kernels cannot address them
+    x, wg, wu, wd = (torch.empty(s, device="meta", dtype=torch.bfloat16) for s in
+                     ((5, 16384), (131073, 16384), (131073, 16384), (16384, 131073)))
+    with pytest.raises(ValueError, match="fewer than 2\\^31 elements"):
+        sparse_gated_ffn(x, wg, wu, wd, 16)
 
 
 def test_meta_tensors_and_a_missing_up_weight_are_refused():

@@ -48,7 +48,7 @@ from torch.autograd.function import once_differentiable
 
 from .checks import KERNEL_DTYPES, check_launchable, check_mlp_args, check_tensor
 from .kernels.dense_rows import dense_rows_backward, dense_rows_forward
-from .kernels.heavy_rows import heavy_rows_forward
+from .kernels.heavy_rows import heavy_rows_forward, weights_addressable
 from .kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, pack_rows
 from .kernels.train_index import heavy_and_hot, light_unit_counts, unit_index
 
@@ -132,6 +132,9 @@ def _check_args(x, w_up, w_down, w_gate, width) -> int:
     for w, name in ((w_gate, "w_gate"), (w_up, "w_up")):
         if w is not None and w.stride(1) != 1:
             raise ValueError(f"{name} must have unit-stride rows (stride(1) == 1), got strides {w.stride()}")
+    if not weights_addressable(w_up, w_down):  # the heavy rows' forward kernels (int32 weight offsets)
+        raise ValueError(f"the sparse training ops take weights of fewer than 2^31 elements (d {d}, f {f}); "
+                         "use the dense path (train_kernels='dense')")
     check_launchable(x, "x")
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be an int >= 1, got {width!r}")

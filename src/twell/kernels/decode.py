@@ -148,17 +148,20 @@ def _decode_down_kernel(
     if SPLITS == 1:
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty), mask=omask)
     else:
-        tl.store(part_ptr + (sp * M + rows.to(tl.int64))[:, None] * d + cols[None, :], acc, mask=omask)
+        tl.store(part_ptr + (sp.to(tl.int64) * M + rows)[:, None] * d + cols[None, :], acc, mask=omask)
 
 
 @triton.jit
 def _decode_sum_kernel(part_ptr, y_ptr, stride_ym, M, d, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     # y = sum over the shares of the fp32 partials [SPLITS, M, d], in share order
+    # M d in int64: from M d >= 2^31 / 7 (M 149797 at d 2048, through kernel_mode="decode")
+    # the shares' offsets in int32 wrapped (a helper's audit, 2026-12-04)
+    n = tl.cast(M, tl.int64) * d
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < M * d
+    mask = offs < n
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for sp in range(SPLITS):
-        acc += tl.load(part_ptr + sp * M * d + offs, mask=mask, other=0.0)
+        acc += tl.load(part_ptr + sp * n + offs, mask=mask, other=0.0)
     tl.store(y_ptr + (offs // d) * stride_ym + offs % d, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -33,7 +33,18 @@ from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight
 from ._activity import fires, relu
 from ._launch import on_device_of
 
-__all__ = ["heavy_rows_forward"]
+__all__ = ["heavy_rows_forward", "weights_addressable"]
+
+# The kernels address weight elements with int32 offsets (units or columns times a stride: the
+# tuned inner loops stay as they were measured; int64 there costs instructions in heavy_down's).
+_MAX_SPAN = 2**31
+
+
+def weights_addressable(*weights: Optional[torch.Tensor]) -> bool:
+    """Whether every element these weights' views reach lies within 2^31 elements of their first:
+    what the heavy-rows kernels' int32 offsets can address. Every real FFN does (d f = 2^31 is d
+    16384 with f 131072); callers route larger weights elsewhere."""
+    return all(w is None or sum((n - 1) * abs(s) for n, s in zip(w.shape, w.stride()) if n) < _MAX_SPAN for w in weights)
 
 
 @triton.jit
@@ -188,6 +199,9 @@ def heavy_rows_forward(
     if w_down.shape != (d, f) or w_down.dtype != x.dtype or w_down.device != x.device:
         raise ValueError(f"w_down must be [d, f] = {[d, f]} of x's dtype and device, got {list(w_down.shape)} {w_down.dtype}")
     check_weight_rows(w_up, "w_up", f, d, x)
+    if not weights_addressable(w_down, w_up):
+        raise ValueError(f"w_down / w_up reach 2^31 elements or more (d {d}, f {f}, strides {w_down.stride()}): "
+                         "the heavy-rows kernels address weights with 32-bit offsets")
     check_launchable(x, "x")
     if unit_counts is None:
         unit_counts = torch.zeros(f, dtype=torch.int32, device=x.device)

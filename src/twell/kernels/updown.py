@@ -43,7 +43,7 @@ from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight
 from ..format import TwELL, twell_slots
 from ._activity import fires
 from ._launch import on_device_of
-from .heavy_rows import launch_heavy_rows
+from .heavy_rows import launch_heavy_rows, weights_addressable
 
 __all__ = ["ffn_from_twell", "OverflowCounters"]
 
@@ -565,7 +565,8 @@ def ffn_from_twell(
     if M == 0:
         return out
     # overflowed and long rows whole, on tensor cores (see DENSE_ROWS_CONFIG; x's rows at any stride)
-    dense_rows = pre is not None and pre_writable and not rows_kernel and M >= TWO_PASS_MIN_M
+    dense_rows = (pre is not None and pre_writable and not rows_kernel and M >= TWO_PASS_MIN_M
+                  and weights_addressable(w_down_t, w_up))  # (else the exact launch below, as without pre_writable)
     row_limit = DENSE_ROW_MIN
     D = triton.next_power_of_2(max(d, 1))
     gated = w_up is not None
