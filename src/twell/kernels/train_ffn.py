@@ -177,6 +177,74 @@ def pack_rows(
 
 
 # ---------------------------------------------------------------------------------------------
+# What every row kernel does with its row: one program per token m, its slots s at flat index
+# m W + s, BE at a time
+# ---------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _light_count(cnt_ptr, m, W):
+    """Used slots of row ``m`` to process: its count, or none for a heavy row (count > W),
+    whose results the dense path writes."""
+    cnt = tl.load(cnt_ptr + m)
+    return tl.where(cnt > W, 0, cnt)
+
+
+@triton.jit
+def _slot_units(col_ptr, row, s, n):
+    """``(valid, j)``: which slots ``s`` of the row starting at flat slot ``row`` are used (s < n)
+    and their units (int64; 0 where unused)."""
+    valid = s < n
+    return valid, tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
+
+
+@triton.jit
+def _unit_rows(w_ptr, stride_w, j, valid, dd, dm):
+    """``[BE, columns]``: columns ``dd`` of the ``[f, d]`` weight rows of units ``j``, one
+    contiguous read per unit; zeros at unused slots and columns past d."""
+    return tl.load(w_ptr + j[:, None] * stride_w + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+
+
+@triton.jit
+def _zero_unused_slots(u_ptr, row, n, W, BE: tl.constexpr):
+    """u past the row's entries (all of a heavy row's) is zero: nothing reads unwritten memory."""
+    for s0 in range(0, W, BE):
+        s = s0 + tl.arange(0, BE)
+        tl.store(u_ptr + row + s, tl.zeros([BE], dtype=u_ptr.dtype.element_ty), mask=(s >= n) & (s < W))
+
+
+@triton.jit
+def _slot_h(g_ptr, u_ptr, row, s, valid, GATED: tl.constexpr):
+    """``(g, u, h)`` of slots ``s`` in fp32: h = g u with u as the forward stored it (gated), or
+    h = g (non-gated; u is g there, unused)."""
+    g = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
+    if GATED:
+        u = tl.load(u_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
+        h = g * u
+    else:
+        u = g
+        h = g
+    return g, u, h
+
+
+@triton.jit
+def _l1_sign(h):
+    """sign(h), the L1 term's gradient with respect to h (0 at 0)."""
+    return tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+
+
+@triton.jit
+def _store_slot_grads(dh, g, u, du_ptr, da_ptr, row, s, valid, GATED: tl.constexpr):
+    """du = dh g and da = dh u (gated), or du = dh (non-gated), in fp32 for the dx launch and
+    the weight gradients."""
+    if GATED:
+        tl.store(du_ptr + row + s, dh * g, mask=valid)
+        tl.store(da_ptr + row + s, dh * u, mask=valid)
+    else:
+        tl.store(du_ptr + row + s, dh, mask=valid)
+
+
+# ---------------------------------------------------------------------------------------------
 # Forward rows: u (gated), h, y and sum |h| per token
 # ---------------------------------------------------------------------------------------------
 
@@ -190,8 +258,7 @@ def _forward_rows_kernel(
     BE: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
-    cnt = tl.load(cnt_ptr + m)
-    n = tl.where(cnt > W, 0, cnt)  # a heavy row: the dense path writes its results
+    n = _light_count(cnt_ptr, m, W)
     es = tl.arange(0, BE)
     ds = tl.arange(0, BD)
     row = m * W
@@ -202,23 +269,19 @@ def _forward_rows_kernel(
         # and h = g u is formed from that rounded u here, in phase 2 and in the backward alike.
         for s0 in range(0, n, BE):
             s = s0 + es
-            valid = s < n
-            j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
+            valid, j = _slot_units(col_ptr, row, s, n)
             acc = tl.zeros([BE], dtype=tl.float32)
             for d0 in range(0, d, BD):
                 dd = d0 + ds
                 dm = dd < d
                 xv = tl.load(x_ptr + m * stride_xm + dd, mask=dm, other=0.0).to(tl.float32)
-                w = tl.load(wu_ptr + j[:, None] * stride_wu + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+                w = _unit_rows(wu_ptr, stride_wu, j, valid, dd, dm)
                 acc += tl.sum(w.to(tl.float32) * xv[None, :], axis=1)
             u = acc.to(u_ptr.dtype.element_ty)
             tl.store(u_ptr + row + s, u, mask=valid)
             g = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
             l1 += tl.sum(tl.abs(g * u.to(tl.float32)), axis=0)
-        # u past the row's entries (all of a heavy row's) is zero: nothing reads unwritten memory
-        for s0 in range(0, W, BE):
-            s = s0 + es
-            tl.store(u_ptr + row + s, tl.zeros([BE], dtype=u_ptr.dtype.element_ty), mask=(s >= n) & (s < W))
+        _zero_unused_slots(u_ptr, row, n, W, BE)
         tl.debug_barrier()  # phase 2 reads u that other threads of this program stored
     else:
         for s0 in range(0, n, BE):
@@ -231,12 +294,11 @@ def _forward_rows_kernel(
         acc_y = tl.zeros([BD], dtype=tl.float32)
         for s0 in range(0, n, BE):
             s = s0 + es
-            valid = s < n
-            j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
+            valid, j = _slot_units(col_ptr, row, s, n)
             h = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
             if GATED:
                 h = h * tl.load(u_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
-            w = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+            w = _unit_rows(wdt_ptr, stride_wdt, j, valid, dd, dm)
             acc_y += tl.sum(h[:, None] * w.to(tl.float32), axis=0)
         tl.store(y_ptr + m * stride_ym + dd, acc_y.to(y_ptr.dtype.element_ty), mask=dm)
     tl.store(l1_ptr + m, l1)
@@ -255,8 +317,7 @@ def _rows_up_kernel(
     # launch's gathered rows (23 MB at f 5632, d 2048) fit in the H200's L2, which the two
     # together do not (benchmarks/NOTES_training.md, twenty-sixth session).
     m = tl.program_id(0).to(tl.int64)
-    cnt = tl.load(cnt_ptr + m)
-    n = tl.where(cnt > W, 0, cnt)  # a heavy row: the dense path writes its results
+    n = _light_count(cnt_ptr, m, W)
     es = tl.arange(0, BE)
     dd = tl.arange(0, D)
     dm = dd < d
@@ -264,15 +325,11 @@ def _rows_up_kernel(
     x = tl.load(x_ptr + m * stride_xm + dd, mask=dm, other=0.0).to(tl.float32)
     for s0 in range(0, n, BE):
         s = s0 + es
-        valid = s < n
-        j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
-        w = tl.load(wu_ptr + j[:, None] * stride_wu + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+        valid, j = _slot_units(col_ptr, row, s, n)
+        w = _unit_rows(wu_ptr, stride_wu, j, valid, dd, dm)
         u = tl.sum(w.to(tl.float32) * x[None, :], axis=1).to(u_ptr.dtype.element_ty)
         tl.store(u_ptr + row + s, u, mask=valid)
-    # u past the row's entries (all of a heavy row's) is zero: nothing reads unwritten memory
-    for s0 in range(0, W, BE):
-        s = s0 + es
-        tl.store(u_ptr + row + s, tl.zeros([BE], dtype=u_ptr.dtype.element_ty), mask=(s >= n) & (s < W))
+    _zero_unused_slots(u_ptr, row, n, W, BE)
 
 
 @triton.jit
@@ -285,8 +342,7 @@ def _rows_down_kernel(
     # Forward, second launch (the only one non-gated): y[m] = sum_j h_j w_down^T[j] with
     # h = g u (gated) or the stored h, and the row's sum of |h|.
     m = tl.program_id(0).to(tl.int64)
-    cnt = tl.load(cnt_ptr + m)
-    n = tl.where(cnt > W, 0, cnt)
+    n = _light_count(cnt_ptr, m, W)
     es = tl.arange(0, BE)
     dd = tl.arange(0, D)
     dm = dd < d
@@ -295,13 +351,12 @@ def _rows_down_kernel(
     l1 = tl.sum(tl.zeros([BE], dtype=tl.float32), axis=0)
     for s0 in range(0, n, BE):
         s = s0 + es
-        valid = s < n
-        j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
+        valid, j = _slot_units(col_ptr, row, s, n)
         h = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
         if GATED:
             h = h * tl.load(u_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
         l1 += tl.sum(tl.abs(h), axis=0)
-        wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+        wd = _unit_rows(wdt_ptr, stride_wdt, j, valid, dd, dm)
         acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
     tl.store(y_ptr + m * stride_ym + dd, acc.to(y_ptr.dtype.element_ty), mask=dm)
     tl.store(l1_ptr + m, l1)
@@ -401,8 +456,7 @@ def _backward_rows_kernel(
     BE: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr,
 ):
     m = tl.program_id(0).to(tl.int64)
-    cnt = tl.load(cnt_ptr + m)
-    n = tl.where(cnt > W, 0, cnt)
+    n = _light_count(cnt_ptr, m, W)
     es = tl.arange(0, BE)
     ds = tl.arange(0, BD)
     row = m * W
@@ -411,28 +465,16 @@ def _backward_rows_kernel(
     # slots), then du = dh g and da = dh u (gated; non-gated: du = dh).
     for s0 in range(0, n, BE):
         s = s0 + es
-        valid = s < n
-        j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
+        valid, j = _slot_units(col_ptr, row, s, n)
         acc = tl.zeros([BE], dtype=tl.float32)
         for d0 in range(0, d, BD):
             dd = d0 + ds
             dm = dd < d
             dyv = tl.load(dy_ptr + m * stride_dym + dd, mask=dm, other=0.0).to(tl.float32)
-            w = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
+            w = _unit_rows(wdt_ptr, stride_wdt, j, valid, dd, dm)
             acc += tl.sum(w.to(tl.float32) * dyv[None, :], axis=1)
-        g = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
-        if GATED:
-            u = tl.load(u_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
-            h = g * u
-        else:
-            h = g
-        sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
-        dh = acc + c * sign
-        if GATED:
-            tl.store(du_ptr + row + s, dh * g, mask=valid)
-            tl.store(da_ptr + row + s, dh * u, mask=valid)
-        else:
-            tl.store(du_ptr + row + s, dh, mask=valid)
+        g, u, h = _slot_h(g_ptr, u_ptr, row, s, valid, GATED)
+        _store_slot_grads(acc + c * _l1_sign(h), g, u, du_ptr, da_ptr, row, s, valid, GATED)
     tl.debug_barrier()  # phase 2 reads du, da that other threads of this program stored
     # Phase 2: dx[m] = sum_j du_j w_up[j] + da_j w_gate[j], one d block at a time.
     for d0 in range(0, d, BD):
@@ -441,15 +483,13 @@ def _backward_rows_kernel(
         acc_x = tl.zeros([BD], dtype=tl.float32)
         for s0 in range(0, n, BE):
             s = s0 + es
-            valid = s < n
-            j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
-            wmask = valid[:, None] & dm[None, :]
+            valid, j = _slot_units(col_ptr, row, s, n)
             du = tl.load(du_ptr + row + s, mask=valid, other=0.0)
-            wu = tl.load(wu_ptr + j[:, None] * stride_wu + dd[None, :], mask=wmask, other=0.0)
+            wu = _unit_rows(wu_ptr, stride_wu, j, valid, dd, dm)
             acc_x += tl.sum(du[:, None] * wu.to(tl.float32), axis=0)
             if GATED:
                 da = tl.load(da_ptr + row + s, mask=valid, other=0.0)
-                wg = tl.load(wg_ptr + j[:, None] * stride_wg + dd[None, :], mask=wmask, other=0.0)
+                wg = _unit_rows(wg_ptr, stride_wg, j, valid, dd, dm)
                 acc_x += tl.sum(da[:, None] * wg.to(tl.float32), axis=0)
         tl.store(dx_ptr + m * stride_dxm + dd, acc_x.to(dx_ptr.dtype.element_ty), mask=dm)
 
@@ -465,8 +505,7 @@ def _rows_dh_kernel(
     # slot, the whole row of d in registers; du = dh g and da = dh u (gated), du = dh
     # (non-gated), stored in fp32 for the second launch and the weight gradients.
     m = tl.program_id(0).to(tl.int64)
-    cnt = tl.load(cnt_ptr + m)
-    n = tl.where(cnt > W, 0, cnt)
+    n = _light_count(cnt_ptr, m, W)
     es = tl.arange(0, BE)
     dd = tl.arange(0, D)
     dm = dd < d
@@ -475,22 +514,12 @@ def _rows_dh_kernel(
     dyv = tl.load(dy_ptr + m * stride_dym + dd, mask=dm, other=0.0).to(tl.float32)
     for s0 in range(0, n, BE):
         s = s0 + es
-        valid = s < n
-        j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
-        wd = tl.load(wdt_ptr + j[:, None] * stride_wdt + dd[None, :], mask=valid[:, None] & dm[None, :], other=0.0)
-        g = tl.load(g_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
-        if GATED:
-            u = tl.load(u_ptr + row + s, mask=valid, other=0.0).to(tl.float32)
-            h = g * u
-        else:
-            h = g
-        sign = tl.where(h > 0, 1.0, tl.where(h < 0, -1.0, 0.0))
+        valid, j = _slot_units(col_ptr, row, s, n)
+        wd = _unit_rows(wdt_ptr, stride_wdt, j, valid, dd, dm)
+        g, u, h = _slot_h(g_ptr, u_ptr, row, s, valid, GATED)
+        sign = _l1_sign(h)
         dh = tl.sum(wd.to(tl.float32) * dyv[None, :], axis=1) + c * sign
-        if GATED:
-            tl.store(du_ptr + row + s, dh * g, mask=valid)
-            tl.store(da_ptr + row + s, dh * u, mask=valid)
-        else:
-            tl.store(du_ptr + row + s, dh, mask=valid)
+        _store_slot_grads(dh, g, u, du_ptr, da_ptr, row, s, valid, GATED)
 
 
 @triton.jit
@@ -503,8 +532,7 @@ def _rows_dx_kernel(
     # Backward, second launch: dx[m] = sum_j du_j w_up[j] + da_j w_gate[j] (gated) or
     # sum_j du_j w_up[j] (non-gated), the whole row of d in registers.
     m = tl.program_id(0).to(tl.int64)
-    cnt = tl.load(cnt_ptr + m)
-    n = tl.where(cnt > W, 0, cnt)
+    n = _light_count(cnt_ptr, m, W)
     es = tl.arange(0, BE)
     dd = tl.arange(0, D)
     dm = dd < d
@@ -512,14 +540,12 @@ def _rows_dx_kernel(
     acc = tl.zeros([D], dtype=tl.float32)
     for s0 in range(0, n, BE):
         s = s0 + es
-        valid = s < n
-        j = tl.load(col_ptr + row + s, mask=valid, other=0).to(tl.int64)
-        wmask = valid[:, None] & dm[None, :]
+        valid, j = _slot_units(col_ptr, row, s, n)
         du = tl.load(du_ptr + row + s, mask=valid, other=0.0)
-        wu = tl.load(wu_ptr + j[:, None] * stride_wu + dd[None, :], mask=wmask, other=0.0)
+        wu = _unit_rows(wu_ptr, stride_wu, j, valid, dd, dm)
         if GATED:
             da = tl.load(da_ptr + row + s, mask=valid, other=0.0)
-            wg = tl.load(wg_ptr + j[:, None] * stride_wg + dd[None, :], mask=wmask, other=0.0)
+            wg = _unit_rows(wg_ptr, stride_wg, j, valid, dd, dm)
             acc += tl.sum(du[:, None] * wu.to(tl.float32) + da[:, None] * wg.to(tl.float32), axis=0)
         else:
             acc += tl.sum(du[:, None] * wu.to(tl.float32), axis=0)

@@ -106,6 +106,17 @@ def _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP: tl.constexpr):
 
 
 @triton.jit
+def _row_entries(col_ptr, m, e0, n_entries, incl, excl, SLOTS, N_TILES, TILE, NTP: tl.constexpr, BE: tl.constexpr):
+    """Entries ``e0 .. e0 + BE`` of row m: ``(valid, offset into values / cols, unit int64)``,
+    the unit read from the entry's column in its tile."""
+    e = e0 + tl.arange(0, BE)
+    valid = e < n_entries
+    off, t_e = _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP)
+    col = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int32)
+    return valid, off, (t_e * TILE + col).to(tl.int64)
+
+
+@triton.jit
 def _dense_rows_kernel(cnt_ptr, M, SLOTS, N_TILES, row_limit, rows_ptr, n_ptr, ovf_ptr, BM: tl.constexpr, NTP: tl.constexpr):
     # The rows with an overflowed tile or more than row_limit active units (_dense_row),
     # appended to a list whose length (n_ptr, zeroed by the caller) stays on the device, in no
@@ -157,12 +168,8 @@ def _ffn_from_twell_kernel(
     if ONLY_OVER:  # the stored entries were done by the launch before (narrow, split or row-block)
         n_entries = 0
     for e0 in range(0, n_entries, BE):
-        e = e0 + tl.arange(0, BE)
-        valid = e < n_entries
-        off, t_e = _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP)
-        col = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int32)
+        valid, off, unit = _row_entries(col_ptr, m, e0, n_entries, incl, excl, SLOTS, N_TILES, TILE, NTP, BE)
         v = tl.load(val_ptr + off, mask=valid, other=0.0).to(tl.float32)
-        unit = (t_e * TILE + col).to(tl.int64)
         wmask = valid[:, None] & dmask[None, :]
         if GATED:
             wu = tl.load(wu_ptr + unit[:, None] * stride_wu + offs_d[None, :], mask=wmask, other=0.0)
@@ -234,12 +241,8 @@ def _twell_up_kernel(
     cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, row_limit, NTP, WHOLE_ROWS)
     x = tl.load(x_ptr + m * stride_xm + offs_d, mask=dmask, other=0.0).to(tl.float32)
     for e0 in range(0, n_entries, BE):
-        e = e0 + tl.arange(0, BE)
-        valid = e < n_entries
-        off, t_e = _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP)
-        col = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int32)
+        valid, off, unit = _row_entries(col_ptr, m, e0, n_entries, incl, excl, SLOTS, N_TILES, TILE, NTP, BE)
         v = tl.load(val_ptr + off, mask=valid, other=0.0).to(tl.float32)
-        unit = (t_e * TILE + col).to(tl.int64)
         wu = tl.load(wu_ptr + unit[:, None] * stride_wu + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         tl.store(h_ptr + off, v * tl.sum(wu.to(tl.float32) * x[None, :], axis=1), mask=valid)
 
@@ -259,12 +262,8 @@ def _twell_down_kernel(
     ones = tl.full([BE], 1, dtype=tl.int32)
     acc = tl.zeros([D], dtype=tl.float32)
     for e0 in range(0, n_entries, BE):
-        e = e0 + tl.arange(0, BE)
-        valid = e < n_entries
-        off, t_e = _row_entry_place(m, e, incl, excl, SLOTS, N_TILES, NTP)
-        col = tl.load(col_ptr + off, mask=valid, other=0).to(tl.int32)
+        valid, off, unit = _row_entries(col_ptr, m, e0, n_entries, incl, excl, SLOTS, N_TILES, TILE, NTP, BE)
         h = tl.load(h_ptr + off, mask=valid, other=0.0)
-        unit = (t_e * TILE + col).to(tl.int64)
         wd = tl.load(wd_ptr + unit[:, None] * stride_wd + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
         if TRACK:
