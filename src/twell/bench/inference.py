@@ -9,7 +9,8 @@ For every (M, d, f, k, distribution) it records, in one flat dict:
   and each is the median of its rounds;
 - ``kernels_ms``: the TwELL kernels forced (:func:`twell.ops.twell_gated_mlp`, prepared weights);
 - ``gate_ms`` (cuBLAS gate alone), ``pack_ms`` (pack pass alone), ``gate_pack_ms`` (both),
-  ``updown_ms`` (fused up/down from TwELL alone);
+  ``updown_ms`` (up/down from TwELL alone, at the module's launch shape and with ``pre`` as
+  its scratch, as the module calls it);
 - ``rel_err`` (the module's output against an fp32 reference over the whole output),
   ``max_row_err`` / ``dense_max_row_err`` (largest per-row relative error of twell and of dense
   bf16 against the same reference), ``kernels_rel_err`` / ``kernels_max_row_err`` (forced kernels);
@@ -225,8 +226,11 @@ def run_grid(
                             g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
                             c = OverflowCounters.zeros(x.device)
                             be, nw = (int(v) for v in rec["token_config"].split("x"))  # the module's shape
+                            # as the module calls it: pre is scratch (rows computed whole overwrite
+                            # theirs with h; the rows listed and the work come from g, not pre's values)
                             rec["updown_ms"] = bench_ms(lambda: ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre, counters=c,
-                                                                               block_e=be, num_warps=nw), rep=krep)
+                                                                               block_e=be, num_warps=nw, pre_writable=True),
+                                                        rep=krep)
                             pairs = rec["k_measured"] * M
                             rec["updown_pair_GBps"] = pairs * 4 * d / (rec["updown_ms"] * 1e6)
                             del pre, g, w
