@@ -139,3 +139,22 @@ def test_validation():
         heavy_rows_forward(x, a, rows, n, y, wd, wu[:, :20])
     with pytest.raises(TypeError, match="y must be a torch.Tensor, got NoneType"):
         heavy_rows_forward(x, a, rows, n, None, wd, wu)
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_more_outputs_than_units(gated):
+    """d above f by more than a block (d 75, f 40: five column blocks of y, three of h): every
+    column of the listed rows of y is written (the down launch's grid follows d, not f)."""
+    M, d, f = 20, 75, 40
+    x, wg, wu, wd = _case(M, d, f, torch.float32, seed=4)
+    wu = wu if gated else None
+    a = x @ wg.T
+    a0 = a.clone()
+    rows = torch.tensor([3, 17, 0, 11], device=DEV)
+    y = torch.full((M, d), float("nan"), device=DEV)
+    heavy_rows_forward(x, a, rows, torch.tensor([4], device=DEV), y, wd, wu, **SMALL)
+    h, y_ref, _, _ = _reference(x, a0, rows, wd, wu)
+    listed = torch.zeros(M, dtype=torch.bool, device=DEV)
+    listed[rows] = True
+    assert torch.isnan(y[~listed]).all()
+    assert rel_err(y[rows], y_ref) <= 1e-6 and rel_err(a[rows], h) <= 1e-6

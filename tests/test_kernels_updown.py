@@ -196,6 +196,48 @@ def test_weights_past_int32_offsets_take_the_exact_launch(monkeypatch):
     assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("kernel", ["token", "split"])
+def test_dense_rows_from_exactly_two_pass_min_m(kernel, monkeypatch):
+    """The dense-rows path starts at TWO_PASS_MIN_M tokens inclusive, with the two launches it
+    needs: at M = TWO_PASS_MIN_M every listed row (here every row: DENSE_ROW_MIN -1) is computed
+    whole (pre's rows overwritten with h, y right, its rows never taken by the first launch alone),
+    one token short of it pre is only read. The row list is written inside its [M] buffer (a
+    guard past its end stays as it was)."""
+    from kernel_cases import GUARD, I16
+
+    M, d, f = 13, 40, 100
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=21)
+    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+    pre = x @ wg.T
+    g = packed(pre, 32, 4)
+    overflowed = g.overflowed().any(dim=1)
+    assert bool(overflowed.any()) and int(((pre > 0).sum(1) > 0)[~overflowed].sum()) >= 2
+    monkeypatch.setattr(updown, "DENSE_ROW_MIN", -1)
+    guards = []
+    real_empty = torch.empty
+
+    def guarded_empty(*size, **kw):  # 1-D int32 scratch: the first n of n + GUARD, the rest I16
+        if kw.get("dtype") == torch.int32 and len(size) == 1 and isinstance(size[0], int):
+            base = real_empty(size[0] + GUARD, **kw).fill_(I16)
+            guards.append(base[size[0]:])
+            return base[:size[0]]
+        return real_empty(*size, **kw)
+
+    monkeypatch.setattr(torch, "empty", guarded_empty)
+    w = prepare_gated_weights(wu, wd)
+    for two_pass_min_m, dense in ((M, True), (M + 1, False)):
+        monkeypatch.setattr(updown, "TWO_PASS_MIN_M", two_pass_min_m)
+        p = pre.clone()
+        out = torch.full((M, d), float("nan"))
+        y = ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=p, kernel=kernel, out=out, pre_writable=True)
+        assert rel_err(y, ref) < 1e-5, two_pass_min_m
+        if dense:
+            torch.testing.assert_close(p, torch.relu(pre) * (x @ wu.T), rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(p, pre)
+    assert len(guards) == 1 and bool((guards[0] == I16).all())
+
+
 def test_overflowed_rows_list_without_overflow(monkeypatch):
     """Nothing overflowed: the list is empty, y is the per-row path's bit for bit, pre untouched."""
     monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
@@ -372,6 +414,9 @@ def test_updown_shape_follows_the_layers_density(monkeypatch):
     assert default_config(4096, 500.0) == TUNED[4096]  # no second shape measured there
     seen = _spy_updown_shapes(monkeypatch)
     monkeypatch.setitem(WIDE_STEP, 64, (10.0, (8, 1)))  # d 40 pads to 64: a second shape there
+    # split shapes there too, which these calls (fewer than SPLIT_MIN_M tokens: the fused kernel) must not take
+    monkeypatch.setitem(updown.SPLIT_CONFIG, 64, (16, 2))
+    monkeypatch.setitem(updown.SPLIT_NARROW, 64, (32, 2))
     m = twell.SparseGatedMLP(40, 100).eval()
     m.kernel_mode = "prefill"
     x = torch.randn(6, 40)
@@ -395,6 +440,9 @@ def test_split_shape_follows_the_rows_spread(monkeypatch):
     edge = 29.0 * SPLIT_NARROW_MAX_SPREAD
     assert default_config(2048, 29.0, split=True, rms_k=29.3) == default_config(2048, 29.0, split=True, rms_k=edge) == narrow
     assert default_config(2048, 29.0, split=True, rms_k=edge * 1.01) == wide
+    # the measured points: narrow won up to spread 1.07 (even and skewed units), lost at 1.50
+    assert default_config(2048, 29.0, split=True, rms_k=29.0 * 1.07) == narrow
+    assert default_config(2048, 29.0, split=True, rms_k=29.0 * 1.5) == wide
     assert default_config(2048, 29.0, split=True) == default_config(2048, None, split=True, rms_k=29.0) == wide
     assert default_config(2048, 29.0, rms_k=29.0) == TUNED[2048]  # the fused path keeps its rule
     assert default_config(4096, 29.0, split=True, rms_k=29.0) == TUNED[4096]  # no split shape measured there

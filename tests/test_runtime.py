@@ -229,8 +229,9 @@ def test_split_gate_stages_fit_the_shared_memory(monkeypatch):
     assert S._gate_stages(fake(2), 16, cfg, 128, desc=True) == 6  # the other load path is not pinned
 
 
-def test_row_stats():
+def test_row_stats(monkeypatch):
     from twell.dispatch import row_stats
+    from twell.kernels import updown
 
     p = torch.tensor([0.0, 3.0, 4.0, 29.0, 1.0])
     mean, rms, top, over, dense, light_mean, light_rms, light_top = row_stats(p, torch.tensor(0.25), dense_min=3).tolist()
@@ -239,6 +240,12 @@ def test_row_stats():
     # rows above dense_min (4 and 29) are computed whole: the rest's statistics count them as 0
     assert dense == pytest.approx(0.4) and light_mean == pytest.approx(0.8)
     assert light_rms == pytest.approx((10 / 5) ** 0.5, rel=1e-6) and light_top == 3.0
+    # by default the limit is the up/down kernels' own, read when called (the estimate prices
+    # what the kernels compute whole)
+    monkeypatch.setattr(updown, "DENSE_ROW_MIN", 3)
+    assert row_stats(p, torch.tensor(0.25)).tolist() == row_stats(p, torch.tensor(0.25), dense_min=3).tolist()
+    monkeypatch.setattr(updown, "DENSE_ROW_MIN", 29)
+    assert row_stats(p).tolist()[4:] == [0.0, pytest.approx(7.4), pytest.approx(float(p.square().mean().sqrt())), 29.0]
 
 
 def test_probes_are_spaced():
@@ -849,6 +856,38 @@ def test_prefill_overflow_cost_counts_rows_computed_whole():
     s._host, s._event, s._union_m, s._no_overflow = torch.tensor([10.0, 12.0, 20.0, 0.5]), Done(), 0, False
     s._poll()
     assert s.estimate == pytest.approx((10.0 + LayerState.RMS_WEIGHT * 2.0 + 0.5 * LayerState.DENSE_ROW_COST, 20.0))
+
+
+@pytest.mark.parametrize("track", [True, False])
+def test_prefill_probe_publishes_rows_and_overflowed_tiles(track, monkeypatch):
+    """A prefill call's probe publishes every row's true active units (overflowed tiles counted
+    whole; from the kernels' row counts when tracking, else from the TwELL's counts) and the
+    overflowed tiles per token, not rows: a tile of 32 units (four slots) puts the dense row's
+    three full tiles over. CPU: LayerState._publish_rows spied (its copy to the host is CUDA's)."""
+    from kernel_cases import gate_case
+    from twell import ops
+    from twell.format import pack_twell
+
+    M, d, f = 6, 40, 100
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=2)
+    monkeypatch.setattr(ops, "default_tile", lambda f: 32)
+    m = SparseGatedMLP(d, f).eval()
+    m.track_stats = track
+    with torch.no_grad():
+        for lin, w in ((m.gate_proj, wg), (m.up_proj, wu), (m.down_proj, wd)):
+            lin.weight.copy_(w)
+    published = []
+    monkeypatch.setattr(LayerState, "_publish_rows", lambda self, per_row, over, *a: published.append((per_row, over)))
+    pre = x @ wg.T
+    g = pack_twell(torch.relu(pre), 32, ops.DEFAULT_COMPRESSION)
+    over_tiles = int(g.overflowed().sum())
+    assert over_tiles > int(g.overflowed().any(dim=1).sum()) > 0
+    with torch.no_grad():
+        y = m._twell_layer._prefill(m, x, wg, wd.T.contiguous(), wu, track, True)
+    assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 1e-5
+    (per_row, over), = published
+    assert torch.equal(per_row, (pre > 0).sum(1).float())
+    assert float(over) == pytest.approx(over_tiles / M)
 
 
 def test_split_rule_bounds_are_inclusive():
