@@ -2,16 +2,18 @@
 launch them*: the launchers run on CPU tensors of real shapes, and each kernel launch is caught
 and compiled (Triton's own argument specialisation: dtypes, 16-byte alignment, integers
 divisible by 16, constexprs, warps, stages) instead of run. For each launch it prints the
-registers per thread, spilled bytes, shared memory and a hash of the PTX instructions (line
-info stripped). Uses:
+registers per thread, spilled bytes, shared memory and hashes of the PTX (line info stripped)
+and of the SASS (nvdisasm; addresses and encodings stripped); with SM90_DUMP=DIR it also writes
+both texts there, to diff two commits' kernels. Uses:
 
 - a refactoring of kernel source that must not change what runs: same hashes on both commits;
 - a kernel change: registers and spills before any device time is spent.
 
 Needs the Triton the GPU machine has (3.6.0), e.g. in a side venv:
 
-    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 torch numpy
-    /tmp/t36/bin/python benchmarks/sm90_launched.py [name filter]
+    python3 -m venv /tmp/t36 && /tmp/t36/bin/pip install triton==3.6.0 numpy
+    /tmp/t36/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
+    /tmp/t36/bin/python benchmarks/sm90_launched.py [group ...]   (groups: see GROUPS; default all)
 
 Unlike benchmarks/sm90_ptx.py (kernels compiled from hand-written signatures, without the
 launcher's divisibility facts), the PTX here is the one the launchers' calls compile to on the
@@ -27,6 +29,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 os.environ.pop("TRITON_INTERPRET", None)
 
 import torch  # noqa: E402
@@ -36,20 +39,10 @@ from triton.compiler import ASTSource, make_backend  # noqa: E402
 from triton.runtime.jit import JITFunction, create_function_from_signature  # noqa: E402
 
 import twell.checks  # noqa: E402
+from sm90_ptx import instructions  # noqa: E402  (PTX without line info and labels)
 
 TARGET = GPUTarget("cuda", 90, 32)
 _BACKEND = make_backend(TARGET)
-
-
-def instructions(ptx: str) -> str:
-    out = []
-    for line in ptx.splitlines():
-        if line.lstrip().startswith((".loc", ".file", "//", "$L__")):
-            continue
-        if ".debug_" in line:
-            break
-        out.append(re.sub(r"\$L__\w+", "L", line))
-    return "\n".join(out)
 
 
 def _compile_instead_of_run(records: list, cache: dict):
