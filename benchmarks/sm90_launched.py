@@ -207,7 +207,37 @@ def inference_updown(M: int = 131072) -> None:
                            w_first=first, counters=c)
 
 
-GROUPS = {"training_rows": training_rows, "inference_updown": inference_updown}
+def decode(M_values=(1, 2, 4, 8, 16, 64)) -> None:
+    """The decode kernels as the dispatcher's small calls launch them on the H200: programmatic
+    dependent launch on, the split gate's stages as that GPU's shared memory allows."""
+    from twell.kernels import decode_fused, decode_split
+    from twell.kernels.decode import ffn_decode
+    from twell.kernels.decode_fused import DecodeScratch, ffn_decode_fused
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
+
+    h200_shared = 232448  # bytes of shared memory a block may use on the H200
+
+    def gate_stages(x, rows, cfg, BK, desc=False):  # decode_split._gate_stages on the H200
+        return max(1, min(cfg.num_stages, (h200_shared - 8 * 1024) // ((cfg.BU + rows) * BK * x.element_size())))
+
+    saved = (decode_fused.pdl_ok, decode_split.pdl_ok, decode_split._gate_stages)
+    decode_fused.pdl_ok = decode_split.pdl_ok = lambda t: True
+    decode_split._gate_stages = gate_stages
+    try:
+        w = torch.randn(F, D, dtype=BF16)
+        for M in M_values:
+            x = torch.randn(M, D, dtype=BF16)
+            for gated in (True, False):
+                w_up = w if gated else None
+                ffn_decode_fused(x, w, w, w_up=w_up, scratch=DecodeScratch(D, x.device, rows=max(16, M)))
+                if M >= 3:
+                    ffn_decode_split(x, w, w, w_up=w_up, scratch=SplitScratch(D, F, x.dtype, x.device))
+        ffn_decode(torch.randn(256, D, dtype=BF16), w, w, w_up=w)  # the three-launch path (kernel_mode="decode")
+    finally:
+        decode_fused.pdl_ok, decode_split.pdl_ok, decode_split._gate_stages = saved
+
+
+GROUPS = {"training_rows": training_rows, "inference_updown": inference_updown, "decode": decode}
 
 
 def main(argv: list[str]) -> None:
