@@ -133,7 +133,12 @@ def test_unpack_twell_of_a_kernel_written_twell():
     (lambda: pack_hybrid(torch.ones(2, 8), width=None), ValueError, "width must be an int >= 1, got None"),
     (lambda: pack_twell(torch.ones(2, 8, device="meta"), tile=16, compression=4), ValueError, "meta device"),
     (lambda: pack_hybrid(torch.ones(2, 8, device="meta")), ValueError, "meta device"),
-], ids=["unpack_twell", "unpack_hybrid", "width-float", "width-None", "pack_twell-meta", "pack_hybrid-meta"])
+    # 8.0 == 8: a membership test took it, and the shapes made from it failed inside torch
+    (lambda: pack_twell(torch.ones(2, 40), tile=16, compression=4.0), ValueError, "compression must be 2, 4 or 8, got 4.0"),
+    (lambda: twell_slots(32, 8.0), ValueError, "compression must be 2, 4 or 8, got 8.0"),
+    (lambda: twell_slots(True, 2), ValueError, "tile must be a power of two"),
+], ids=["unpack_twell", "unpack_hybrid", "width-float", "width-None", "pack_twell-meta", "pack_hybrid-meta",
+        "compression-float", "slots-compression-float", "tile-bool"])
 def test_format_bad_arguments(call, error, match):
     with pytest.raises(error, match=match):
         call()

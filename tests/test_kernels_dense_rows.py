@@ -100,6 +100,14 @@ def test_relu_keeps_nan_and_bad_input_is_refused():
     assert float(da[3, 4]) == float(dz[3, 4] * u[3, 4]) and not torch.isnan(da).any()
     dh, _, _ = dense_rows_backward(dz.clone(), a, None, c)
     assert float(dh[3, 4]) == float(dz[3, 4])
+    # with the L1 term: c sign(h) is 0 at a NaN h (torch.sign(NaN) = 0, as dense autograd of
+    # |relu(a)| gives), c where h > 0; gated and non-gated alike (non-gated added c at NaN)
+    c = torch.full((1,), 0.25, device=DEV)
+    dh, _, _ = dense_rows_backward(dz.clone(), a, None, c)
+    pos = a > 0
+    assert float(dh[3, 4]) == float(dz[3, 4]) and torch.equal(dh[pos], dz[pos] + 0.25)
+    du, da, _ = dense_rows_backward(dz.clone(), a, u, c)
+    assert float(da[3, 4]) == float(dz[3, 4] * u[3, 4])
     with pytest.raises(ValueError, match="must match"):
         dense_rows_forward(a, u[:, :8].contiguous())
     with pytest.raises(ValueError, match="contiguous"):

@@ -706,3 +706,53 @@ def test_recomputed_tiles_round_the_gate_as_the_dense_path():
     y_pre = ffn_from_twell(x, g, wdt, w_up=wu, pre=pre)
     y_rec = ffn_from_twell(x, g, wdt, w_up=wu, w_first=wg)
     assert torch.equal(y_pre, y_rec), (y_pre.float() - y_rec.float()).abs().max()
+
+
+def test_out_overlapping_x_is_refused_and_disjoint_halves_are_not():
+    """out = x: the exact path and the split kernel's second launch read x's rows after other
+    programs wrote out's, so the result depended on the order (it came out wrong); refused. The
+    two halves of one [M, 2d] buffer share no element and still work."""
+    M, d, f = 9, 24, 37
+    x, wg, wu, wd = gate_case(M, d, f, seed=3)
+    pre = x @ wg.T
+    g = packed(pre, 16, 4)
+    ref = R.gated_mlp(x, wg, wu, wd)
+    w_down_t = wd.T.contiguous()
+    for kernel in ("token", "split"):
+        xx = x.clone()
+        with pytest.raises(ValueError, match="out must not overlap x"):
+            ffn_from_twell(xx, g, w_down_t, w_up=wu, pre=pre, out=xx, kernel=kernel)
+        with pytest.raises(ValueError, match="out must not overlap x"):
+            ffn_from_twell(xx, g, w_down_t, w_up=wu, pre=pre, out=xx[:, :].view(M, d), kernel=kernel)
+        buf = torch.zeros(M, 2 * d)
+        buf[:, :d] = x
+        y = ffn_from_twell(buf[:, :d], g, w_down_t, w_up=wu, pre=pre, out=buf[:, d:], kernel=kernel)
+        assert y.data_ptr() == buf[:, d:].data_ptr() and rel_err(y, ref) < TOL[torch.float32]
+        assert torch.equal(buf[:, :d], x)
+
+
+@pytest.mark.parametrize("knob, value", [("block_e", 2.0), ("block_e", True), ("block_e", 3), ("num_warps", 3),
+                                          ("num_warps", 2.0), ("num_warps", 0)])
+def test_launch_knobs_of_the_wrong_type_are_refused(knob, value):
+    """A float (2.0 & 1.0 raised "unsupported operand"), a bool (True reached the kernel and
+    crashed there) or a non power of two: a clear error naming the knob."""
+    x, wg, wu, wd = gate_case(5, 24, 37, seed=1)
+    pre = x @ wg.T
+    with pytest.raises(ValueError, match=f"{knob} must be a power of two"):
+        ffn_from_twell(x, packed(pre, 16, 4), wd.T.contiguous(), w_up=wu, pre=pre, **{knob: value})
+
+
+def test_prepare_gated_weights_checks_its_arguments():
+    """It copied w_down into w_up's dtype without a word (fp16 into fp32), read 1-D or non-tensor
+    arguments with Python errors, and twell_gated_mlp took any object as weights."""
+    _, _, wu, wd = gate_case(5, 24, 37, seed=2)
+    with pytest.raises(TypeError, match="must match w_up"):
+        prepare_gated_weights(wu, wd.half())
+    with pytest.raises(ValueError, match="w_up must be 2-D"):
+        prepare_gated_weights(wu[0], wd)
+    with pytest.raises(TypeError, match="w_up must be a torch.Tensor"):
+        prepare_gated_weights(wu.tolist(), wd)
+    with pytest.raises(TypeError, match="w_up must have dtype"):
+        prepare_gated_weights(wu.long(), wd.long())
+    with pytest.raises(TypeError, match="weights must be a GatedWeights"):
+        twell_gated_mlp(torch.randn(3, 24), torch.randn(37, 24), wu, wd, weights=(wu, wd))

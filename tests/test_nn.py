@@ -314,3 +314,34 @@ def test_submodules_load_on_first_use():
     code = "import sys; sys.modules['triton'] = None; import twell; print(hasattr(twell, 'kernels'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.split() == ["False"], out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_l1_of_a_call_without_tokens_is_zero_on_the_dense_path(cls):
+    """The dense math (CPU, float64, biases, hooks) took the mean over no tokens: NaN, which
+    l1_loss carried into the whole loss. The training ops give 0; so does the dense path now,
+    with a gradient (zeros) for the weights."""
+    torch.manual_seed(0)
+    m = cls(8, 16, bias=True).double()
+    y = m(torch.randn(2, 0, 8, dtype=torch.float64))
+    assert y.shape == (2, 0, 8) and m.l1 is not None and float(m.l1) == 0.0
+    assert float(l1_loss(m)) == 0.0
+    (y.sum() + m.l1).backward()
+    assert all(p.grad is not None and not p.grad.isnan().any() for p in m.parameters())
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+@pytest.mark.parametrize("mode", ["decode", "prefill"])
+def test_one_hidden_feature_on_the_kernel_paths(cls, mode, monkeypatch):
+    """hidden_size 1: down_proj.weight [1, f] is already "the transpose of a contiguous [f, 1]"
+    (torch ignores the stride of a size-1 dimension), and the kernels' checks asked that [f, 1]
+    view for a unit column stride it does not need: a ValueError instead of the result."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(0)
+    m = cls(1, 16).eval()
+    m.kernel_mode = mode
+    x = torch.randn(5, 1)
+    with torch.no_grad():
+        y = m(x)
+        m.kernel_mode = "dense"
+        assert m.last_path == mode and rel_err(y, m(x)) < 1e-6

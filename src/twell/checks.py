@@ -35,7 +35,7 @@ def check_weight_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: t
     check_tensor(w, name, dim=2, dtypes=KERNEL_DTYPES)
     if tuple(w.shape) != (f, d):
         raise ValueError(f"{name} must be [f, d] = [{f}, {d}], got {list(w.shape)}")
-    if w.stride(1) != 1:
+    if w.stride(1) != 1 and d > 1:  # (rows of one value have no column stride: [f, 1] views of [1, f])
         raise ValueError(f"{name} must have unit-stride rows (stride(1) == 1), got strides {w.stride()}")
     if w.dtype != x.dtype or w.device != x.device:
         raise TypeError(f"{name} ({w.dtype}, {w.device}) must match x ({x.dtype}, {x.device})")
@@ -89,5 +89,5 @@ def check_launchable(t: torch.Tensor, name: str) -> None:
 def check_pow2(value: int, name: str, lo: int = 1, hi: int = 1024) -> None:
     """A clear error unless ``value`` (a kernel's launch knob) is an int power of two in
     ``[lo, hi]``."""
-    if not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
-        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value}")
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
+        raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")

@@ -53,9 +53,10 @@ def twell_slots(tile: int, compression: int) -> int:
 
 
 def _check_tile(tile: int, compression: int) -> None:
-    if compression not in (2, 4, 8):
-        raise ValueError(f"compression must be 2, 4 or 8, got {compression}")
-    if not isinstance(tile, int) or tile < 2 * compression or tile & (tile - 1):
+    # ints only: 8.0 == 8 would pass a membership test and break the shapes made from it
+    if isinstance(compression, bool) or not isinstance(compression, int) or compression not in (2, 4, 8):
+        raise ValueError(f"compression must be 2, 4 or 8, got {compression!r}")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile < 2 * compression or tile & (tile - 1):
         raise ValueError(
             f"tile must be a power of two of at least 2 * compression = {2 * compression} "
             f"(so that a tile keeps at least one slot), got {tile}"

@@ -425,7 +425,12 @@ class _SparseFFN(nn.Module):
     def _record(self, first: torch.Tensor, h: Optional[torch.Tensor]) -> None:
         """first: ``[M, f]`` output of the ReLU, or its pre-activation (``first > 0`` is the call's pattern);
         h: ``[M, f]`` hidden (for the L1 term)."""
-        self.l1 = reference.l1_penalty(h) if (h is not None and self.training and torch.is_grad_enabled()) else None
+        if h is not None and self.training and torch.is_grad_enabled():
+            # no tokens: 0 (and its gradient), as the training ops give it; the mean over no
+            # tokens would be NaN and turn the whole loss NaN through l1_loss
+            self.l1 = reference.l1_penalty(h) if h.shape[0] else h.abs().sum()
+        else:
+            self.l1 = None
         if not self._tracking():
             return  # no pass over [M, f] for statistics nobody asked for
         with torch.no_grad():

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from .checks import check_mlp_args, check_tensor
+from .checks import KERNEL_DTYPES, check_mlp_args, check_tensor
 from .format import TwELL
 from .kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, gate_pack_persistent, pack_relu
 
@@ -80,10 +80,17 @@ class GatedWeights:
 
 
 def prepare_gated_weights(w_up: torch.Tensor, w_down: torch.Tensor) -> GatedWeights:
-    """Lay out ``w_up [f, d]`` and ``w_down [d, f]`` as one ``[f, 2d]`` matrix (a copy)."""
+    """Lay out ``w_up [f, d]`` and ``w_down [d, f]`` as one ``[f, 2d]`` matrix (a copy).
+
+    Both of one kernel dtype (fp16, bf16 or fp32) and one device: a copy never casts one of them
+    silently."""
+    check_tensor(w_up, "w_up", dim=2, dtypes=KERNEL_DTYPES)
+    check_tensor(w_down, "w_down", dim=2, dtypes=KERNEL_DTYPES)
     f, d = w_up.shape
     if tuple(w_down.shape) != (d, f):
         raise ValueError(f"w_down must be [d, f] = [{d}, {f}] for w_up [{f}, {d}], got {list(w_down.shape)}")
+    if w_down.dtype != w_up.dtype or w_down.device != w_up.device:
+        raise TypeError(f"w_down ({w_down.dtype}, {w_down.device}) must match w_up ({w_up.dtype}, {w_up.device})")
     fused = torch.empty(f, 2 * d, dtype=w_up.dtype, device=w_up.device)
     fused[:, :d].copy_(w_up)
     fused[:, d:].copy_(w_down.T)
@@ -172,6 +179,8 @@ def twell_gated_mlp(
     w_gate = w_gate if w_gate.stride(-1) == 1 else w_gate.contiguous()
     if weights is None:
         weights = prepare_gated_weights(w_up, w_down)
+    elif not isinstance(weights, GatedWeights):
+        raise TypeError(f"weights must be a GatedWeights from prepare_gated_weights(w_up, w_down), got {type(weights).__name__}")
     g, pre = gate_to_twell(x2, w_gate, tile, compression, method)
     y = ffn_from_twell(
         x2, g, weights.down_t, w_up=weights.up, pre=pre, w_first=None if pre is not None else w_gate, counters=counters,

@@ -43,6 +43,7 @@ import triton.language as tl
 
 from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
 from ._activity import fires
+from ._dot import dot_operand, dot_precision
 from ._launch import on_device_of
 
 __all__ = ["ffn_decode", "decode_launch", "check_stat_buffers", "decode_config", "DECODE_CONFIGS"]
@@ -61,7 +62,7 @@ def _rows_times_units(x_rows, rmask, w_ptr, stride_w, units, wmask, d,
         kmask = kk < d
         xa = tl.load(x_rows + kk[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         w = tl.load(w_ptr + units.to(tl.int64)[None, :] * stride_w + kk[:, None], mask=wmask[None, :] & kmask[:, None], other=0.0)
-        acc = tl.dot(xa, w, acc, input_precision=PREC)
+        acc = tl.dot(dot_operand(xa, PREC), dot_operand(w, PREC), acc, input_precision=PREC)
     return acc
 
 
@@ -142,7 +143,7 @@ def _decode_down_kernel(
         unit = tl.load(unit_ptr + entry, mask=valid, other=0).to(tl.int64)
         h = tl.load(h_ptr + entry[:, None] * BM + ms[None, :], mask=valid[:, None], other=0.0)  # [BE, BM]
         w = tl.load(wd_ptr + unit[:, None] * stride_wd + cols[None, :], mask=valid[:, None] & cmask[None, :], other=0.0)
-        acc = tl.dot(tl.trans(h), w, acc, input_precision=PREC)
+        acc = tl.dot(dot_operand(tl.trans(h), PREC), dot_operand(w, PREC), acc, input_precision=PREC)
     rows = c * BM + ms
     omask = (rows < M)[:, None] & cmask[None, :]
     if SPLITS == 1:
@@ -274,7 +275,7 @@ def decode_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_nnz=Non
     if out is None:
         out = torch.empty(M, d, dtype=x.dtype, device=x.device)
     part = torch.empty(S * M * d, dtype=torch.float32, device=x.device) if S > 1 else counts
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    prec = dot_precision(x)
     track = unit_counts is not None
     w_up_ = w_up if w_up is not None else w_first
     with on_device_of(x):

@@ -46,6 +46,7 @@ import triton
 import triton.language as tl
 
 from ._activity import fires as is_active
+from ._dot import dot_operand, dot_precision
 from ._launch import on_device_of, pdl_ok
 from .decode import _rows_times_units, check_decode_args, check_stat_buffers
 
@@ -118,7 +119,7 @@ def _up_down_block(h, x_rows, rmask, rows, units, active, per_row, wu_ptr, strid
         cols = d0 + cs
         cmask = cols < d
         w = tl.load(wd_ptr + units.to(tl.int64)[:, None] * stride_wd + cols[None, :], mask=active[:, None] & cmask[None, :], other=0.0)
-        part = tl.dot(hb, w, input_precision=PREC)
+        part = tl.dot(dot_operand(hb, PREC), dot_operand(w, PREC), input_precision=PREC)
         # only the rows with an active unit in this block add (the others' part is 0: at k 29
         # and 16 tokens about 3 rows in 4 of a 64-unit block); relaxed: nothing reads acc
         # until the next launch (acq_rel would fence every add)
@@ -340,7 +341,7 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
             _decode_fused_kernel[(NB,)](
                 *args,
                 BM=BM, BU=BU, BK=min(BK, max(16, triton.next_power_of_2(d))), BD=min(BD, max(16, triton.next_power_of_2(d))),
-                GATED=w_up is not None, TRACK=track, PREC="ieee" if x.dtype == torch.float32 else "tf32", GDC=gdc,
+                GATED=w_up is not None, TRACK=track, PREC=dot_precision(x), GDC=gdc,
                 num_warps=nw, num_stages=ns,
             )
         if scratch is not None:

@@ -52,6 +52,7 @@ import triton
 import triton.language as tl
 
 from ._launch import on_device_of, pdl_ok
+from ._dot import dot_operand, dot_precision
 from .decode import check_decode_args, check_stat_buffers
 from .decode_fused import _block_activity, _up_down_block, launch_write_out
 from .gate_pack import _descriptor_ok
@@ -76,7 +77,7 @@ def _gate_tile(x_ptr, stride_xm, wf_ptr, stride_wf, rows, rmask, units, umask, d
         kmask = kk < d
         w = tl.load(wf_ptr + units.to(tl.int64)[:, None] * stride_wf + kk[None, :], mask=umask[:, None] & kmask[None, :], other=0.0)
         xt = tl.load(x_ptr + rows.to(tl.int64)[None, :] * stride_xm + kk[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
-        acc = tl.dot(w, xt, acc, input_precision=PREC)
+        acc = tl.dot(dot_operand(w, PREC), dot_operand(xt, PREC), acc, input_precision=PREC)
     return tl.trans(acc.to(wf_ptr.dtype.element_ty).to(tl.float32))
 
 
@@ -91,7 +92,7 @@ def _gate_tile_desc(x_desc, w_desc, u0, d, out_ty: tl.constexpr, ROWS: tl.conste
     for k0 in range(0, d, BK):
         xa = x_desc.load([0, k0])
         wb = w_desc.load([u0, k0])
-        acc = tl.dot(xa, wb.T, acc, input_precision=PREC)
+        acc = tl.dot(dot_operand(xa, PREC), dot_operand(wb, PREC).T, acc, input_precision=PREC)
     return acc.to(out_ty).to(tl.float32)
 
 
@@ -342,7 +343,7 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
     BK = min(cfg.BK, dpow)
     BD = min(cfg.BD, dpow)
     w_up_ = w_up if w_up is not None else w_first
-    prec = "ieee" if x.dtype == torch.float32 else "tf32"
+    prec = dot_precision(x)
     gated = w_up is not None
     weights = (w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0))
     lists = (scratch.entries, scratch.gates, scratch.count, scratch.acc)

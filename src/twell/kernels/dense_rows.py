@@ -95,7 +95,8 @@ def _backward_kernel(dz_ptr, a_ptr, u_ptr, da_ptr, h_ptr, c_ptr, M, F,
             tl.store(dz_ptr + at, (dh * g).to(dz_ptr.dtype.element_ty), mask=ok)
             tl.store(da_ptr + at, tl.where(fires(a), dh * u, 0.0).to(da_ptr.dtype.element_ty), mask=ok)
         else:
-            tl.store(dz_ptr + at, tl.where(fires(a), dz + c, 0.0).to(dz_ptr.dtype.element_ty), mask=ok)
+            # the L1 term's c sign(h): c where h > 0, nothing at a NaN h (torch.sign(NaN) is 0)
+            tl.store(dz_ptr + at, tl.where(fires(a), dz + tl.where(a > 0, c, 0.0), 0.0).to(dz_ptr.dtype.element_ty), mask=ok)
 
 
 def _check(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
@@ -195,7 +196,8 @@ def _backward_torch(dz, a, u, c):
     """:func:`dense_rows_backward` in PyTorch ops, for CPU tensors without the Triton interpreter."""
     c = c.reshape(()).to(torch.float32)
     if u is None:
-        dz.copy_(torch.where(~(a <= 0), dz.float() + c, 0.0))  # relu's gradient passes NaN on
+        # relu's gradient passes NaN on; the L1 term's c sign(h) is 0 there (torch.sign(NaN) is 0)
+        dz.copy_(torch.where(~(a <= 0), dz.float() + torch.where(a > 0, c, 0.0), 0.0))
         return dz, None, None
     g = torch.relu(a)
     h = g * u

@@ -44,6 +44,7 @@ import triton.language as tl
 from ..checks import KERNEL_DTYPES, check_launchable, check_pow2, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
 from ._activity import fires
+from ._dot import dot_operand, dot_precision
 from ._bits import step_bit_words, write_step_entries
 from ._launch import on_device_of
 
@@ -250,7 +251,7 @@ def _gate_pack_kernel(
         kmask = (k0 + ks) < d
         xa = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
         wb = tl.load(w_ptr + gcol.to(tl.int64)[None, :] * stride_wf + (k0 + ks)[:, None], mask=kmask[:, None] & cmask[None, :], other=0.0)
-        acc = tl.dot(xa, wb, acc, input_precision=PREC)
+        acc = tl.dot(dot_operand(xa, PREC), dot_operand(wb, PREC), acc, input_precision=PREC)
     a = acc.to(val_ptr.dtype.element_ty)
     mask = rmask[:, None] & cmask[None, :]
     nz = fires(a) & mask
@@ -317,7 +318,7 @@ def gate_pack_fused(
             M, f, d, out.slots, out.n_tiles,
             BM=block_m, TILE=tile, BK=block_k, GROUP_M=8,
             # fp32 operands: full-precision products (tl.dot defaults to TF32 on NVIDIA GPUs)
-            PREC="ieee" if x.dtype == torch.float32 else "tf32",
+            PREC=dot_precision(x),
             num_warps=num_warps, num_stages=num_stages,
         )
     return out
@@ -355,7 +356,7 @@ def _gate_pack_persistent_kernel(
         for k0 in range(0, d, BK):
             xa = x_desc.load([pid_m * BM, k0])
             wb = w_desc.load([t * TILE, k0])
-            acc = tl.dot(xa, wb.T, acc, input_precision=PREC)
+            acc = tl.dot(dot_operand(xa, PREC), dot_operand(wb, PREC).T, acc, input_precision=PREC)
         rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
         cin = tl.arange(0, TILE)
         gcol = t * TILE + cin
@@ -446,7 +447,7 @@ def gate_pack_persistent(
             x_desc, w_desc, out.values, out.cols, out.counts, dense if dense is not None else out.counts,
             M, f, d, out.slots, out.n_tiles, num_programs,
             BM=block_m, TILE=tile, BK=block_k, GROUP_M=8, PACK=pack,
-            PREC="ieee" if x.dtype == torch.float32 else "tf32", FLATTEN=flatten, WARP_SPECIALIZE=warp_specialize,
+            PREC=dot_precision(x), FLATTEN=flatten, WARP_SPECIALIZE=warp_specialize,
             num_warps=num_warps, num_stages=num_stages,
         )
     return out if pack else dense

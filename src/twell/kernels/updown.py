@@ -39,9 +39,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
+from ..checks import KERNEL_DTYPES, check_launchable, check_pow2, check_tensor, check_weight_rows
 from ..format import TwELL, twell_slots
 from ._activity import fires
+from ._dot import dot_operand, dot_precision
 from ._launch import on_device_of
 from .heavy_rows import launch_heavy_rows, weights_addressable
 
@@ -325,7 +326,7 @@ def _ffn_rows_dot_kernel(
             wu = tl.load(wu_ptr + unit[:, None] * stride_wu + kd[None, :], mask=valid[:, None] & kmask[None, :], other=0.0)
             xt = tl.load(x_ptr + rows[None, :] * stride_xm + kd[:, None], mask=rmask[None, :] & kmask[:, None], other=0.0)
             U = tl.where(kk == 0, 0.0, U)
-            U = tl.dot(wu, xt, U, input_precision=PREC)
+            U = tl.dot(dot_operand(wu, PREC), dot_operand(xt, PREC), U, input_precision=PREC)
             u = tl.sum(tl.where(tok[:, None] == r_local[None, :], U, 0.0), axis=1)
             last = valid & ((tl.zeros([BE], dtype=tl.int32) + kk) == KSTEPS - 1)
             g = tl.load(val_ptr + off, mask=last, other=0.0).to(tl.float32)
@@ -346,7 +347,7 @@ def _ffn_rows_dot_kernel(
         dmask = dd < d
         wd = tl.load(wd_ptr + unit[:, None] * stride_wd + dd[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
         Y = tl.where(ch == 0, 0.0, Y)
-        Y = tl.dot(H, wd, Y, input_precision=PREC)
+        Y = tl.dot(dot_operand(H, PREC), dot_operand(wd, PREC), Y, input_precision=PREC)
         tl.store(y_ptr + rows[:, None] * stride_ym + dd[None, :], Y.to(y_ptr.dtype.element_ty),
                  mask=(rmask[:, None] & dmask[None, :]) & ((tl.zeros([BM, 1], dtype=tl.int32) + ch) == n_chunks2 - 1))
         if TRACK:
@@ -435,6 +436,32 @@ def default_config(d: int, mean_k: Optional[float] = None, split: bool = False,
     if D in TUNED:
         return TUNED[D]
     return max(2, min(16, 16384 // D)), (4 if D <= 1024 else 8)
+
+
+def _shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two 2-D tensors with unit-stride rows may share an element: same storage and
+    intersecting spans, unless both have one row stride and disjoint column windows within it
+    (two halves of one ``[M, 2d]`` buffer)."""
+    if a.numel() == 0 or b.numel() == 0 or a.device != b.device:
+        return False
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+    size = a.element_size()
+
+    def span(t):
+        lo = t.storage_offset() * t.element_size()
+        hi = lo + (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size()
+        return lo, hi
+
+    (alo, ahi), (blo, bhi) = span(a), span(b)
+    if ahi <= blo or bhi <= alo:
+        return False
+    if b.element_size() == size and a.stride(0) == b.stride(0) > 0 and a.stride(1) == b.stride(1) == 1:
+        s = a.stride(0)
+        ca, cb = a.storage_offset() % s, b.storage_offset() % s
+        if ca + a.shape[1] <= s and cb + b.shape[1] <= s and (ca + a.shape[1] <= cb or cb + b.shape[1] <= ca):
+            return False  # each row of one lies in a column window the other's rows never touch
+    return True
 
 
 def ffn_from_twell(
@@ -549,6 +576,10 @@ def ffn_from_twell(
         out = torch.empty(M, d, dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (M, d) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device or (M > 1 and out.stride(0) < d):
         raise ValueError(f"out must be [{M}, {d}] {x.dtype} on {x.device} with unit-stride, non-overlapping rows")
+    elif _shares_elements(out, x):
+        # the programs read x's rows after other programs may have written out's (the exact path,
+        # the dense rows, the split kernel's second launch): the result would depend on the order
+        raise ValueError("out must not overlap x (ffn_from_twell reads x while it writes out)")
     if counters is None:
         counters = OverflowCounters.zeros(x.device)
     ovf = counters.buffer
@@ -571,12 +602,12 @@ def ffn_from_twell(
     gated = w_up is not None
     split = not rows_kernel and splits(M, gated, kernel)
     be0, nw0 = default_config(d, split=split)
-    if block_e is not None and block_e < 1:
-        raise ValueError(f"block_e must be a power of two in [1, 64], got {block_e}")
+    if block_e is not None:
+        check_pow2(block_e, "block_e", 1, 64)
+    if num_warps is not None:
+        check_pow2(num_warps, "num_warps", 1, 32)
     BE = block_e or be0
     nw = num_warps or nw0
-    if BE & (BE - 1) or not 1 <= BE <= 64:
-        raise ValueError(f"block_e must be a power of two in [1, 64], got {BE}")
     dummy = w_down_t
     with on_device_of(x):
         if rows_kernel:
@@ -591,7 +622,7 @@ def ffn_from_twell(
                 h, out, out.stride(0), unit_counts if unit_counts is not None else g.counts,
                 M, d, g.slots,
                 BM=bm, BE=be, BK=bk, KSTEPS=triton.cdiv(d, bk), GATED=gated, TRACK=unit_counts is not None,
-                PREC="ieee" if x.dtype == torch.float32 else "tf32", num_warps=num_warps or nw_rows,
+                PREC=dot_precision(x), num_warps=num_warps or nw_rows,
             )
         def token_kernel(only_over, skip_over, be, warps):
             _ffn_from_twell_kernel[(M,)](
