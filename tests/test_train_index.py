@@ -176,3 +176,13 @@ def test_bookkeeping_at_a_real_shape():
     heavy, n, hot, info = TI.heavy_and_hot(counts, 64, per, 256.0, 8.0)
     want = reference_heavy_and_hot(counts, 64, per, 256.0, 8.0)
     assert torch.equal(heavy, want[0]) and torch.equal(hot, want[1]) and torch.equal(info, want[2])
+
+
+def test_slot_keys_refuse_an_exclude_mask_that_is_not_bool():
+    """exclude is read as one byte per unit: an int8 or int64 mask is refused, not read as bytes
+    (kills dropping the dtype from the check)."""
+    cols = torch.zeros(3, 4, dtype=torch.int16, device=DEV)
+    counts = torch.zeros(3, dtype=torch.int32, device=DEV)
+    for dtype in (torch.int8, torch.int64):
+        with pytest.raises(ValueError, match="exclude must be"):
+            TI.slot_keys(cols, counts, 5, torch.zeros(5, dtype=dtype, device=DEV))

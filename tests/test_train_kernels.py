@@ -887,3 +887,108 @@ def test_pack_rows_int64_offsets_gpu():
     assert counts[-2:].tolist() == [1, 2] and int(counts[:-2].sum()) == 0
     assert cols[-1, :3].tolist() == [2, 31, 0] and cols[-2, :2].tolist() == [5, 0]
     assert vals[-1, :2].float().tolist() == [1.0, 1.0] and bool((cols[0] == 0).all())
+
+
+# --- a third mutation round (the sparse op and its bookkeeping): these had survived --------------
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_sparse_ops_with_no_tokens(gated):
+    """M = 0: y is [0, d], l1 is exactly 0 (not 0 / 0), no row is heavy, and every gradient is
+    an exact zero. Kills dividing the L1 sum by M instead of max(M, 1) in _light_forward."""
+    x, wg, wu, wd = (t.float() for t in make_case(0, 24, 37, seed=3, adversarial=False))
+    tensors = (x, wg, wu, wd) if gated else (x, wg, wd)
+    fn = (lambda *t: sparse_gated_ffn(*t, 16)) if gated else (lambda *t: sparse_ffn(*t, 16))
+    out, grads = run(fn, tensors, torch.zeros(0, 24, device=DEV), 0.5)
+    assert out.y.shape == (0, 24) and float(out.l1) == 0.0 and int(out.n_heavy) == 0
+    assert out.unit_counts.shape == (37,) and int(out.unit_counts.sum()) == 0
+    for g, t in zip(grads, tensors):
+        assert g.shape == t.shape and torch.equal(g, torch.zeros_like(g))
+
+
+def test_l1_gradient_is_zero_where_h_is_exactly_zero():
+    """sign(0) = 0 in the L1 term's gradient, as in dense autograd (d|h|/dh at 0): a unit whose
+    w_up row is zero has h = g u = 0 exactly at every slot it holds, so the L1 term adds nothing
+    to its gradients. Kills _l1_sign giving +1 at 0 (h >= 0), which every other test survives (h
+    is never exactly 0 on a used slot there)."""
+    x, wg, wu, wd = make_case(16, 24, 37, seed=6, density=0.15, adversarial=False)
+    wg[3, 0] = 30.0  # unit 3 fires in every row (with x[m, 0] = 1)
+    wu[3] = 0.0  # ... with u = 0 exactly: h = 0 at each of its slots
+    x[2, 0] = -40.0  # one heavy row (every unit but 3): the light rows' slots meet the dense backup's
+    out, grads, ref_grads = compare((x, wg, wu, wd), 16, torch.float32, lam=2.0)
+    assert int(out.unit_counts[3]) == 15 and int(out.n_heavy) == 1
+    dw_up, ref = grads[2], ref_grads[2]
+    assert rel_err(dw_up[3], ref[3]) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("block_d", [None, 32])
+def test_rows_forward_writes_zeros_past_each_row(block_d):
+    """ffn_rows_forward's outputs have no unwritten element: u is zero past each light row's
+    entries and over all of a heavy row's (from torch.empty, NaN under the fixture, it would
+    otherwise stay NaN where nothing reads it now), and a heavy row's y and |h| sum are zero.
+    Kills _zero_unused_slots starting one slot late (s > n), which every other test survives."""
+    from twell.kernels.train_ffn import ffn_rows_forward
+
+    x, wg, wu, wd = (t.float() for t in make_case(13, 40, 75, seed=10))
+    W = 12
+    cols, g, counts = pack_rows(x @ wg.T, W, block_m=2, block_f=32, num_warps=1)
+    heavy = counts > W
+    assert bool(heavy.any()) and bool((counts == 0).any()) and bool(((counts > 0) & ~heavy).any())
+    y, u, l1_rows = ffn_rows_forward(x, cols, g, counts, wd.t().contiguous(), wu, block_e=4, block_d=block_d)
+    used = (torch.arange(W, device=DEV) < counts.unsqueeze(1)) & ~heavy.unsqueeze(1)
+    assert torch.equal(u[~used], torch.zeros_like(u[~used]))
+    want_u = (x @ wu.T).gather(1, cols.long())
+    assert torch.allclose(u[used], want_u[used], rtol=1e-5, atol=1e-6)
+    assert torch.equal(y[heavy], torch.zeros_like(y[heavy])) and torch.equal(l1_rows[heavy], torch.zeros_like(l1_rows[heavy]))
+
+
+def test_pack_rows_int32_columns_from_one_past_int16():
+    """f = 32769 is the first f whose columns (up to 32768) int16 cannot hold: the pack's
+    columns are int32 there and column 32768 comes back as it is (kills col_dtype's bound moved
+    one up, f <= 32769, which test_pack_rows_int32_columns at f 33000 survives)."""
+    from twell.kernels.train_ffn import col_dtype
+
+    assert col_dtype(32768) == torch.int16
+    a = torch.full((1, 32769), -1.0, device=DEV)
+    a[0, [5, 32768]] = 1.0
+    cols, vals, counts = pack_rows(a, 2, block_m=1, block_f=4096, num_warps=1)
+    assert cols.dtype == torch.int32 and counts.tolist() == [2] and cols[0].tolist() == [5, 32768]
+
+
+def test_saved_bytes_counts_views_of_one_storage_apart():
+    """Two saved tensors that are views of one intermediate's storage (different offsets) are
+    both counted (kills keying the distinct saved tensors by their storage alone)."""
+    def two_halves(t):
+        y = t * 2  # saves nothing of its own
+        return y[:5].sin().sum() + y[5:].sin().sum()  # sin saves each half, two views of y
+
+    assert saved_bytes(two_halves, torch.ones(10)) == 40
+
+
+def test_choose_width_is_a_width_the_ops_take_at_f_zero():
+    """At least 1 whatever f (the ops refuse width 0): kills dropping max(1, f) in choose_width."""
+    assert choose_width(3.0, f=0) == 1 and choose_width(0.0, active_max=0, f=0) == 1
+
+
+def test_weight_grads_dtype_and_base():
+    """ffn_weight_grads writes its outputs in ``dtype`` (default x's): fp32 gradients from bf16
+    inputs are the bf16 ones before rounding (kills ignoring the dtype argument); a gated call's
+    base must hold dw_gate (kills skipping its check whenever it is None: the kernel would get
+    no buffer to add to)."""
+    from twell.kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads
+    from twell.kernels.train_index import unit_index
+
+    x, wg, wu, wd = (t.bfloat16() for t in make_case(9, 24, 37, seed=2, adversarial=False))
+    dy = torch.randn(9, 24, generator=torch.Generator().manual_seed(0)).to(DEV, torch.bfloat16)
+    cols, g, counts = pack_rows(x @ wg.T, 16)
+    wdt = wd.t().contiguous()
+    _, u, _ = ffn_rows_forward(x, cols, g, counts, wdt, wu)
+    _, du, da = ffn_rows_backward(dy, cols, g, u, counts, wdt, wu, wg, torch.tensor([0.1], device=DEV))
+    order, offsets = unit_index(cols, counts, 37)
+    low = ffn_weight_grads(order, offsets, x, dy, g, u, du, da)
+    high = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, dtype=torch.float32)
+    assert all(t.dtype == torch.bfloat16 for t in low) and all(t.dtype == torch.float32 for t in high)
+    for lo, hi in zip(low, high):
+        assert rel_err(lo, hi) < TOL[torch.bfloat16] and bool((hi != hi.bfloat16().float()).any())
+    with pytest.raises(ValueError, match="base dw_gate"):
+        ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=(low[0].clone(), None, low[2].clone()))

@@ -576,3 +576,21 @@ def test_gpu_publish_never_synchronises():
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     assert tp._event is not None and tp._host.numel() == 3 + 2 * len(PROBE_WIDTHS)
+
+
+def test_max_density_reaches_the_light_row_rule():
+    """A layer's train_max_density raises the light-row rule's bar too, not only the mean rule's:
+    a heavy-tailed layer above both bars at MAX_DENSITY trains sparse at the rule's width once
+    max_density doubles them (kills choose_path calling light_rule_width without it)."""
+    from twell.train_ops import choose_width
+    from twell.train_path import choose_path
+
+    f = 10000
+    bar = MAX_DENSITY * f
+    shares, lights = _probe(w64=(0.0, 1.5 * bar))
+    mean = 2.5 * bar  # above the mean rule's bar even at 2 x MAX_DENSITY
+    assert choose_path(mean, 0.0, shares, lights, f) == ("dense", choose_width(mean, None, f))
+    assert choose_path(mean, 0.0, shares, lights, f, max_density=2 * MAX_DENSITY) == ("sparse", 64)
+    host = [mean, 4 * mean, 0.0] + shares + lights
+    assert _measured(host).choose("auto", f)[0] == "dense"
+    assert _measured(host).choose("auto", f, max_density=2 * MAX_DENSITY) == ("sparse", 64)
