@@ -91,13 +91,15 @@ def main() -> None:
                              dict(BM=128, TILE=tile, BK=64, GROUP_M=8, PACK=pack, PREC="tf32"), 8, 3))
     if heavy_rows is not None:
         for dtype, ieee in ((BF, False), ("*fp32", True)):
+            # from 2026-12-04 s28 the precision is a PREC string (twell.kernels._dot)
+            prec = {"PREC": "ieee" if ieee else "tf32"} if "PREC" in heavy_rows._heavy_up_kernel.arg_names else {"IEEE": ieee}
             for gated in (True, False):
                 variants.append((f"heavy_up {dtype[1:]} g{gated:d}", heavy_rows._heavy_up_kernel,
                                  dict(x_ptr=dtype, a_ptr=dtype, wu_ptr=dtype, idx_ptr="*i64", n_ptr="*i64", l1_ptr="*fp32", cnt_ptr="*i32"),
-                                 dict(GATED=gated, IEEE=ieee, BM=64, BN=128, BK=64), 4, 3))
+                                 dict(GATED=gated, BM=64, BN=128, BK=64, **prec), 4, 3))
             variants.append((f"heavy_down {dtype[1:]}", heavy_rows._heavy_down_kernel,
                              dict(h_ptr=dtype, wd_ptr=dtype, y_ptr=dtype, idx_ptr="*i64", n_ptr="*i64"),
-                             dict(IEEE=ieee, BM=64, BD=128, BK=64), 4, 3))
+                             dict(BM=64, BD=128, BK=64, **prec), 4, 3))
     if decode_split is not None and hasattr(decode_split, "_fire_gate_kernel"):  # from s10: the shipped shape, PDL
         c = decode_split.SPLIT_CONFIG
         T = decode_split.SPLIT_MAX_M

@@ -29,8 +29,9 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows, triton_interpreting
+from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
 from ._activity import fires, relu
+from ._dot import dot_operand, dot_precision
 from ._launch import on_device_of
 
 __all__ = ["heavy_rows_forward", "weights_addressable"]
@@ -56,17 +57,15 @@ def _listed(idx_ptr, blk, n, BM: tl.constexpr):
 
 
 @triton.jit
-def _dot_acc(acc, a, b_t, IEEE: tl.constexpr):
-    """``acc + a b_t^T``; IEEE: the products in fp32 without TF32 (see _dot_in_fp32)."""
-    if IEEE:
-        return tl.dot(a.to(tl.float32), tl.trans(b_t.to(tl.float32)), acc, input_precision="ieee")
-    return tl.dot(a, tl.trans(b_t), acc)
+def _dot_acc(acc, a, b_t, PREC: tl.constexpr):
+    """``acc + a b_t^T`` at the precision twell.kernels._dot chooses for the launch."""
+    return tl.dot(dot_operand(a, PREC), tl.trans(dot_operand(b_t, PREC)), acc, input_precision=PREC)
 
 
 @triton.jit
 def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_ptr, n_ptr,
                      l1_ptr, cnt_ptr, M, d, f, P,
-                     GATED: tl.constexpr, IEEE: tl.constexpr, L1: tl.constexpr, COUNT: tl.constexpr,
+                     GATED: tl.constexpr, PREC: tl.constexpr, L1: tl.constexpr, COUNT: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     pid_n = tl.program_id(0)
     cols = pid_n * BN + tl.arange(0, BN)
@@ -85,7 +84,7 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
                 km = kk < d
                 xt = tl.load(x_ptr + r[:, None] * stride_x + kk[None, :], mask=valid[:, None] & km[None, :], other=0.0)
                 wt = tl.load(wu_ptr + cols[:, None] * stride_wu + kk[None, :], mask=cmask[:, None] & km[None, :], other=0.0)
-                acc = _dot_acc(acc, xt, wt, IEEE)
+                acc = _dot_acc(acc, xt, wt, PREC)
             u = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # what torch.mm would have stored
             h = h * u
         h = h.to(a_ptr.dtype.element_ty)
@@ -103,7 +102,7 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
 @triton.jit
 def _heavy_down_kernel(h_ptr, stride_h, wd_ptr, stride_wd, stride_wf, y_ptr, stride_y, idx_ptr, n_ptr,
                        d, f, P,
-                       IEEE: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+                       PREC: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
     dd = tl.program_id(0) * BD + tl.arange(0, BD)
     dmask = dd < d
     n = tl.load(n_ptr)
@@ -115,19 +114,12 @@ def _heavy_down_kernel(h_ptr, stride_h, wd_ptr, stride_wd, stride_wf, y_ptr, str
             km = kk < f
             ht = tl.load(h_ptr + r[:, None] * stride_h + kk[None, :], mask=valid[:, None] & km[None, :], other=0.0)
             wt = tl.load(wd_ptr + dd[:, None] * stride_wd + kk[None, :] * stride_wf, mask=dmask[:, None] & km[None, :], other=0.0)
-            acc = _dot_acc(acc, ht, wt, IEEE)
+            acc = _dot_acc(acc, ht, wt, PREC)
         tl.store(y_ptr + r[:, None] * stride_y + dd[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=valid[:, None] & dmask[None, :])
 
 
 _SMS: dict = {}
-
-
-def _dot_in_fp32(x: torch.Tensor) -> bool:
-    """Products in fp32 (IEEE, no TF32): fp32 inputs, as torch.mm computes them by default; and
-    any input under the Triton interpreter, whose tl.dot on bf16 reads the raw bits. The products
-    of two bf16 or fp16 values are exact in fp32 either way."""
-    return x.dtype == torch.float32 or triton_interpreting()
 
 
 def _row_programs(t: torch.Tensor, M: int, block_m: int, col_blocks: int) -> int:
@@ -226,7 +218,7 @@ def launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, l1_partial, unit_coun
     f = a.shape[1]
     if M == 0 or f == 0 or rows.numel() == 0:
         return
-    ieee = _dot_in_fp32(x)
+    prec = dot_precision(x)
     n_ptr = n_rows.reshape(1)
     with on_device_of(x):
         col_blocks = triton.cdiv(f, block_n)
@@ -234,7 +226,7 @@ def launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, l1_partial, unit_coun
         _heavy_up_kernel[(col_blocks, P)](
             x, x.stride(0), a, a.stride(0), a if w_up is None else w_up, d if w_up is None else w_up.stride(0),
             rows, n_ptr, x if l1_partial is None else l1_partial, x if unit_counts is None else unit_counts, M, d, f, P,
-            GATED=w_up is not None, IEEE=ieee, L1=l1_partial is not None, COUNT=unit_counts is not None,
+            GATED=w_up is not None, PREC=prec, L1=l1_partial is not None, COUNT=unit_counts is not None,
             BM=block_m, BN=block_n, BK=block_k,
             num_warps=num_warps, num_stages=num_stages,
         )
@@ -242,5 +234,5 @@ def launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, l1_partial, unit_coun
         P = _row_programs(x, M, block_m, d_blocks)
         _heavy_down_kernel[(d_blocks, P)](
             a, a.stride(0), w_down, w_down.stride(0), w_down.stride(1), y, y.stride(0), rows, n_ptr, d, f, P,
-            IEEE=ieee, BM=block_m, BD=block_n, BK=block_k, num_warps=num_warps, num_stages=num_stages,
+            PREC=prec, BM=block_m, BD=block_n, BK=block_k, num_warps=num_warps, num_stages=num_stages,
         )
