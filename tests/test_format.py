@@ -232,3 +232,34 @@ def test_hybrid_validate_catches_inconsistency():
     bad = Hybrid(hy.values, hy.cols, hy.counts, hy.heavy_rows[:0], hy.heavy_values[:0], hy.n_cols)
     with pytest.raises(ValueError, match="heavy_rows"):
         bad.validate()
+
+
+def test_hybrid_transpose_width_zero_is_refused_and_none_keeps_the_width():
+    """``width or self.width`` read 0 as "the default": transpose(0) returned the old width."""
+    hy = pack_hybrid(torch.eye(6), width=3)
+    with pytest.raises(ValueError, match="width must be an int >= 1, got 0"):
+        hy.transpose(0)
+    assert hy.transpose().width == 3 and hy.transpose(None).width == 3 and hy.transpose(1).width == 1
+
+
+@pytest.mark.parametrize("rows, cols, match", [
+    ([0, 9], [1, 2], r"rows must lie in \[0, 8\)"),
+    ([0, -1], [1, 2], r"rows must lie in \[0, 8\)"),
+    # a column at n_cols was stored in the ELL slots without an error (and read back past the
+    # matrix's edge)
+    ([0, 1], [1, 64], r"cols must lie in \[0, 64\)"),
+    ([0, 1], [-3, 2], r"cols must lie in \[0, 64\)"),
+    ([0, 1], [1], "1-D of one length"),
+    ([[0, 1]], [[1, 2]], "1-D of one length"),
+], ids=["row-past", "row-negative", "col-past", "col-negative", "length", "2-D"])
+def test_hybrid_from_coo_refuses_coordinates_outside_the_shape(rows, cols, match):
+    values = torch.ones(len(rows) if isinstance(rows[0], int) else 2)
+    with pytest.raises(ValueError, match=match):
+        hybrid_from_coo(torch.tensor(rows), torch.tensor(cols), values, (8, 64), 4)
+    with pytest.raises(ValueError, match="integer coordinates"):
+        hybrid_from_coo(torch.tensor([0.0, 1.0]), torch.tensor([1, 2]), torch.ones(2), (8, 64), 4)
+    # the edges themselves are inside
+    h = hybrid_from_coo(torch.tensor([0, 7]), torch.tensor([63, 0]), torch.tensor([2.0, 3.0]), (8, 64), 4)
+    want = torch.zeros(8, 64)
+    want[0, 63], want[7, 0] = 2.0, 3.0
+    assert torch.equal(unpack_hybrid(h), want)

@@ -764,3 +764,46 @@ def test_bf16_dots_under_the_interpreter(path, monkeypatch):
     # (the interpreter's fp32 -> bf16 cast truncates where torch rounds: about 1% here, where the
     # dense bf16 path is 0.4% off; the bits read raw were off by 1e10)
     assert rel_err(y, ref) < 3e-2, rel_err(y, ref)
+
+
+def _decode_call(kind, x, wg, wd_t, wu, config):
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
+
+    if kind == "decode":
+        return ffn_decode(x, wg, wd_t, w_up=wu, config=config)
+    if kind == "fused":
+        return ffn_decode_fused(x, wg, wd_t, w_up=wu, config=config)
+    return ffn_decode_split(x, wg, wd_t, w_up=wu, config=config, scratch=SplitScratch(x.shape[1], wg.shape[0], x.dtype, "cpu"))
+
+
+@pytest.mark.parametrize("kind, config, match", [
+    ("decode", (16, 16, 16, 4, 16, 16, 4), r"config must be a tuple \(BM, BU"),
+    ("decode", (8, 16, 16, 4, 16, 16, 4, 1), "config's BM must be a power of two in"),
+    ("decode", (16, 16, 16, 4, 16, 16, 4, 0), "config's shares must be an int in"),
+    ("fused", (1, 16, 2, 1), r"config must be a tuple \(BU, BK, BD"),
+    ("fused", (16, 16, 24, 4, 2), "config's BD must be a power of two"),
+    ("fused", GemvConfig(3, 16, 2, 1), "config's BU must be a power of two"),
+    ("split", (16, 16, 4, 2, 7, 16), r"config must be a tuple \(BU, BK, num_warps"),
+    ("split", (16, 16, 4, 2, 0, 16, 4), "config's P must be an int in"),
+    ("split", (16, 16, 4, 2.0, 7, 16, 4), "config's num_stages must be an int in"),
+], ids=lambda v: v if isinstance(v, str) and len(v) < 8 else None)
+def test_decode_configs_of_the_wrong_form_are_refused(kind, config, match):
+    """Wrong configs failed with Python errors inside the launchers (a short tuple's unpacking, a
+    plain tuple's missing attributes) or inside Triton; each knob is now named before a launch."""
+    x, wg, wu, wd = (torch.randn(s, generator=torch.Generator().manual_seed(i)) for i, s in
+                     enumerate([(3, 32), (40, 32), (40, 32), (40, 32)]))
+    with pytest.raises(ValueError, match=match):
+        _decode_call(kind, x, wg, wd, wu, config)
+
+
+@pytest.mark.parametrize("kind, config", [
+    ("decode", (16, 16, 16, 4, 16, 16, 4, 3)),  # three shares over 3 blocks of units
+    ("fused", (16, 16, 16, 4, 2)),
+    ("fused", GemvConfig(1, 16, 2, 1)),
+    ("split", (16, 16, 4, 2, 7, 16, 4)),  # a plain tuple (it needed a SplitConfig's attributes)
+])
+def test_decode_configs_at_the_knobs_edges_are_exact(kind, config):
+    g = torch.Generator().manual_seed(5)
+    x, wg, wu, wd = (torch.randn(s, generator=g) for s in [(3, 32), (40, 32), (40, 32), (40, 32)])
+    want = (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd
+    assert rel_err(_decode_call(kind, x, wg, wd, wu, config), want) < 1e-5

@@ -370,3 +370,23 @@ def test_pack_relu_bits_int64_offsets_gpu():
     out = pack_relu(a, 32, 2, method="bits")
     assert out.counts[-1, 0].item() == 2 and int(out.counts[:-1].sum()) == 0
     assert out.cols[-1, 0, :2].tolist() == [0, 31]
+
+
+@pytest.mark.parametrize("config", [(4, 32), (4, 32, 4, 1), (4, 32.0, 4), "4,32,4"], ids=["short", "long", "float", "str"])
+def test_pack_relu_refuses_a_config_of_the_wrong_form(config):
+    """A two-entry tuple failed with IndexError inside the pack; each knob is named."""
+    a = torch.randn(3, 100, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="config"):
+        pack_relu(a, 64, 2, config=config)
+    # a list of three powers of two is a config
+    assert torch.equal(pack_relu(a, 64, 2, config=[4, 32, 4]).counts, pack_twell(torch.relu(a), 64, 2).counts)
+
+
+def test_packs_of_no_units_have_no_tiles():
+    """f = 0: no tiles (empty_twell gave one, which TwELL.validate and ffn_from_twell refuse:
+    twell_gated_mlp on a layer with no units failed)."""
+    x, w = torch.randn(5, 16), torch.randn(0, 16)
+    for t in (pack_relu(torch.zeros(5, 0), 32, 4), gate_pack_fused(x, w), gate_pack_persistent(x, w)):
+        t.validate()
+        assert t.values.shape[:2] == (5, 0) and t.counts.shape == (5, 0)
+        assert pack_twell(torch.zeros(5, 0), 32, 4).values.shape[:2] == (5, 0)

@@ -756,3 +756,15 @@ def test_prepare_gated_weights_checks_its_arguments():
         prepare_gated_weights(wu.long(), wd.long())
     with pytest.raises(TypeError, match="weights must be a GatedWeights"):
         twell_gated_mlp(torch.randn(3, 24), torch.randn(37, 24), wu, wd, weights=(wu, wd))
+
+
+def test_layers_with_no_units_give_zeros():
+    """f = 0: y = 0 from the ops and ffn_from_twell (a one-tile empty TwELL was refused as
+    inconsistent before any kernel)."""
+    x = torch.randn(300, 16)
+    w, w_down = torch.randn(0, 16), torch.randn(16, 0)
+    assert torch.equal(twell_gated_mlp(x, w, w, w_down), torch.zeros(300, 16))
+    assert torch.equal(twell_mlp(x, w, w_down), torch.zeros(300, 16))
+    g = gate_pack_fused(x, w)
+    out = torch.full((300, 16), float("nan"))
+    assert torch.equal(ffn_from_twell(x, g, w.clone(), w_up=w, w_first=w, out=out), torch.zeros(300, 16))

@@ -345,3 +345,46 @@ def test_one_hidden_feature_on_the_kernel_paths(cls, mode, monkeypatch):
         y = m(x)
         m.kernel_mode = "dense"
         assert m.last_path == mode and rel_err(y, m(x)) < 1e-6
+
+
+@pytest.mark.parametrize("name", ["kernel_max_density", "train_max_density"])
+def test_density_settings_are_numbers(name):
+    """A string was accepted and compared against floats only on a kernel path (on the GPU)."""
+    m = SparseGatedMLP(8, 16)
+    for bad in ("0.5", float("nan"), -0.1, True, torch.tensor(0.5)):
+        with pytest.raises(ValueError, match=f"{name} must be None or a number >= 0"):
+            setattr(m, name, bad)
+    for good in (None, 0, 0.02, 1.5):
+        setattr(m, name, good)
+        assert getattr(m, name) == good
+    with pytest.raises(ValueError, match="track_stats must be None, True or False"):
+        m.track_stats = "yes"
+
+
+def test_reinit_dead_units_refuses_a_mask_of_the_wrong_shape():
+    m = SparseGatedMLP(8, 16)
+    with pytest.raises(ValueError, match=r"mask must be \[16\] \(one entry per unit\), got \(10,\)"):
+        m.reinit_dead_units(mask=torch.ones(10, dtype=torch.bool))
+    with pytest.raises(ValueError, match="mask must be"):
+        m.reinit_dead_units(mask=torch.ones(1, 16, dtype=torch.bool))  # broadcast over the rows before
+    w = m.gate_proj.weight.detach().clone()
+    assert not m.reinit_dead_units(mask=torch.zeros(16, dtype=torch.int64)).any()  # 0/1 ints: a mask
+    assert torch.equal(m.gate_proj.weight, w)
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+@pytest.mark.parametrize("mode", ["train", "auto", "prefill", "decode"])
+def test_modules_with_d_or_f_zero(cls, mode):
+    """d = 0 failed in ``reshape(-1, 0)``; f = 0 gives y = 0 on every path."""
+    for d, f in ((0, 16), (8, 0)):
+        m = cls(d, f)
+        if mode == "train":
+            x = torch.randn(2, 3, d, requires_grad=True)
+            y = m(x)
+            (y.sum() + m.l1).backward()
+            assert y.shape == (2, 3, d) and x.grad.shape == x.shape and float(m.l1) == 0.0
+        else:
+            m.eval().kernel_mode = mode
+            with torch.no_grad():
+                y = m(torch.randn(300, d))
+            assert y.shape == (300, d) and not y.any()

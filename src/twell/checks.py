@@ -91,3 +91,22 @@ def check_pow2(value: int, name: str, lo: int = 1, hi: int = 1024) -> None:
     ``[lo, hi]``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < lo or value > hi or value & (value - 1):
         raise ValueError(f"{name} must be a power of two in [{lo}, {hi}], got {value!r}")
+
+
+def check_count(value: int, name: str, lo: int = 1, hi: int = 1 << 20) -> None:
+    """A clear error unless ``value`` (a count such as pipeline stages or programs) is an int
+    in ``[lo, hi]``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo or value > hi:
+        raise ValueError(f"{name} must be an int in [{lo}, {hi}], got {value!r}")
+
+
+def check_config(config, knobs: tuple, name: str = "config") -> None:
+    """A clear error unless ``config`` is a tuple (or list, or NamedTuple) with one entry per
+    knob in ``knobs``: ``(knob name, lo, hi, power of two)`` each, checked by :func:`check_pow2`
+    or :func:`check_count`. Launch shapes reach ``tl.arange`` and block loops: anything else
+    would fail inside Triton's compiler, or cover the data wrongly."""
+    names = ", ".join(k[0] for k in knobs)
+    if not isinstance(config, (tuple, list)) or len(config) != len(knobs):
+        raise ValueError(f"{name} must be a tuple ({names}), got {config!r}")
+    for value, (knob, lo, hi, pow2) in zip(config, knobs):
+        (check_pow2 if pow2 else check_count)(value, f"{name}'s {knob}", lo, hi)

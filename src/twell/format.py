@@ -279,7 +279,7 @@ class Hybrid:
         default the same). Built from the non-zeros alone: nothing dense of size
         ``[n_rows, n_cols]`` is formed unless the matrix is dense."""
         rows, cols, vals = self.to_coo()
-        return hybrid_from_coo(cols, rows, vals, (self.n_cols, self.values.shape[0]), width or self.width)
+        return hybrid_from_coo(cols, rows, vals, (self.n_cols, self.values.shape[0]), self.width if width is None else width)
 
     def validate(self) -> None:
         """Raise ValueError if the fields are inconsistent with each other."""
@@ -307,6 +307,18 @@ def hybrid_from_coo(
     if isinstance(width, bool) or not isinstance(width, int) or width < 1:
         raise ValueError(f"width must be an int >= 1, got {width!r}")
     n_rows, n_cols = shape
+    for name, t in (("rows", rows), ("cols", cols), ("values", values)):
+        if t.dim() != 1 or t.numel() != values.numel() or t.device != values.device:
+            raise ValueError(f"rows, cols and values must be 1-D of one length on one device, got {name} "
+                             f"{tuple(t.shape)} on {t.device} (values {tuple(values.shape)} on {values.device})")
+    for name, t in (("rows", rows), ("cols", cols)):
+        if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+            raise ValueError(f"{name} must be integer coordinates, got {t.dtype}")
+    # An index past the shape would land in another row's slots or the wrong backup column.
+    # (A check on the data: one sync, as the bincount below needs anyway.)
+    for name, t, n in (("rows", rows, n_rows), ("cols", cols, n_cols)):
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
+            raise ValueError(f"{name} must lie in [0, {n}) for shape {tuple(shape)}, got [{int(t.min())}, {int(t.max())}]")
     device, dtype = values.device, values.dtype
     rows, cols = rows.long(), cols.long()
     order = torch.sort(rows * n_cols + cols).indices

@@ -25,6 +25,7 @@ inference kernels read a unit's down column as one row, with no second copy of t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -96,6 +97,19 @@ def _hooked(projections: Iterable[nn.Module]) -> bool:
 
 
 _SETTING_CHOICES = {"kernel_mode": MODES, "train_kernels": train_path.TRAIN_MODES}
+_DENSITY_SETTINGS = ("kernel_max_density", "train_max_density")
+
+
+def _token_rows(x: torch.Tensor) -> torch.Tensor:
+    """``x [..., d]`` as ``[tokens, d]`` (a view where it can be); unlike ``reshape(-1, d)``
+    also for d = 0."""
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])
+
+
+def _is_share(value) -> bool:
+    """Whether ``value`` can be a break-even share of active units: a real number >= 0 (not a
+    bool, a string or NaN)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0 and math.isfinite(value)
 
 
 class _SparseFFN(nn.Module):
@@ -136,6 +150,10 @@ class _SparseFFN(nn.Module):
         allowed = _SETTING_CHOICES.get(name)
         if allowed is not None and value not in allowed:
             raise ValueError(f"{name} must be one of {allowed}, got {value!r}")
+        if name in _DENSITY_SETTINGS and value is not None and not _is_share(value):
+            raise ValueError(f"{name} must be None or a number >= 0 (a share of active units), got {value!r}")
+        if name == "track_stats" and value not in (None, True, False):
+            raise ValueError(f"track_stats must be None, True or False, got {value!r}")
         super().__setattr__(name, value)
 
     # -- the per-layer inference state: not copied or pickled, rebuilt for each module ---------
@@ -377,7 +395,7 @@ class _SparseFFN(nn.Module):
         from .train_ops import dense_ffn, dense_gated_ffn, sparse_ffn, sparse_gated_ffn
 
         shape = x.shape
-        x2 = x.reshape(-1, self.hidden_size)
+        x2 = _token_rows(x)
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
@@ -408,7 +426,7 @@ class _SparseFFN(nn.Module):
     def _infer(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor]) -> torch.Tensor:
         # kept lean: at one token per call this Python is most of the call's cost
         shape = x.shape
-        x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
+        x2 = x if x.dim() == 2 else _token_rows(x)
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if torch.compiler.is_compiling():
@@ -482,8 +500,10 @@ class _SparseFFN(nn.Module):
         fired since :meth:`reset_fire_counts` (:meth:`dead_units`). Returns the ``[f]`` bool mask
         of re-initialised units (a tensor: reading it needs no sync).
         """
-        dead = self.dead_units() if mask is None else mask.to(torch.bool)
         w = self._first_projection().weight
+        if mask is not None and mask.shape != (w.shape[0],):
+            raise ValueError(f"mask must be [{w.shape[0]}] (one entry per unit), got {tuple(mask.shape)}")
+        dead = self.dead_units() if mask is None else mask.to(w.device, torch.bool)
         noise = torch.randn(w.shape, generator=generator, device=w.device, dtype=torch.float32).to(w.dtype) * std
         w.copy_(torch.where(dead.unsqueeze(1), keep * w + (1.0 - keep) * noise, w))
         return dead
@@ -545,7 +565,7 @@ class SparseGatedMLP(_SparseFFN):
         if choice is not None and (choice[0] == "sparse" or train_path.FUSED_DENSE):
             return self._train_kernels(x, *choice, (self.gate_proj.weight, self.up_proj.weight, w_down))
         shape = x.shape
-        x2 = x.reshape(-1, self.hidden_size)
+        x2 = _token_rows(x)
         g = torch.relu(self.gate_proj(x2))
         h = g * self.up_proj(x2)
         y = self.down_proj(h)
@@ -589,7 +609,7 @@ class SparseMLP(_SparseFFN):
         if choice is not None and (choice[0] == "sparse" or train_path.FUSED_DENSE):
             return self._train_kernels(x, *choice, (self.up_proj.weight, w_down))
         shape = x.shape
-        x2 = x.reshape(-1, self.hidden_size)
+        x2 = _token_rows(x)
         h = torch.relu(self.up_proj(x2))
         y = self.down_proj(h)
         self._record(h, h)

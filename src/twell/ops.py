@@ -19,6 +19,7 @@ Example (on a CUDA machine)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -172,7 +173,7 @@ def twell_gated_mlp(
         ``y [..., d]``, x's dtype.
     """
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
+    x2 = x.reshape(math.prod(shape[:-1]), shape[-1]) if x.dim() != 2 else x
     check_mlp_args(x2, w_up, w_down, w_gate)
     _inference_only(x, w_gate, w_up, w_down)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
@@ -211,7 +212,7 @@ def twell_mlp(
         ``y [..., d]``.
     """
     shape = x.shape
-    x2 = x.reshape(-1, shape[-1]) if x.dim() != 2 else x
+    x2 = x.reshape(math.prod(shape[:-1]), shape[-1]) if x.dim() != 2 else x
     check_mlp_args(x2, w_up, w_down)
     _inference_only(x, w_up, w_down)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()

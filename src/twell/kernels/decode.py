@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import KERNEL_DTYPES, check_launchable, check_tensor, check_weight_rows
+from ..checks import KERNEL_DTYPES, check_config, check_launchable, check_tensor, check_weight_rows
 from ._activity import fires
 from ._dot import dot_operand, dot_precision
 from ._launch import on_device_of
@@ -166,6 +166,10 @@ def _decode_sum_kernel(part_ptr, y_ptr, stride_ym, M, d, SPLITS: tl.constexpr, B
     tl.store(y_ptr + (offs // d) * stride_ym + offs % d, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
+# What ffn_decode's config may hold (twell.checks.check_config): tensor-core tiles of at least 16.
+DECODE_KNOBS = (("BM", 16, 256, True), ("BU", 16, 256, True), ("BK", 16, 4096, True), ("up warps", 1, 32, True),
+                ("BD", 16, 8192, True), ("BE", 16, 1024, True), ("down warps", 1, 32, True), ("shares", 1, 64, False))
+
 # (BM tokens, BU units, BK, warps of the up kernel, BD columns of d, BE entries, warps of the
 # down kernel, shares of the entries) by tokens per call: the entry with the smallest key at or
 # above M (the largest for bigger M). From the H200 sweep (benchmarks/NOTES_decode.md). BM is at
@@ -249,6 +253,8 @@ def ffn_decode(
         tuple(out.shape) != (M, d) or out.dtype != x.dtype or out.stride(1) != 1 or out.device != x.device or (M > 1 and out.stride(0) < d)
     ):
         raise ValueError(f"out must be [{M}, {d}] {x.dtype} on {x.device} with unit-stride, non-overlapping rows")
+    if config is not None:
+        check_config(config, DECODE_KNOBS)
     return decode_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, out=out, config=config)
 
 

@@ -48,6 +48,7 @@ import triton.language as tl
 from ._activity import fires as is_active
 from ._dot import dot_operand, dot_precision
 from ._launch import on_device_of, pdl_ok
+from ..checks import check_config
 from .decode import _rows_times_units, check_decode_args, check_stat_buffers
 
 __all__ = ["ffn_decode_fused", "decode_fused_launch", "fused_config", "DecodeScratch", "GemvConfig", "FUSED_MAX_M",
@@ -287,6 +288,12 @@ class GemvConfig(NamedTuple):
 # program took 14.8 to 15.2 us at M = 1 against 15.9 to 16.1 for two; at M = 5 the CUDA-core
 # kernel took 27.1 to 27.8 us, the tensor-core one 28.2 to 28.4, at M = 6 29.5 against 28.1.
 GEMV_MAX_M = 5
+
+# What a config may hold (twell.checks.check_config): the tensor-core kernel's tiles at least 16,
+# the CUDA-core kernel's units per program from 1.
+FUSED_KNOBS = (("BU", 16, 256, True), ("BK", 16, 4096, True), ("BD", 16, 8192, True), ("warps", 1, 32, True),
+               ("stages", 1, 8, False))
+GEMV_KNOBS = (("BU", 1, 256, True), ("BK", 16, 8192, True), ("warps", 1, 32, True), ("stages", 1, 8, False))
 GEMV_CONFIGS = {1: GemvConfig(1, 2048, 2, 1), 5: GemvConfig(2, 2048, 2, 1)}
 
 
@@ -387,6 +394,8 @@ def ffn_decode_fused(
     if M > FUSED_MAX_M:
         raise ValueError(f"the fused decode kernel takes at most {FUSED_MAX_M} tokens per call, got {M}")
     check_stat_buffers(x, unit_counts, row_nnz, f)
+    if config is not None:
+        check_config(config, GEMV_KNOBS if isinstance(config, GemvConfig) else FUSED_KNOBS)
     if scratch is not None and (scratch.acc.dim() != 2 or scratch.acc.shape[0] < SCRATCH_ROWS or scratch.acc.shape[1] != d
                                 or scratch.acc.device != x.device):
         raise ValueError(f"scratch must be a DecodeScratch for d = {d} on {x.device}, got {list(scratch.acc.shape)} on {scratch.acc.device}")

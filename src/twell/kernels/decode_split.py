@@ -53,6 +53,7 @@ import triton.language as tl
 
 from ._launch import on_device_of, pdl_ok
 from ._dot import dot_operand, dot_precision
+from ..checks import check_config
 from .decode import check_decode_args, check_stat_buffers
 from .decode_fused import _block_activity, _up_down_block, launch_write_out
 from .gate_pack import _descriptor_ok
@@ -264,6 +265,10 @@ class SplitConfig(NamedTuple):
 # were the fastest in 14 of 15 records from 4 to 64 tokens, 0.1 to 0.5 us (1% to 3%) faster.
 SPLIT_CONFIG = SplitConfig(64, 128, 4, 6, 1056, 4096, 8)
 
+# What a config may hold (twell.checks.check_config): tensor-core tiles of at least 16 units.
+SPLIT_KNOBS = (("BU", 16, 256, True), ("BK", 16, 4096, True), ("num_warps", 1, 32, True), ("num_stages", 1, 8, False),
+               ("P", 1, 1 << 16, False), ("BD", 16, 8192, True), ("updown_warps", 1, 32, True))
+
 # The gate reads x and w_first through tensor descriptors (TMA) from this token tile on, where
 # both allow it (unit-stride rows, 16-byte aligned rows and base); pointer loads below it and
 # otherwise. Thirteenth session, eight layers back to back in a graph (split_chain_probe.py): the
@@ -425,4 +430,7 @@ def ffn_decode_split(
         raise ValueError(f"the split decode kernels take fewer than {_MAX_F} units, got f = {f}")
     check_stat_buffers(x, unit_counts, row_nnz, f)
     check_split_scratch(scratch, x, f)
+    if config is not None:
+        check_config(config, SPLIT_KNOBS)
+        config = SplitConfig(*config)
     return decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, scratch=scratch, config=config)[0]

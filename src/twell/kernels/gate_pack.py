@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import KERNEL_DTYPES, check_launchable, check_pow2, check_tensor
+from ..checks import KERNEL_DTYPES, check_config, check_launchable, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
 from ._activity import fires
 from ._dot import dot_operand, dot_precision
@@ -54,7 +54,7 @@ __all__ = ["pack_relu", "gate_pack_fused", "gate_pack_persistent", "empty_twell"
 def empty_twell(M: int, f: int, tile: int, compression: int, dtype, device) -> TwELL:
     """Unwritten TwELL buffers for an ``[M, f]`` matrix (``overflow_values`` left None)."""
     _check_tile(tile, compression)
-    n_tiles = max(1, math.ceil(f / tile))
+    n_tiles = math.ceil(f / tile)  # none for f = 0 (TwELL.validate and ffn_from_twell expect that)
     slots = twell_slots(tile, compression)
     values = torch.empty(M, n_tiles, slots, dtype=dtype, device=device)
     cols = torch.empty(M, n_tiles, slots, dtype=torch.int16, device=device)
@@ -189,15 +189,14 @@ def pack_relu(
         a = a.contiguous()
     M, f = a.shape
     out = empty_twell(M, f, tile, compression, a.dtype, a.device)
-    if M == 0:
+    if M == 0 or f == 0:
         return out
     if config is None and method == "bits":
         config = bits_config(M)
     if config is not None:
         # the bits pack covers BN // 32 words a step and advances by BN: anything else drops columns
-        check_pow2(config[0], "config's rows per program", 1, 64)
-        check_pow2(config[1], "config's columns per step", 32 if method == "bits" else 1, 4096)
-        check_pow2(config[2], "config's warps", 1, 32)
+        check_config(config, (("rows per program", 1, 64, True),
+                              ("columns per step", 32 if method == "bits" else 1, 4096, True), ("warps", 1, 32, True)))
     BM, BN, nw = config or PACK_CONFIG
     BN = min(tile, BN)
     grid = (triton.cdiv(M, BM), out.n_tiles)
@@ -306,7 +305,7 @@ def gate_pack_fused(
     M, d = x.shape
     f = w.shape[0]
     out = empty_twell(M, f, tile, compression, x.dtype, x.device)
-    if M == 0:
+    if M == 0 or f == 0:
         return out
     if d == 0:
         out.counts.zero_()

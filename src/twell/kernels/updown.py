@@ -594,6 +594,8 @@ def ffn_from_twell(
     rows_kernel = kernel == "rows"
     if M == 0:
         return out
+    if f == 0:  # no units: y = 0 (and no tiles for a kernel to walk)
+        return out.zero_()
     # overflowed and long rows whole, on tensor cores (see DENSE_ROWS_CONFIG; x's rows at any stride)
     dense_rows = (pre is not None and pre_writable and not rows_kernel and M >= TWO_PASS_MIN_M
                   and weights_addressable(w_down_t, w_up))  # (else the exact launch below, as without pre_writable)
