@@ -807,3 +807,173 @@ def test_decode_configs_at_the_knobs_edges_are_exact(kind, config):
     x, wg, wu, wd = (torch.randn(s, generator=g) for s in [(3, 32), (40, 32), (40, 32), (40, 32)])
     want = (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd
     assert rel_err(_decode_call(kind, x, wg, wd, wu, config), want) < 1e-5
+# --- mutation round on the decode kernels' bodies (decode.py, decode_fused.py, decode_split.py,
+# _activity.py; mutants_report.md): each test below fails on a single-line change of a kernel
+# body that every test above passed ---
+#
+# Imports these tests need (all already at the top of tests/test_kernels_decode.py):
+#   import pytest, torch
+#   from kernel_cases import gate_case, rel_err
+#   from twell import reference as R
+#   from twell.kernels.decode import ffn_decode
+#   from twell.kernels.decode_fused import ffn_decode_fused, GemvConfig
+# (the split tests import twell.kernels.decode_split inside, as the file's split tests do)
+# and the module's own helper _rounding_case (defined above in that file).
+
+
+@pytest.mark.parametrize("kind,config", [
+    ("decode", (16, 16, 16, 4, 16, 16, 4, 1)),  # y written by the down kernel
+    ("decode", (16, 16, 16, 4, 16, 16, 4, 3)),  # y written by the sum kernel
+    ("fused", (16, 16, 16, 4, 1)),  # tensor-core kernel
+    ("fused", GemvConfig(4, 16, 2, 1)),  # CUDA-core kernel
+], ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_nan_gate_fires_in_the_three_launch_and_fused_kernels(kind, config, gated):
+    """A NaN gate fires (relu keeps it) in ffn_decode and both fused kernels, as the split test
+    above checks for the split kernels: the NaN token's row is NaN, the others the reference's,
+    the statistics count every unit of the NaN token.
+
+    Kills F19 (_decode_fused_kernel passing ``tl.where(a > 0, a, 0.0)`` as h) and F16 (the same
+    as ``tl.maximum(a, 0.0)``, which drops NaN, in the interpreter as on the GPU): no test ran
+    the tensor-core fused kernel on a NaN. Also D6 (_decode_up_kernel ``on = a > 0``) and F14
+    (_decode_gemv_kernel ``h = tl.where(a > 0, a, 0.0)``), which only test_runtime's NaN test
+    (through the dispatcher) caught."""
+    M, d, f = 5, 24, 37
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=13)
+    x[2, 5] = float("nan")
+    uc, nnz = torch.zeros(f, dtype=torch.int32), torch.zeros(M, dtype=torch.int32)
+    w_up = wu if gated else None
+    fn = ffn_decode if kind == "decode" else ffn_decode_fused
+    y = fn(x, wg, wd.T.contiguous(), w_up=w_up, unit_counts=uc, row_nnz=nnz, config=config)
+    rest = torch.arange(M) != 2
+    xr = x[rest].double()
+    ref = R.gated_mlp(xr, wg.double(), wu.double(), wd.double()) if gated else R.mlp(xr, wg.double(), wd.double())
+    assert torch.isnan(y[2]).all() and rel_err(y[rest], ref) < 1e-5
+    fired = ~((x @ wg.T) <= 0)
+    assert int(nnz[2]) == f and torch.equal(nnz.long(), fired.sum(1)) and torch.equal(uc.long(), fired.sum(0))
+
+
+@pytest.mark.parametrize("shares", [1, 2])
+def test_decode_three_launch_rounds_as_the_dense_path(shares):
+    """ffn_decode on the fp16 case whose exact output depends on every rounding of the dense path
+    (_rounding_case; test_decode_kernels_round_as_the_dense_path covers only the fused and split
+    kernels): the up product rounded to fp16 before h = gate * up.
+
+    Kills D15 (_decode_up_kernel ``g = g * u``: up not rounded, y[0, 0] = 3 * 3 * 2^-13 instead
+    of 0)."""
+    d = 16
+    x, wg, wu, wdt, expect, expect_counts = _rounding_case(d)
+    uc, nnz = torch.zeros(16, dtype=torch.int32), torch.zeros(1, dtype=torch.int32)
+    y = ffn_decode(x, wg, wdt, w_up=wu, unit_counts=uc, row_nnz=nnz, config=(16, 16, 16, 4, 16, 16, 4, shares))
+    assert torch.equal(y, expect), y[0, :3].tolist()
+    assert torch.equal(uc, expect_counts) and int(nnz[0]) == 4, (uc.tolist(), nnz.tolist())
+
+
+@pytest.mark.parametrize("shares", [1, 3])
+def test_decode_writes_only_its_rows_of_a_strided_out(shares):
+    """``out`` a strided view into a larger NaN buffer, with one share (the down kernel stores y
+    itself) and several (the sum kernel does): y is the reference's and nothing outside the view
+    is written (test_strided_and_mixed_layout_inputs covers a strided out with 2 shares only).
+
+    Kills D23 (_decode_down_kernel ``omask = (rows <= M)...``: row M of the buffer written) and
+    D24 (the one-share store with ``d`` as the row stride of y)."""
+    M, d, f = 5, 24, 37
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=17)
+    big = torch.full((M + 3, d + 7), float("nan"))
+    out = big[:M, :d]
+    y = ffn_decode(x, wg, wd.T.contiguous(), w_up=wu, out=out, config=(16, 16, 16, 4, 16, 16, 4, shares))
+    assert y.data_ptr() == out.data_ptr()
+    assert rel_err(y, R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())) < 1e-5
+    assert torch.isnan(big[:, d:]).all() and torch.isnan(big[M:]).all()
+
+
+@pytest.mark.parametrize("kind,config,capacity", [
+    ("fused", (16, 16, 16, 4, 1), None),  # tensor-core kernel
+    ("fused", GemvConfig(4, 16, 2, 1), None),  # CUDA-core kernel, d in steps
+    ("fused", GemvConfig(2, 64, 2, 1), None),  # CUDA-core kernel, d in one step
+    ("split", (16, 16, 4, 1, 3, 32, 4), 8192),  # up/down with d in one step
+    ("split", (16, 16, 4, 1, 3, 16, 4), 8192),  # up/down with d in steps
+    ("split", (16, 16, 4, 1, 3, 32, 4), 3),  # most fires past the list: the gate's own path
+], ids=str)
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_fused_and_split_strided_and_mixed_layout_inputs(kind, config, capacity, gated):
+    """ffn_decode_fused (both kernels) and the split kernels (every up/down path) on x and
+    weights whose row strides all differ from d and from each other, their padding NaN: a kernel
+    that used one tensor's stride for another, or d for a stride, fails here
+    (test_strided_and_mixed_layout_inputs checks ffn_decode only; the split test of descriptor
+    loads strides x only).
+
+    Kills F10 (gemv x row ``m * d``), F11 (gemv gate/up rows ``* d``), F12 (gemv down rows
+    ``* d``), F17 (tensor-core gate rows with stride d), F18 (tensor-core x rows ``* d``), S18
+    (one-step down row ``u * d``), S19 (split gate rows ``* d``), S20 (steps' up row ``u * d``)."""
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+
+    M, d, f = 5, 24, 50
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=3)
+    xs = torch.full((M, d + 5), float("nan"))[:, 2 : 2 + d]
+    wg_s = torch.full((3 * f, d + 11), float("nan"))[0::3, 1 : 1 + d]
+    wu_s = torch.full((f, 2 * d), float("nan"))[:, d:]
+    wdt_s = torch.full((f, d + 3), float("nan"))[:, :d]
+    for dst, src in ((xs, x), (wg_s, wg), (wu_s, wu), (wdt_s, wd.T)):
+        dst.copy_(src)
+    assert len({wg_s.stride(0), wu_s.stride(0), wdt_s.stride(0), xs.stride(0), d}) == 5
+    uc, nnz = torch.zeros(f, dtype=torch.int32), torch.zeros(M, dtype=torch.int32)
+    w_up = wu_s if gated else None
+    if kind == "fused":
+        y = ffn_decode_fused(xs, wg_s, wdt_s, w_up=w_up, unit_counts=uc, row_nnz=nnz, config=config)
+    else:
+        scratch = SplitScratch(d, f, torch.float32, "cpu", capacity=capacity)
+        y = decode_split_launch(xs, wg_s, wdt_s, w_up, uc, nnz, scratch=scratch, config=SplitConfig(*config))[0]
+    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double()) if gated else R.mlp(x.double(), wg.double(), wd.double())
+    assert rel_err(y, ref) < 1e-5
+    pattern = (x @ wg.T) > 0
+    assert torch.equal(uc.long(), pattern.sum(0)) and torch.equal(nnz.long(), pattern.sum(1))
+
+
+@pytest.mark.parametrize("shares", [2, 3])
+def test_decode_shares_add_in_fp32(shares):
+    """fp16, one token, every unit firing with h = 1 over three blocks of 16 units: column 0 of y
+    sums 1 (unit 0), 2^-11 (unit 1) and -1 (unit 47), which land in different shares of the
+    entries. In fp32 the sum is 2^-11, as the dense path gives it; a share's partial rounded to
+    fp16 (1 + 2^-11 rounds to 1) loses it. The fp16 cases above compare within a tolerance that
+    such a rounding stays inside.
+
+    Kills D25 (_decode_down_kernel storing its partial rounded to y's dtype)."""
+    d, f = 16, 48
+    x, wg, wdt = torch.zeros(1, d), torch.zeros(f, d), torch.zeros(f, d)
+    x[0, 0] = 1.0
+    wg[:, 0] = 1.0
+    wdt[0, 0], wdt[1, 0], wdt[f - 1, 0] = 1.0, 2**-11, -1.0
+    x, wg, wdt = x.half(), wg.half(), wdt.half()
+    y = ffn_decode(x, wg, wdt, config=(16, 16, 16, 4, 16, 16, 4, shares))
+    expect = torch.zeros(1, d, dtype=torch.float16)
+    expect[0, 0] = 2**-11
+    assert torch.equal(torch.relu(x @ wg.T) @ wdt, expect)  # the dense path
+    assert torch.equal(y, expect), y[0, :2].tolist()
+
+
+@pytest.mark.parametrize("BD", [16, 32], ids=["steps", "one_step"])  # d 24: the last step partial
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_split_nan_gate_in_its_row_only(BD, gated):
+    """A NaN token through the split kernels, gated and non-gated, with the up/down walking d in
+    steps (BD < d) and in one step (the NaN test above: gated, one step): its row is NaN, every
+    other row the reference's, none of its NaN spilling into the next token's row; the scratch
+    left zeroed and empty.
+
+    Kills S3 (_add_fire_in_steps adding with ``mask=cols <= d``: column d of the NaN row is
+    column 0 of the next row, and 0 * NaN is NaN) and, at the kernel level, S13 (the listed gate
+    stored as ``tl.maximum(a, 0.0)``, which drops NaN: non-gated, nothing else makes the row NaN;
+    test_runtime's NaN test also catches it)."""
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+
+    M, d, f = 6, 24, 37
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=11)
+    x[2, 5] = float("nan")
+    scratch = SplitScratch(d, f, torch.float32, "cpu")
+    y = decode_split_launch(x, wg, wd.T.contiguous(), wu if gated else None, None, None, scratch=scratch,
+                            config=SplitConfig(16, 16, 4, 1, 3, BD, 4))[0]
+    rest = torch.arange(M) != 2
+    xr = x[rest].double()
+    ref = R.gated_mlp(xr, wg.double(), wu.double(), wd.double()) if gated else R.mlp(xr, wg.double(), wd.double())
+    assert torch.isnan(y[2]).all() and rel_err(y[rest], ref) < 1e-5
+    assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0
