@@ -29,6 +29,13 @@ CASES = [
 DTYPE_CASES = [(torch.float32, *case) for case in CASES] + [(torch.float16, *case) for case in CASES[:2]]
 
 
+def _reference(x, wg, wu, wd, gated: bool = True):
+    """The FFN in float64: gated ``relu(x wg^T) * (x wu^T)``, else ``relu(x wg^T)``, times ``wd^T``."""
+    if gated:
+        return R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+    return R.mlp(x.double(), wg.double(), wd.double())
+
+
 def _counts(x, w_first):
     active = (x.double() @ w_first.double().T) > 0
     return active.sum(0), active.sum(1)
@@ -317,7 +324,7 @@ def _check_gpu_variants(call, x, wg, wu, wd, tol, scratch_clean) -> None:
     pattern = (x.double() @ wg.double().T) > 0
     for gated in (True, False):
         kw = dict(w_up=wu) if gated else {}
-        ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double()) if gated else R.mlp(x.double(), wg.double(), wd.double())
+        ref = _reference(x, wg, wu, wd, gated)
         outs = []
         for pdl in (True, False):
             _launch.USE_PDL = pdl
@@ -466,10 +473,19 @@ def test_decode_split_gate_loads_descriptors_or_pointers(M, d, f, config, dtype,
 
 
 @pytest.mark.parametrize("capacity", [8192, 3])
-def test_decode_split_nan_gate_fires_listed_or_past_the_list(capacity):
+@pytest.mark.parametrize("BD", [16, 32], ids=["steps", "one_step"])  # d 24: the last step partial
+@pytest.mark.parametrize("gated", [True, False])
+def test_decode_split_nan_gate_fires_listed_or_past_the_list(capacity, BD, gated):
     """A NaN gate fires (relu keeps it): a token whose input has a NaN gets a NaN row, through
-    the list or, past its capacity, through the gate program's own exact path; the other tokens
-    get the reference's rows and the counts count the NaN token's units."""
+    the list or, past its capacity, through the gate program's own exact path, gated and
+    non-gated, with the up/down walking d in steps (BD < d) or in one; the other tokens get the
+    reference's rows (none of the NaN spilling into the next token's row), the counts count the
+    NaN token's units, and the list is left empty.
+
+    From the mutation round: kills S3 (_add_fire_in_steps adding with ``mask=cols <= d``: column
+    d of the NaN row is column 0 of the next row, and 0 * NaN is NaN) and, at the kernel level,
+    S13 (the listed gate stored as ``tl.maximum(a, 0.0)``, which drops NaN: non-gated, nothing
+    else makes the row NaN)."""
     from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
 
     M, d, f = 6, 24, 37
@@ -477,13 +493,14 @@ def test_decode_split_nan_gate_fires_listed_or_past_the_list(capacity):
     x[2, 5] = float("nan")
     uc, nnz = torch.zeros(f, dtype=torch.int32), torch.zeros(M, dtype=torch.int32)
     scratch = SplitScratch(d, f, torch.float32, "cpu", capacity=capacity)
-    y = decode_split_launch(x, wg, wd.T.contiguous(), wu, uc, nnz, scratch=scratch, config=SplitConfig(16, 16, 4, 1, 3, 32, 4))[0]
+    y = decode_split_launch(x, wg, wd.T.contiguous(), wu if gated else None, uc, nnz, scratch=scratch,
+                            config=SplitConfig(16, 16, 4, 1, 3, BD, 4))[0]
     rest = torch.arange(M) != 2
-    ref = R.gated_mlp(x[rest].double(), wg.double(), wu.double(), wd.double())
-    assert torch.isnan(y[2]).all() and rel_err(y[rest], ref) < 1e-5
+    assert torch.isnan(y[2]).all() and rel_err(y[rest], _reference(x[rest], wg, wu, wd, gated)) < 1e-5
     fired = ~((x @ wg.T) <= 0)
     assert int(nnz[2]) == f and torch.equal(nnz.long(), fired.sum(1)) and torch.equal(uc.long(), fired.sum(0))
     assert int(scratch.fires()) == int(fired.sum()) and (capacity > int(fired.sum())) == (capacity == 8192)
+    assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0
 
 
 def test_decode_split_fp16_no_active_unit_and_a_failed_call():
@@ -807,18 +824,10 @@ def test_decode_configs_at_the_knobs_edges_are_exact(kind, config):
     x, wg, wu, wd = (torch.randn(s, generator=g) for s in [(3, 32), (40, 32), (40, 32), (40, 32)])
     want = (torch.relu(x @ wg.T) * (x @ wu.T)) @ wd
     assert rel_err(_decode_call(kind, x, wg, wd, wu, config), want) < 1e-5
-# --- mutation round on the decode kernels' bodies (decode.py, decode_fused.py, decode_split.py,
-# _activity.py; mutants_report.md): each test below fails on a single-line change of a kernel
-# body that every test above passed ---
-#
-# Imports these tests need (all already at the top of tests/test_kernels_decode.py):
-#   import pytest, torch
-#   from kernel_cases import gate_case, rel_err
-#   from twell import reference as R
-#   from twell.kernels.decode import ffn_decode
-#   from twell.kernels.decode_fused import ffn_decode_fused, GemvConfig
-# (the split tests import twell.kernels.decode_split inside, as the file's split tests do)
-# and the module's own helper _rounding_case (defined above in that file).
+
+
+# From a mutation round on the decode kernels' bodies (twenty-ninth session, NOTES_decode): each
+# test below failed on a single-line change of a kernel body that every test above passed.
 
 
 @pytest.mark.parametrize("kind,config", [
@@ -846,8 +855,7 @@ def test_decode_nan_gate_fires_in_the_three_launch_and_fused_kernels(kind, confi
     fn = ffn_decode if kind == "decode" else ffn_decode_fused
     y = fn(x, wg, wd.T.contiguous(), w_up=w_up, unit_counts=uc, row_nnz=nnz, config=config)
     rest = torch.arange(M) != 2
-    xr = x[rest].double()
-    ref = R.gated_mlp(xr, wg.double(), wu.double(), wd.double()) if gated else R.mlp(xr, wg.double(), wd.double())
+    ref = _reference(x[rest], wg, wu, wd, gated)
     assert torch.isnan(y[2]).all() and rel_err(y[rest], ref) < 1e-5
     fired = ~((x @ wg.T) <= 0)
     assert int(nnz[2]) == f and torch.equal(nnz.long(), fired.sum(1)) and torch.equal(uc.long(), fired.sum(0))
@@ -924,7 +932,7 @@ def test_decode_fused_and_split_strided_and_mixed_layout_inputs(kind, config, ca
     else:
         scratch = SplitScratch(d, f, torch.float32, "cpu", capacity=capacity)
         y = decode_split_launch(xs, wg_s, wdt_s, w_up, uc, nnz, scratch=scratch, config=SplitConfig(*config))[0]
-    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double()) if gated else R.mlp(x.double(), wg.double(), wd.double())
+    ref = _reference(x, wg, wu, wd, gated)
     assert rel_err(y, ref) < 1e-5
     pattern = (x @ wg.T) > 0
     assert torch.equal(uc.long(), pattern.sum(0)) and torch.equal(nnz.long(), pattern.sum(1))
@@ -950,30 +958,3 @@ def test_decode_shares_add_in_fp32(shares):
     expect[0, 0] = 2**-11
     assert torch.equal(torch.relu(x @ wg.T) @ wdt, expect)  # the dense path
     assert torch.equal(y, expect), y[0, :2].tolist()
-
-
-@pytest.mark.parametrize("BD", [16, 32], ids=["steps", "one_step"])  # d 24: the last step partial
-@pytest.mark.parametrize("gated", [True, False])
-def test_decode_split_nan_gate_in_its_row_only(BD, gated):
-    """A NaN token through the split kernels, gated and non-gated, with the up/down walking d in
-    steps (BD < d) and in one step (the NaN test above: gated, one step): its row is NaN, every
-    other row the reference's, none of its NaN spilling into the next token's row; the scratch
-    left zeroed and empty.
-
-    Kills S3 (_add_fire_in_steps adding with ``mask=cols <= d``: column d of the NaN row is
-    column 0 of the next row, and 0 * NaN is NaN) and, at the kernel level, S13 (the listed gate
-    stored as ``tl.maximum(a, 0.0)``, which drops NaN: non-gated, nothing else makes the row NaN;
-    test_runtime's NaN test also catches it)."""
-    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
-
-    M, d, f = 6, 24, 37
-    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=11)
-    x[2, 5] = float("nan")
-    scratch = SplitScratch(d, f, torch.float32, "cpu")
-    y = decode_split_launch(x, wg, wd.T.contiguous(), wu if gated else None, None, None, scratch=scratch,
-                            config=SplitConfig(16, 16, 4, 1, 3, BD, 4))[0]
-    rest = torch.arange(M) != 2
-    xr = x[rest].double()
-    ref = R.gated_mlp(xr, wg.double(), wu.double(), wd.double()) if gated else R.mlp(xr, wg.double(), wd.double())
-    assert torch.isnan(y[2]).all() and rel_err(y[rest], ref) < 1e-5
-    assert torch.all(scratch.acc == 0) and int(scratch.count[0]) == 0

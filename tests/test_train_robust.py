@@ -193,16 +193,24 @@ def test_sigint_saves_and_resume_ends_as_the_uninterrupted_run(tmp_path, one_thr
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_sigterm_saves_at_the_end_of_the_step(tmp_path, monkeypatch):
-    t = Trainer(config(tmp_path, steps=6, log_every=2, eval_every=6))
+def signal_in_step(monkeypatch, step: int, then=None) -> None:
+    """SIGTERM this process as step ``step`` (1-based) computes its gradients; ``then(trainer)``,
+    if given, runs right after the signal (before the step's work)."""
     forward_backward = Trainer.forward_backward
 
-    def terminated_in_step_3(self):
-        if self.step == 2:
+    def terminated(self):
+        if self.step + 1 == step:
             os.kill(os.getpid(), signal.SIGTERM)
+            if then is not None:
+                then(self)
         return forward_backward(self)
 
-    monkeypatch.setattr(Trainer, "forward_backward", terminated_in_step_3)
+    monkeypatch.setattr(Trainer, "forward_backward", terminated)
+
+
+def test_sigterm_saves_at_the_end_of_the_step(tmp_path, monkeypatch):
+    t = Trainer(config(tmp_path, steps=6, log_every=2, eval_every=6))
+    signal_in_step(monkeypatch, 3)
     handler = signal.getsignal(signal.SIGTERM)
     with pytest.raises(RunStopped, match="interrupted by SIGTERM at step 3 of 6") as stop:
         t.fit()

@@ -13,6 +13,7 @@ import torch
 
 from test_train_cli import FAST
 from test_train_loss import config, small_corpus
+from test_train_robust import signal_in_step
 from twell.cli import main
 from twell.train import checkpoint as ckpt
 from twell.train import trainer as trainer_module
@@ -162,6 +163,15 @@ def test_fit_removes_what_killed_writes_left(tmp_path):
     assert sorted(p.name for p in (tmp_path / "run" / "checkpoints").iterdir()) == ["step_000002"]
 
 
+def _fake_clock(monkeypatch, start: float) -> dict:
+    """The trainer's ``time.monotonic`` reads ``clock["now"]`` (the returned dict), which the
+    test moves by hand."""
+    clock = {"now": start}
+    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(
+        monotonic=lambda: clock["now"], perf_counter=time.perf_counter, sleep=time.sleep))
+    return clock
+
+
 def test_a_repeated_signal_within_two_seconds_still_saves(tmp_path, monkeypatch):
     """Kills T27 (no grace window): torchrun passes a terminal's Ctrl-C on to its workers, which
     see it twice in a moment; that must still save and stop, not quit at once. A second signal
@@ -172,19 +182,14 @@ def test_a_repeated_signal_within_two_seconds_still_saves(tmp_path, monkeypatch)
         quit_now.append(signum)
         raise SystemExit("quit without saving")
 
-    forward_backward = Trainer.forward_backward
-    clock = {"now": 1000.0, "gap": 0.1}
-    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(
-        monotonic=lambda: clock["now"], perf_counter=time.perf_counter, sleep=time.sleep))
+    clock = _fake_clock(monkeypatch, 1000.0)
+    clock["gap"] = 0.1
 
-    def twice_in_step_2(self):
-        if self.step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-            clock["now"] += clock["gap"]
-            os.kill(os.getpid(), signal.SIGTERM)
-        return forward_backward(self)
+    def and_again(trainer):
+        clock["now"] += clock["gap"]
+        os.kill(os.getpid(), signal.SIGTERM)
 
-    monkeypatch.setattr(Trainer, "forward_backward", twice_in_step_2)
+    signal_in_step(monkeypatch, 2, then=and_again)
     old = signal.signal(signal.SIGTERM, previous)
     try:
         t = Trainer(config(tmp_path, steps=4, log_every=1, eval_every=4))
@@ -204,14 +209,7 @@ def test_a_repeated_signal_within_two_seconds_still_saves(tmp_path, monkeypatch)
 def test_a_signal_in_the_last_step_finishes_the_run(tmp_path, monkeypatch):
     """Kills T28 (a signal in the last step raises RunStopped): the last step's checkpoint and
     evaluation are written anyway, so the run ends normally with its summary."""
-    forward_backward = Trainer.forward_backward
-
-    def terminated_in_step_3(self):
-        if self.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return forward_backward(self)
-
-    monkeypatch.setattr(Trainer, "forward_backward", terminated_in_step_3)
+    signal_in_step(monkeypatch, 3)
     t = Trainer(config(tmp_path, steps=3, log_every=1, eval_every=3))
     summary = t.fit()
     assert summary["steps"] == 3 and t.stop_signal == signal.SIGTERM
@@ -222,9 +220,7 @@ def test_wall_time_saves_count_from_the_last_save(tmp_path, monkeypatch):
     """Kills T30 (the save clock not reset by a save): with --save-minutes 2.5 and a step taking
     a minute (a fake clock), checkpoints come at steps 3 and 6, not at every step after the
     first that was due."""
-    clock = {"now": 0.0}
-    monkeypatch.setattr(trainer_module, "time", types.SimpleNamespace(
-        monotonic=lambda: clock["now"], perf_counter=time.perf_counter, sleep=time.sleep))
+    clock = _fake_clock(monkeypatch, 0.0)
     forward_backward = Trainer.forward_backward
 
     def a_minute_a_step(self):
@@ -238,19 +234,13 @@ def test_wall_time_saves_count_from_the_last_save(tmp_path, monkeypatch):
 
 def test_a_signal_at_a_save_step_writes_the_checkpoint_once(tmp_path, monkeypatch):
     """Kills T31 (a save not remembered: the stop writes the same checkpoint a second time)."""
-    forward_backward, save = Trainer.forward_backward, Trainer.save_checkpoint
-    saves = []
-
-    def terminated_in_step_2(self):
-        if self.step == 1:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return forward_backward(self)
+    save, saves = Trainer.save_checkpoint, []
 
     def counted(self, *args, **kwargs):
         saves.append(self.step)
         return save(self, *args, **kwargs)
 
-    monkeypatch.setattr(Trainer, "forward_backward", terminated_in_step_2)
+    signal_in_step(monkeypatch, 2)
     monkeypatch.setattr(Trainer, "save_checkpoint", counted)
     t = Trainer(config(tmp_path, steps=4, log_every=1, eval_every=4, save_every=2))
     with pytest.raises(RunStopped) as stop:

@@ -316,9 +316,9 @@ def hybrid_from_coo(
             raise ValueError(f"{name} must be integer coordinates, got {t.dtype}")
     # An index past the shape would land in another row's slots or the wrong backup column.
     # (A check on the data: one sync, as the bincount below needs anyway.)
-    for name, t, n in (("rows", rows, n_rows), ("cols", cols, n_cols)):
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= n):
-            raise ValueError(f"{name} must lie in [0, {n}) for shape {tuple(shape)}, got [{int(t.min())}, {int(t.max())}]")
+    if rows.numel() and bool(((rows < 0) | (rows >= n_rows) | (cols < 0) | (cols >= n_cols)).any()):
+        name, t, n = ("rows", rows, n_rows) if bool(((rows < 0) | (rows >= n_rows)).any()) else ("cols", cols, n_cols)
+        raise ValueError(f"{name} must lie in [0, {n}) for shape {tuple(shape)}, got [{int(t.min())}, {int(t.max())}]")
     device, dtype = values.device, values.dtype
     rows, cols = rows.long(), cols.long()
     order = torch.sort(rows * n_cols + cols).indices
