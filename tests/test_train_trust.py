@@ -117,6 +117,48 @@ def test_resume_after_a_nan_stop_keeps_the_streak(tmp_path, monkeypatch):
     resumed.loader.close()
 
 
+def test_a_nan_stop_after_a_save_writes_the_data_position_it_reached(tmp_path, monkeypatch):
+    """Kills T20 (the stop reuses a checkpoint of the same step without comparing the data
+    position). With ``save_every=2`` step 2 is saved, then steps 3-5 are skipped: the step stays
+    2 but their batches are consumed and counted. The stop must write that state, not hand back
+    step 2's checkpoint, which resumed at samples_seen 8 with no skip counted; the resume reads
+    what the same run without ``save_every`` reads."""
+    import torch.nn.functional as F
+    from test_train_robust import _poison_cross_entropy
+
+    real_cross_entropy = F.cross_entropy
+    positions = {}
+    for save_every in (None, 2):
+        out = tmp_path / f"save_every_{save_every}"
+        monkeypatch.setattr(F, "cross_entropy", real_cross_entropy)
+        _poison_cross_entropy(monkeypatch, lambda n: n >= 3)  # steps 1 and 2 train, then NaN
+        t = Trainer(config(tmp_path, steps=6, log_every=1, eval_every=6, max_bad_steps=3, save_every=save_every,
+                           out=str(out)))
+        with pytest.raises(RunStopped) as stopped:
+            t.fit()
+        assert stopped.value.checkpoint.name == "step_000002"
+        resumed = Trainer(config(tmp_path, steps=6, out=str(out)), resume=str(out))
+        positions[save_every] = (resumed.step, resumed.samples_seen, resumed.skipped, resumed.bad_streak)
+        assert positions[save_every] == (2, t.samples_seen, 3, 3), save_every
+        resumed.loader.close()
+    assert positions[2] == positions[None] and positions[None][1] > 8
+
+
+def test_resume_takes_the_runs_betas(tmp_path):
+    """``TrainConfig(betas=...)`` given on resume is what the optimizer uses, as it is what the
+    resumed run's train_config.json records (before, the loaded optimizer state kept the
+    checkpoint's betas silently); given nothing new, the checkpoint's are kept."""
+    t = Trainer(config(tmp_path, steps=3, log_every=1, eval_every=3, betas=(0.9, 0.95)))
+    t.train_step()
+    path = t.save_checkpoint()
+    t.loader.close()
+    for betas in ((0.9, 0.95), (0.8, 0.9)):
+        resumed = Trainer(config(tmp_path, steps=3, log_every=1, eval_every=3, betas=betas), resume=str(path))
+        assert [tuple(g["betas"]) for g in resumed.optimizer.param_groups] == [betas] * len(resumed.optimizer.param_groups)
+        assert resumed.cfg.betas == betas
+        resumed.loader.close()
+
+
 def _commit_fixture(tmp_path, content: str):
     final = tmp_path / "checkpoints" / "step_000002"
     tmp = ckpt.temporary_folder(final)

@@ -171,7 +171,9 @@ class Trainer:
         # (validation and checkpoints excluded); the progress bar and the summary show it.
         self.train_seconds, self.session_tokens = 0.0, 0
         self.stop_signal: Optional[int] = None  # set by SIGINT/SIGTERM during fit
-        self._saved: Optional[tuple[int, Path]] = None  # (step, folder) of the last checkpoint written or loaded
+        # (step, samples_seen, folder) of the last checkpoint written or loaded: skipped steps
+        # leave the step where it was but move the data position, so both name a state.
+        self._saved: Optional[tuple[int, int, Path]] = None
         self._pending: Optional[_PendingSave] = None  # a sharded checkpoint still being written in the background
         self._last_save_time = time.monotonic()
         if resume:
@@ -460,7 +462,7 @@ class Trainer:
             self.wait_for_checkpoint()
         if self._pending is None and self.world > 1:
             dist.barrier()  # the folder is in place when any rank returns
-        self._saved, self._last_save_time = (self.step, final), time.monotonic()
+        self._saved, self._last_save_time = (self.step, self.samples_seen, final), time.monotonic()
         return final
 
     def _write_shards(self, tmp: Path, final: Path, managed: bool, blocking: bool) -> None:
@@ -540,7 +542,7 @@ class Trainer:
         if self.cfg.l1_target is not None and len(meta.get("l1_scale", [])) == len(self.l1_scale):
             self.l1_scale = [float(v) for v in meta["l1_scale"]]
             self._l1_scale_t.copy_(torch.tensor(self.l1_scale))
-        self._saved = (self.step, Path(directory))
+        self._saved = (self.step, self.samples_seen, Path(directory))
         if f"rng_cpu_rank{self.rank}" in tensors:  # a run resumed on other ranks keeps its own RNG
             torch.set_rng_state(tensors[f"rng_cpu_rank{self.rank}"])
             if self.device.type == "cuda" and f"rng_cuda_rank{self.rank}" in tensors:
@@ -549,15 +551,17 @@ class Trainer:
             raise ValueError(f"the checkpoint is at step {self.step}, not before --steps {self.cfg.steps}: nothing to do")
 
     def _apply_optimizer_settings(self) -> None:
-        """After loading a checkpoint: the run's ``lr`` and ``weight_decay`` (the checkpoint's own
-        unless given again, e.g. ``--resume ... --lr``) replace those in the loaded optimizer and
-        scheduler state, which would otherwise keep the checkpoint's. The schedule's shape
+        """After loading a checkpoint: the run's ``lr``, ``weight_decay`` and ``betas`` (the
+        checkpoint's own unless given again, e.g. ``--resume ... --lr``) replace those in the
+        loaded optimizer and scheduler state, which would otherwise keep the checkpoint's while
+        train_config.json records the new ones. The schedule's shape
         (warm-up, steps, floor) always comes from the run's settings."""
         cfg = self.cfg
         self.scheduler.base_lrs = [cfg.lr] * len(self.optimizer.param_groups)
         lr = cfg.lr * self.lr_factor(self.scheduler.last_epoch)
         for group, wd in zip(self.optimizer.param_groups, (cfg.weight_decay, 0.0)):
             group["initial_lr"], group["lr"], group["weight_decay"] = cfg.lr, lr, wd
+            group["betas"] = tuple(cfg.betas)
         self.scheduler._last_lr = [lr] * len(self.optimizer.param_groups)
 
     # --- the run -------------------------------------------------------------------------------
@@ -666,12 +670,14 @@ class Trainer:
 
     def _stop(self, why: str, exit_code: int, state: str = "checkpoint", advice: str = "resume with",
               extra: str = "") -> RunStopped:
-        """Save the current state (unless this step's checkpoint is already written) and say
-        where it is and how to resume, in one line.
+        """Save the current state (unless a checkpoint of exactly this state is already written)
+        and say where it is and how to resume, in one line.
 
-        After skipped steps the current state is the last good one: a skipped step changes nothing."""
-        if self._saved is not None and self._saved[0] == self.step:
-            path = self._saved[1]
+        A skipped step changes no weight but consumes its batches and counts as skipped, so a
+        checkpoint of the same step written before skipped steps is not this state: it would
+        resume at a stale data position with the skips forgotten."""
+        if self._saved is not None and self._saved[:2] == (self.step, self.samples_seen):
+            path = self._saved[2]
         else:
             path = self.save_checkpoint()
         self.wait_for_checkpoint()  # in place before the message names it
