@@ -759,6 +759,24 @@ def test_prefill_threshold_is_inclusive():
     assert s.choose(M, f, "auto", None, False) == "prefill"
 
 
+def test_prefill_limit_caps_the_default_in_units_and_honours_zero():
+    """The default break-even is the lower of DEFAULT_MAX_DENSITY * f and DEFAULT_MAX_UNITS: at
+    d 4096, f 11008 the H200's break-even fell at 68 to 97 units, where the share alone allowed
+    121, so a layer of 70 units there runs dense. A layer's own kernel_max_density replaces
+    both, 0 included: 0 was read as "the default" (``max_density or DEFAULT``), so a layer set to
+    0 still took the kernels."""
+    s = SparseGatedMLP(8, 16)._twell_layer
+    M = 1 << 30  # no tail term
+    assert s.limit(1000, None) == pytest.approx(LayerState.DEFAULT_MAX_DENSITY * 1000)  # below the cap
+    assert s.limit(11008, None) == LayerState.DEFAULT_MAX_UNITS < LayerState.DEFAULT_MAX_DENSITY * 11008
+    assert s.limit(11008, 0.02) == pytest.approx(220.16)  # the layer's own share is not capped
+    for est, max_density, want in [(70.0, None, "dense"), (60.0, None, "prefill"), (70.0, 0.011, "prefill"),
+                                   (0.5, 0.0, "dense"), (0.0, 0.0, "prefill")]:
+        s._on_kernels = False
+        s.estimate = (est, 0.0)
+        assert s.choose(M, 11008, "auto", max_density, False) == want, (est, max_density)
+
+
 def test_poll_reads_each_slot_of_a_probe():
     """A rows probe: k_est is the mean, k_rms the root mean square; a path without overflow puts
     the rms in the overflow slot as a placeholder (row_stats), which is not overflow; the prefill

@@ -260,8 +260,8 @@ def layer_state(key: int) -> "LayerState":
 class LayerState:
     """Per-layer state of the inference path: the sparsity estimate and the overflow counters.
 
-    The prefill kernels take a call of ``M`` tokens while ``cost(M) <= max_density * f``
-    (5% more once on them: ``HYSTERESIS``), in active units per token::
+    The prefill kernels take a call of ``M`` tokens while ``cost(M) <= limit(f)`` (see below;
+    5% more once on them: ``HYSTERESIS``), in active units per token::
 
         cost = mean + 0.1 * (rms - mean) + 850 * max / M + 150 * dense rows per token
 
@@ -276,9 +276,17 @@ class LayerState:
     term), and a heavy-tailed layer loses more than its mean says (the rms term). The threshold
     and the weights come from the H200 benchmark (benchmarks/NOTES_inference.md: break-even at
     64 to 70 active units per token on evenly spread units, twenty-seventh session).
+
+    The default limit is the lower of ``DEFAULT_MAX_DENSITY * f`` and ``DEFAULT_MAX_UNITS``
+    (:meth:`limit`). Break-even is closer to a fixed number of units than to a share of f. On the
+    H200 it fell at 63 to 70 units at d 2048, f 5632, and at 68 (M 16384) to 97 (M 65536) at
+    d 4096, f 11008, where the share alone would allow 121. The up and down weights of that
+    shape (180 MB) do not fit in L2, so each unit's gathers cost more than d alone says (NOTES_inference,
+    thirtieth session). A layer's ``kernel_max_density`` replaces both.
     """
 
     DEFAULT_MAX_DENSITY = 0.011
+    DEFAULT_MAX_UNITS = 62.0
     RMS_WEIGHT = 0.1
     TAIL_WEIGHT = 850.0
     DENSE_ROW_COST = 150.0
@@ -363,6 +371,14 @@ class LayerState:
             self.union_rate = _rate_of_union(share, m)
             self._union_fit_m = m
 
+    def limit(self, f: int, max_density: Optional[float]) -> float:
+        """The prefill kernels' break-even in active units per token (before the hysteresis):
+        ``max_density * f`` where the layer sets one (0: only a layer with nothing active), else
+        the lower of ``DEFAULT_MAX_DENSITY * f`` and ``DEFAULT_MAX_UNITS``."""
+        if max_density is not None:
+            return max_density * f
+        return min(self.DEFAULT_MAX_DENSITY * f, self.DEFAULT_MAX_UNITS)
+
     def cost(self, M: int) -> Optional[float]:
         """Estimated prefill-kernel cost of a call of ``M`` tokens, in active units per token."""
         if self.estimate is None:
@@ -405,7 +421,7 @@ class LayerState:
             c = self.cost(M)
             if c is None:
                 return "dense"
-            limit = (max_density or self.DEFAULT_MAX_DENSITY) * f * (self.HYSTERESIS if self._on_kernels else 1.0)
+            limit = self.limit(f, max_density) * (self.HYSTERESIS if self._on_kernels else 1.0)
             self._on_kernels = c <= limit
             return "prefill" if self._on_kernels else "dense"
         if mode == "twell":

@@ -125,8 +125,8 @@ class _SparseFFN(nn.Module):
         self.track_stats: Optional[bool] = None
         # Inference path on CUDA (see twell.dispatch): "auto" picks decode kernels, prefill
         # kernels or dense cuBLAS per call; "dense", "twell", "decode", "prefill" force one.
-        # kernel_max_density (None: the measured default) is the prefill kernels' break-even
-        # share of active units.
+        # kernel_max_density (None: the measured default, LayerState.limit) is the prefill
+        # kernels' break-even share of active units.
         self.kernel_mode = "auto"
         self.kernel_max_density: Optional[float] = None
         # Training path (gradients wanted) on CUDA, see twell.train_path: "auto" takes the sparse

@@ -168,7 +168,8 @@ def run_grid(
                     tile = default_tile(f)
                     rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=tile, compression=DEFAULT_COMPRESSION,
                                pack_config="bits " + "x".join(map(str, gate_pack.bits_config(M))),
-                               max_density=_KernelPath.DEFAULT_MAX_DENSITY)
+                               max_density=_KernelPath.DEFAULT_MAX_DENSITY,
+                               max_units=_KernelPath.DEFAULT_MAX_UNITS)
                     ref = reference_fp32(x, wg, wu, wd)
                     with torch.no_grad():
                         y_dense = dense_gated(x, wg, wu, wd)
