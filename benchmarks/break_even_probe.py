@@ -9,8 +9,9 @@ code (``twell.bench.inference.run_grid``: dense and the module timed in alternat
 rounds, medians; the forced kernels too). Units are spread evenly, in bf16.
 
     python benchmarks/break_even_probe.py [OUTDIR]
+    TIMED=1 python benchmarks/break_even_probe.py [OUTDIR]   # with twell.dispatch.TIMED_CHOICE on
 
-Writes OUTDIR/break_even_probe.json; prints the table last: per shape and M, the module's and
+Writes OUTDIR/break_even_probe.json (break_even_probe_timed.json with TIMED=1); prints the table last: per shape and M, the module's and
 the forced kernels' ratio to dense at each k, and the break-even k interpolated from the
 forced kernels.
 """
@@ -22,6 +23,7 @@ import os
 import sys
 
 from twell.bench.inference import machine_info, run_grid
+from twell import dispatch
 from twell.dispatch import LayerState
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
@@ -41,11 +43,13 @@ def break_even(recs: list[dict]) -> float | None:
 
 
 def main() -> None:
+    timed = os.environ.get("TIMED") == "1"
+    dispatch.TIMED_CHOICE = timed  # the layers time both paths near the limit (twell.path_timing)
     recs = run_grid(SHAPES, MS, KS, ["even"], rep=60, log=lambda s: print(s, flush=True))
     info = machine_info()
     limits = {f"{d}x{f}": min(LayerState.DEFAULT_MAX_DENSITY * f, LayerState.DEFAULT_MAX_UNITS) for d, f in SHAPES}
-    out = {"machine": info, "default_limit": limits, "records": recs}
-    with open(os.path.join(OUT, "break_even_probe.json"), "w") as fh:
+    out = {"machine": info, "default_limit": limits, "timed_choice": timed, "records": recs}
+    with open(os.path.join(OUT, f"break_even_probe{'_timed' if timed else ''}.json"), "w") as fh:
         json.dump(out, fh, indent=1)
     print(f"{'d':>5} {'M':>6} {'limit':>6} {'break-even':>10}  k: module x / kernels x")
     for d, f in SHAPES:

@@ -33,7 +33,9 @@ How a layer chooses (``module.kernel_mode = "auto"``, the default):
   that graph holds the path chosen as inside a capture.
 - ``M >= PREFILL_MIN_M`` inside a capture (``M >= EAGER_PREFILL_MIN_M`` outside one, where
   the host's time to issue the path counts) and the layer's measured sparsity makes the prefill
-  kernels pay (see :meth:`LayerState.cost`): prefill.
+  kernels pay (see :meth:`LayerState.cost`): prefill. With ``TIMED_CHOICE`` on (opt-in), an
+  eager call whose estimate lies near the limit takes the path the layer's own timings of both
+  found faster for calls of its size (:mod:`twell.path_timing`).
 - Otherwise dense.
 
 The sparsity estimate never costs a host synchronisation: every ``PROBE_EVERY`` calls (every
@@ -137,6 +139,11 @@ PREFILL_MIN_M = 4096
 # there read 0.85x to 0.93x dense even at k = 8 while in graphs the same kernels gave 1.22x to
 # 1.81x at k <= 29 (benchmarks/NOTES_inference.md, run 7).
 EAGER_PREFILL_MIN_M = 8192
+# Opt-in: near the prefill limit (eager calls of at least EAGER_PREFILL_MIN_M tokens, default
+# kernel_max_density), each layer times the prefill kernels and dense on its own calls and takes
+# the faster (twell.path_timing). Off by default until measured on a GPU: the break-even the
+# static limit encodes was measured on the H200 only.
+TIMED_CHOICE = False
 
 
 
@@ -333,6 +340,8 @@ class LayerState:
         self.last_decode_kernels: Optional[str] = None
         # small eager calls replayed from this layer's CUDA graphs (twell.eager_graphs)
         self.graphs = eager_graphs.EagerGraphs()
+        # the layer's own timings near the prefill limit (twell.path_timing; TIMED_CHOICE)
+        self.timer = None
 
     @property
     def module(self):
@@ -421,6 +430,15 @@ class LayerState:
             c = self.cost(M)
             if c is None:
                 return "dense"
+            if TIMED_CHOICE and max_density is None and not capturing and (x is None or x.is_cuda):
+                if self.timer is None:
+                    from .path_timing import PathTimer
+
+                    self.timer = PathTimer()
+                timed = self.timer.choose(M, c, self.limit(f, None))
+                if timed is not None:
+                    self._on_kernels = timed == "prefill"
+                    return timed
             limit = self.limit(f, max_density) * (self.HYSTERESIS if self._on_kernels else 1.0)
             self._on_kernels = c <= limit
             return "prefill" if self._on_kernels else "dense"
@@ -535,9 +553,14 @@ class LayerState:
             # no probe: "auto" decodes only inside a capture, where nothing is probed
             return self._decode(m, x, w_first, w_down_t, w_up, track)
         probe = M > 0 and self._want_probe(mode, capturing, M)
+        timing = self.timer.start(path) if self.timer is not None else None  # a trial of choose()
         if path == "prefill":
-            return self._prefill(m, x, w_first, w_down_t, w_up, track, probe, out)
-        return self._dense(m, x, w_first, w_down, w_up, track, probe, capturing, out)
+            y = self._prefill(m, x, w_first, w_down_t, w_up, track, probe, out)
+        else:
+            y = self._dense(m, x, w_first, w_down, w_up, track, probe, capturing, out)
+        if timing is not None:
+            self.timer.stop(timing)
+        return y
 
     def _decode(self, m, x, w_first, w_down_t, w_up, track):
         from .kernels.decode import decode_launch
