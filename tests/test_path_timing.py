@@ -24,7 +24,8 @@ class FakeClock:
                 clock.made += 1
                 self.path = None
 
-            def record(self):
+            def record(self, stream=None):
+                assert stream is None  # CPU tensors here: the current stream (None)
                 self.path = clock.path
 
             def query(self):

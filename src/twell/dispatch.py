@@ -553,7 +553,7 @@ class LayerState:
             # no probe: "auto" decodes only inside a capture, where nothing is probed
             return self._decode(m, x, w_first, w_down_t, w_up, track)
         probe = M > 0 and self._want_probe(mode, capturing, M)
-        timing = self.timer.start(path) if self.timer is not None else None  # a trial of choose()
+        timing = self.timer.start(path, x.device) if self.timer is not None else None  # a trial of choose()
         if path == "prefill":
             y = self._prefill(m, x, w_first, w_down_t, w_up, track, probe, out)
         else:

@@ -86,10 +86,12 @@ class PathTimer:
         c.trial_costs.append(cost)
         return path
 
-    def start(self, path: str) -> Optional[tuple]:
-        """Before ``path`` runs: a token for :meth:`stop` if this call is a trial. A call whose
-        caller ran another path than the one :meth:`choose` gave (a weight that cannot take the
-        kernels) is not timed."""
+    def start(self, path: str, device: Optional[torch.device] = None) -> Optional[tuple]:
+        """Before ``path`` runs on ``device``: a token for :meth:`stop` if this call is a trial.
+        The events go on the device's current stream, where the path's work goes (not the current
+        device's: a layer on cuda:1 may run while cuda:0 is current). A call whose caller ran
+        another path than the one :meth:`choose` gave (a weight that cannot take the kernels) is
+        not timed."""
         if self._timing is None:
             return None
         c, chosen = self._timing
@@ -99,17 +101,18 @@ class PathTimer:
         if not c.warmed[path]:
             c.warmed[path] = True
             return None
+        stream = torch.cuda.current_stream(device) if device is not None and device.type == "cuda" else None
         ev = self._event()
-        ev.record()
-        return c, path, ev
+        ev.record(stream)
+        return c, path, ev, stream
 
     def stop(self, token: Optional[tuple]) -> None:
         """After the path was issued: its end event."""
         if token is None:
             return
-        c, path, start = token
+        c, path, start, stream = token
         end = self._event()
-        end.record()
+        end.record(stream)
         c.pending.append((path, start, end))
 
     def _collect(self, c: _SizeClass) -> None:
