@@ -340,8 +340,10 @@ class LayerState:
         self.last_decode_kernels: Optional[str] = None
         # small eager calls replayed from this layer's CUDA graphs (twell.eager_graphs)
         self.graphs = eager_graphs.EagerGraphs()
-        # the layer's own timings near the prefill limit (twell.path_timing; TIMED_CHOICE)
+        # the layer's own timings near the prefill limit (twell.path_timing; TIMED_CHOICE), and
+        # the trial choose() gave this call (run() takes it at once)
         self.timer = None
+        self._trial = None
 
     @property
     def module(self):
@@ -412,6 +414,7 @@ class LayerState:
         """``"dense"``, ``"decode"`` or ``"prefill"`` for a call of ``M`` tokens (``x``: the call's
         input, to check that the split decode kernels' buffers are there for it; None: assume
         they are)."""
+        self._trial = None  # a trial of the timer (TIMED_CHOICE) is this call's alone
         if mode == "auto":
             if not capturing:
                 self._poll()
@@ -435,7 +438,7 @@ class LayerState:
                     from .path_timing import PathTimer
 
                     self.timer = PathTimer()
-                timed = self.timer.choose(M, c, self.limit(f, None))
+                timed, self._trial = self.timer.choose(M, c, self.estimate[0], self.limit(f, None))
                 if timed is not None:
                     self._on_kernels = timed == "prefill"
                     return timed
@@ -471,7 +474,8 @@ class LayerState:
             self._host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
         self._host.copy_(values, non_blocking=True)
         self._event = torch.cuda.Event()
-        self._event.record()
+        # on the stream the copy went to: values' device's, which need not be the current device
+        self._event.record(torch.cuda.current_stream(values.device))
 
     def _publish_rows(self, per_row: torch.Tensor, over_per_token: Optional[torch.Tensor],
                       union: Optional[torch.Tensor] = None, union_m: int = 0) -> None:
@@ -520,6 +524,7 @@ class LayerState:
         if capturing is None:
             capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path = self.choose(M, f, mode, m.kernel_max_density, capturing, x)
+        trial, self._trial = self._trial, None
         if (self.scratch is None or (DECODE_SPLIT and self.split_scratch is None)) and make_scratch and not capturing \
                 and not m.training and M <= _fused_max_m():
             # before a capture needs them: a buffer made inside one is the graph's. Not from the
@@ -553,7 +558,7 @@ class LayerState:
             # no probe: "auto" decodes only inside a capture, where nothing is probed
             return self._decode(m, x, w_first, w_down_t, w_up, track)
         probe = M > 0 and self._want_probe(mode, capturing, M)
-        timing = self.timer.start(path, x.device) if self.timer is not None else None  # a trial of choose()
+        timing = self.timer.start(trial, path, x.device) if trial is not None else None
         if path == "prefill":
             y = self._prefill(m, x, w_first, w_down_t, w_up, track, probe, out)
         else:

@@ -7,7 +7,8 @@ active units per token against 68 on the H200 (benchmarks/NOTES_inference.md, th
 session). Both paths are exact, so which one runs changes only the time. Near the limit a
 layer with this on times both on its own calls and takes the faster.
 
-- **Size classes.** Calls are grouped by ``M.bit_length()`` (a power of two of tokens).
+- **Size classes.** Calls are grouped by ``M.bit_length()`` (a power of two of tokens). Times
+  are compared per token, since one class spans calls of up to twice as many tokens.
 - **Trials.** While the layer's estimate lies within ``BAND`` times the limit and its class has
   no verdict for about this estimate, the class's calls alternate between the paths. A pair of
   CUDA events times each call.
@@ -15,21 +16,27 @@ layer with this on times both on its own calls and takes the faster.
   compilation or cuBLAS's heuristics.
 - **No sync.** The events are read once complete (``Event.query``), as the sparsity probe is.
 - **Verdict.** After ``SAMPLES`` timings of each path, the class takes the path with the lower
-  median. The verdict holds while the estimate stays within ``COST_TOLERANCE`` of its median
-  over the trial calls; past that the class measures again.
+  median. The verdict holds while the layer's estimate without its tail term (the part that
+  does not depend on M) stays within ``COST_TOLERANCE`` of its median over the timed calls.
+  Past that, the class measures again.
+- **No trials where a path cannot run.** If the caller ran another path than the trial's (a
+  down weight that cannot take the kernels), the class stops timing and leaves the choice to
+  the static rule.
 
 A trial or verdict never runs inside a CUDA graph capture (the layer's path is fixed there),
-nor for a layer whose ``kernel_max_density`` is set (its owner chose the limit).
+nor for a layer whose ``kernel_max_density`` is set (its owner chose the limit). Like the rest
+of a layer's inference state, a timer is not made for one layer called from several threads at
+once.
 """
 
 from __future__ import annotations
 
 import statistics
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 
-__all__ = ["PathTimer", "SAMPLES", "BAND", "COST_TOLERANCE"]
+__all__ = ["PathTimer", "Trial", "SAMPLES", "BAND", "COST_TOLERANCE"]
 
 PATHS = ("prefill", "dense")
 SAMPLES = 3
@@ -43,15 +50,25 @@ class _SizeClass:
     """Timings and verdict of one size class."""
 
     def __init__(self) -> None:
-        self.times: dict[str, list[float]] = {p: [] for p in PATHS}  # ms, completed
-        self.pending: list[tuple[str, object, object]] = []  # (path, start event, end event)
+        self.times: dict[str, list[float]] = {p: [] for p in PATHS}  # ms per token, completed
+        self.pending: list[tuple[str, int, object, object]] = []  # (path, tokens, start event, end event)
         self.warmed = {p: False for p in PATHS}
         self.verdict: Optional[str] = None
-        self.verdict_cost = 0.0  # the median estimate over the trial calls
-        self.trial_costs: list[float] = []
+        self.verdict_base = 0.0  # the median M-independent estimate over the timed calls
+        self.bases: list[float] = []
+        self.disabled = False  # a path of a trial did not run: the static rule decides
 
     def started(self, path: str) -> int:
-        return len(self.times[path]) + sum(1 for p, _, _ in self.pending if p == path)
+        return len(self.times[path]) + sum(1 for p, *_ in self.pending if p == path)
+
+
+class Trial(NamedTuple):
+    """One call :meth:`PathTimer.choose` asked to time: hand it to :meth:`PathTimer.start`."""
+
+    cls: _SizeClass
+    path: str
+    M: int
+    base: float
 
 
 class PathTimer:
@@ -61,76 +78,76 @@ class PathTimer:
     def __init__(self, event: Optional[Callable[[], object]] = None) -> None:
         self._classes: dict[int, _SizeClass] = {}
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
-        self._timing: Optional[tuple[_SizeClass, str]] = None  # the call choose() asked to time
 
-    def choose(self, M: int, cost: float, limit: float) -> Optional[str]:
-        """The path for an eager call of ``M`` tokens whose estimate is ``cost`` against the
-        static ``limit`` (both in active units per token): the class's verdict, or the path to
-        try next. None leaves the choice to the static rule: the estimate is outside the band,
-        or every timing is in flight."""
-        self._timing = None
+    def choose(self, M: int, cost: float, base: float, limit: float) -> tuple[Optional[str], Optional[Trial]]:
+        """The path for an eager call of ``M`` tokens whose estimate is ``cost`` (``base``: its
+        part that does not depend on M) against the static ``limit``, all in active units per
+        token, and the trial to time when the path is one. ``(None, None)`` leaves the choice to
+        the static rule: the estimate is outside the band, every timing is in flight, or the
+        class stopped timing."""
         if not BAND[0] * limit <= cost <= BAND[1] * limit:
-            return None
+            return None, None
         c = self._classes.setdefault(max(M, 1).bit_length(), _SizeClass())
+        if c.disabled:
+            return None, None
         self._collect(c)
         if c.verdict is not None:
-            if abs(cost - c.verdict_cost) <= COST_TOLERANCE * max(c.verdict_cost, 1e-9):
-                return c.verdict
+            if abs(base - c.verdict_base) <= COST_TOLERANCE * max(c.verdict_base, 1e-9):
+                return c.verdict, None
             # the sparsity moved: measure again
-            c.verdict, c.times, c.trial_costs = None, {p: [] for p in PATHS}, []
+            c.verdict, c.times, c.bases = None, {p: [] for p in PATHS}, []
         started = {p: c.started(p) for p in PATHS}
         if min(started.values()) >= SAMPLES:
-            return None
+            return None, None
         path = "prefill" if started["prefill"] <= started["dense"] else "dense"
-        self._timing = (c, path)
-        c.trial_costs.append(cost)
-        return path
+        return path, Trial(c, path, M, base)
 
-    def start(self, path: str, device: Optional[torch.device] = None) -> Optional[tuple]:
-        """Before ``path`` runs on ``device``: a token for :meth:`stop` if this call is a trial.
-        The events go on the device's current stream, where the path's work goes (not the current
-        device's: a layer on cuda:1 may run while cuda:0 is current). A call whose caller ran
-        another path than the one :meth:`choose` gave (a weight that cannot take the kernels) is
-        not timed."""
-        if self._timing is None:
+    def start(self, trial: Optional[Trial], path: str, device: Optional[torch.device] = None) -> Optional[tuple]:
+        """Before ``path`` runs on ``device`` for ``trial``: a token for :meth:`stop`, or None
+        where the call is not timed (its path's first call in the class, or another path than
+        the trial's, which stops the class's timing). The events go on the device's current
+        stream, where the path's work goes (not the current device's: a layer on cuda:1 may run
+        while cuda:0 is current)."""
+        if trial is None:
             return None
-        c, chosen = self._timing
-        self._timing = None
-        if path != chosen:
+        c = trial.cls
+        if path != trial.path:
+            c.disabled = True
             return None
         if not c.warmed[path]:
             c.warmed[path] = True
             return None
+        c.bases.append(trial.base)
         stream = torch.cuda.current_stream(device) if device is not None and device.type == "cuda" else None
         ev = self._event()
         ev.record(stream)
-        return c, path, ev, stream
+        return c, path, trial.M, ev, stream
 
     def stop(self, token: Optional[tuple]) -> None:
         """After the path was issued: its end event."""
         if token is None:
             return
-        c, path, start, stream = token
+        c, path, M, start, stream = token
         end = self._event()
         end.record(stream)
-        c.pending.append((path, start, end))
+        c.pending.append((path, M, start, end))
 
     def _collect(self, c: _SizeClass) -> None:
         """Move completed timings into ``times``; give the verdict once each path has SAMPLES."""
         still = []
-        for path, start, end in c.pending:
+        for path, M, start, end in c.pending:
             if end.query():
-                c.times[path].append(start.elapsed_time(end))
+                c.times[path].append(start.elapsed_time(end) / max(M, 1))
             else:
-                still.append((path, start, end))
+                still.append((path, M, start, end))
         c.pending = still
         if c.verdict is None and all(len(c.times[p]) >= SAMPLES for p in PATHS):
             med = {p: statistics.median(c.times[p][:SAMPLES]) for p in PATHS}
             c.verdict = "prefill" if med["prefill"] < med["dense"] else "dense"
-            c.verdict_cost = statistics.median(c.trial_costs)
+            c.verdict_base = statistics.median(c.bases)
 
     def verdicts(self) -> dict[int, tuple[str, float, dict[str, list[float]]]]:
-        """``{size class: (path, estimate it was made at, timings in ms)}`` of the classes
-        that have one (for benchmarks and curious users)."""
-        return {k: (c.verdict, c.verdict_cost, {p: list(v) for p, v in c.times.items()})
+        """``{size class: (path, M-independent estimate it was made at, timings in ms per
+        token)}`` of the classes that have one (for benchmarks and curious users)."""
+        return {k: (c.verdict, c.verdict_base, {p: list(v) for p, v in c.times.items()})
                 for k, c in self._classes.items() if c.verdict is not None}

@@ -169,7 +169,7 @@ def run_grid(
                     rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=tile, compression=DEFAULT_COMPRESSION,
                                pack_config="bits " + "x".join(map(str, gate_pack.bits_config(M))),
                                max_density=_KernelPath.DEFAULT_MAX_DENSITY,
-                               max_units=_KernelPath.DEFAULT_MAX_UNITS)
+                               max_units=_KernelPath.DEFAULT_MAX_UNITS if _KernelPath.DEFAULT_MAX_UNITS < float("inf") else None)
                     ref = reference_fp32(x, wg, wu, wd)
                     with torch.no_grad():
                         y_dense = dense_gated(x, wg, wu, wd)
