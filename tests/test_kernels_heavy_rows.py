@@ -158,3 +158,25 @@ def test_more_outputs_than_units(gated):
     listed[rows] = True
     assert torch.isnan(y[~listed]).all()
     assert rel_err(y[rows], y_ref) <= 1e-6 and rel_err(a[rows], h) <= 1e-6
+
+
+def test_gated_h_rounds_the_up_product_as_the_dense_path():
+    """fp16, gated: the up product is rounded to fp16 (what torch.mm would have stored) before
+    it multiplies relu(a), so the h written over a is bit for bit the dense path's
+    ``(relu(a) * (x @ w_up^T)).half()``. Inputs are multiples of 1/64 in [-1, 1] (d 40): every
+    product and sum is exact in fp32, so the fp16 rounding of x @ w_up^T is the only rounding
+    before the product and a tolerance would hide it. Kills the mutant that multiplies by the
+    unrounded fp32 up product (``u = acc``), which the rel-error checks above let through."""
+    M, d, f = 37, 40, 75
+    g = torch.Generator().manual_seed(3)
+    x, wu = ((torch.randint(-64, 65, s, generator=g) / 64).to(DEV, torch.float16) for s in ((M, d), (f, d)))
+    a = torch.randn(M, f, generator=g).to(DEV, torch.float16)
+    wd = (torch.randn(d, f, generator=g) / f ** 0.5).to(DEV, torch.float16)
+    rows = torch.arange(M, device=DEV).flip(0)
+    u = (x.double() @ wu.double().T).to(torch.float16)  # exact sums, then the one rounding
+    h_ref = (torch.relu(a.float()) * u.float()).to(torch.float16)
+    a_out = a.clone()
+    y = torch.full((M, d), float("nan"), dtype=torch.float16, device=DEV)
+    heavy_rows_forward(x, a_out, rows, torch.tensor([M], device=DEV), y, wd, wu, **SMALL)
+    assert torch.equal(a_out, h_ref)
+    assert rel_err(y, h_ref.float() @ wd.float().T) <= 2e-3

@@ -768,3 +768,44 @@ def test_layers_with_no_units_give_zeros():
     g = gate_pack_fused(x, w)
     out = torch.full((300, 16), float("nan"))
     assert torch.equal(ffn_from_twell(x, g, w.clone(), w_up=w, w_first=w, out=out), torch.zeros(300, 16))
+
+
+def test_rows_kernel_full_rows_and_several_d_steps(monkeypatch):
+    """The row-block kernel with d over several of its BK steps (BK lowered to 16: d 40 takes
+    three, the last partial) and rows whose count is exactly the tile's slots (full, not
+    overflowed: their entries are the kernel's to do) beside an overflowed one: every row of a
+    NaN-filled y right. The other rows-kernel tests have d <= BK (one step) and no full row.
+    Kills the mutants that treat a full row as overflowed (``cnt >= SLOTS``: its entries then
+    done by nobody), that take the up product before its last d step (``kk == 0``) and that
+    carry Y from one d step into the next (its reset at ``ch == 0`` dropped), and those that
+    drop or misplace the per-unit counts' atomic add (no other test passes ``unit_counts`` to
+    the rows kernel)."""
+    from twell.format import twell_slots
+
+    default = updown.ROWS_CONFIG
+    monkeypatch.setattr(updown, "ROWS_CONFIG", (16, 64, 16, 4))
+    M, d, f, tile, C = 20, 40, 100, 128, 4  # one tile; two token blocks, one partial
+    slots = twell_slots(tile, C)
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=5, density=0.1, adversarial=False)
+    pre = x @ wg.T
+    order = torch.randn(M, f, generator=torch.Generator().manual_seed(6)).argsort(dim=1)
+    for r, k in ((3, slots), (17, slots), (9, slots + 1)):  # full, full (second block), overflowed
+        pre[r] = -pre[r].abs() - 0.1
+        pre[r, order[r, :k]] = pre[r, order[r, :k]].abs() + 0.1
+    g = packed(pre, tile, C)
+    assert int(g.counts[3, 0]) == slots and int(g.counts[17, 0]) == slots and bool(g.overflowed()[9, 0])
+    ref = (torch.relu(pre.double()) * (x.double() @ wu.double().T)) @ wd.double().T
+    out = torch.full((M, d), float("nan"))
+    y = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, kernel="rows", out=out)
+    assert rel_err(y, ref) < 1e-5
+    assert rel_err(y[[3, 17]], ref[[3, 17]]) < 1e-5
+    # non-gated: h = relu(pre) itself
+    y_u = ffn_from_twell(x, g, wd.T.contiguous(), pre=pre, kernel="rows")
+    assert rel_err(y_u, torch.relu(pre.double()) @ wd.double().T) < 1e-5
+    # per-unit counts, each entry once: over three d steps, and at the default BK (one step)
+    for config in ((16, 64, 16, 4), default):
+        monkeypatch.setattr(updown, "ROWS_CONFIG", config)
+        uc, nnz = torch.zeros(f, dtype=torch.int32), torch.full((M,), -1, dtype=torch.int32)
+        y_c = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, kernel="rows", unit_counts=uc, row_nnz=nnz)
+        assert torch.equal(uc.long(), (pre > 0).sum(0)) and torch.equal(nnz.long(), (pre > 0).sum(1))
+        assert rel_err(y_c, ref) < 1e-5
