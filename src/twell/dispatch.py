@@ -382,13 +382,14 @@ class LayerState:
             self.union_rate = _rate_of_union(share, m)
             self._union_fit_m = m
 
-    def limit(self, f: int, max_density: Optional[float]) -> float:
+    @classmethod
+    def limit(cls, f: int, max_density: Optional[float]) -> float:
         """The prefill kernels' break-even in active units per token (before the hysteresis):
         ``max_density * f`` where the layer sets one (0: only a layer with nothing active), else
         the lower of ``DEFAULT_MAX_DENSITY * f`` and ``DEFAULT_MAX_UNITS``."""
         if max_density is not None:
             return max_density * f
-        return min(self.DEFAULT_MAX_DENSITY * f, self.DEFAULT_MAX_UNITS)
+        return min(cls.DEFAULT_MAX_DENSITY * f, cls.DEFAULT_MAX_UNITS)
 
     def cost(self, M: int) -> Optional[float]:
         """Estimated prefill-kernel cost of a call of ``M`` tokens, in active units per token."""
