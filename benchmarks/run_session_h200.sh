@@ -24,7 +24,8 @@
 # eagerprefill (the same with --prefill: replayed prefill kernels at 4096 and 6144 tokens),
 # eagersmall (the same with --small: replays at 1 to 64 tokens, the output copied or handed out),
 # breakeven (benchmarks/break_even_probe.py: the prefill break-even at d 2048 and 4096, k 48 to 128),
-# breakeventimed (the same with twell.dispatch.TIMED_CHOICE on).
+# breakeventimed (the same with twell.dispatch.TIMED_CHOICE on),
+# splitd4096 (benchmarks/updown_split_probe.py at d 4096, f 11008: fused and split up/down shapes).
 # Each writes STEP.log and its results under OUTDIR/STEP/; OUTDIR/results.tar.gz holds them all
 # (the device tool returns few files). Prints each step's last lines.
 set -u
@@ -60,6 +61,7 @@ for step in "$@"; do
     eagersmall) cmd=(env OUT="$dir" timeout 150 $PY benchmarks/eager_graph_range_probe.py --small) ;;
     breakeven) cmd=(timeout "${BREAKEVEN_S:-300}" $PY benchmarks/break_even_probe.py "$dir") ;;
     breakeventimed) cmd=(env TIMED=1 timeout "${BREAKEVEN_S:-300}" $PY benchmarks/break_even_probe.py "$dir") ;;
+    splitd4096) cmd=(env SHAPE=4096x11008 MS="${SPLIT_MS:-16384,65536}" KS="${SPLIT_KS:-29,56}" timeout "${SPLITD_S:-240}" $PY benchmarks/updown_split_probe.py "$dir") ;;
     packprobe) cmd=(env OUT="$dir" timeout "${PACKPROBE_S:-300}" $PY benchmarks/pack_config_probe.py) ;;
     smallm)   cmd=(timeout "${SMALLM_S:-120}" $PY benchmarks/prefill_small_m_probe.py "$dir") ;;
     gridM)    cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60 --M ${GRID_M:-4096 16384}) ;;

@@ -4,8 +4,12 @@ down rows, two launches) at a few (entries per step, warps) shapes. bf16, d 2048
 module's TwELL (cuBLAS gate, ``pack_relu``); three interleaved rounds, medians.
 
     python benchmarks/updown_split_probe.py [OUTDIR]
+    SHAPE=4096x11008 MS=16384,65536 KS=29,56 python benchmarks/updown_split_probe.py [OUTDIR]
 
-Writes OUTDIR/updown_split_probe.json; prints the table last.
+With SHAPE set, the fused kernel is timed at several shapes too (TOKEN_SHAPES), not only the
+module's: the tuned shapes come from d 2048.
+
+Writes OUTDIR/updown_split_probe_D.json; prints the table last.
 """
 
 from __future__ import annotations
@@ -22,9 +26,15 @@ from twell.kernels import OverflowCounters, ffn_from_twell, pack_relu, updown
 from twell.ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
-D, F = 2048, 5632
-CASES = [(M, k, "even") for M in (4096, 16384, 131072) for k in (8, 29, 56)] + [(131072, 29, "skewed"), (131072, 29, "heavy")]
-SHAPES = [(1, 4), (2, 4), (1, 2), (2, 2), (1, 8), (4, 4)]
+D, F = (int(v) for v in os.environ.get("SHAPE", "2048x5632").split("x"))
+if "SHAPE" in os.environ:
+    CASES = [(int(M), int(k), "even") for M in os.environ.get("MS", "16384,65536").split(",")
+             for k in os.environ.get("KS", "29,56").split(",")]
+    TOKEN_SHAPES = [(2, 4), (4, 4), (2, 8), (4, 8), (8, 8)]
+else:
+    CASES = [(M, k, "even") for M in (4096, 16384, 131072) for k in (8, 29, 56)] + [(131072, 29, "skewed"), (131072, 29, "heavy")]
+    TOKEN_SHAPES = []
+SHAPES = [(1, 4), (2, 4), (1, 2), (2, 2), (1, 8), (4, 4), (2, 8), (4, 8)]
 
 
 def twell_case(M: int, k: float, dist: str, device: str = "cuda", **make_kw):
@@ -48,6 +58,8 @@ def main() -> None:
             tok = updown.default_config(D, k_mean)
             c = OverflowCounters.zeros("cuda")
             variants = {f"token {tok[0]}x{tok[1]}": dict(kernel="token", block_e=tok[0], num_warps=tok[1])}
+            variants.update({f"token {be}x{nw}": dict(kernel="token", block_e=be, num_warps=nw)
+                             for be, nw in TOKEN_SHAPES if (be, nw) != tok})
             variants.update({f"split {be}x{nw}": dict(kernel="split", block_e=be, num_warps=nw) for be, nw in SHAPES})
             ref = ffn_from_twell(s.x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="token", block_e=1, num_warps=4)
             same = bool(torch.equal(ffn_from_twell(s.x, g, w.down_t, w_up=w.up, pre=pre, counters=c, kernel="split",
@@ -65,13 +77,14 @@ def main() -> None:
             del s, w, pre, g
             torch.cuda.empty_cache()
     os.makedirs(OUT, exist_ok=True)
-    with open(os.path.join(OUT, "updown_split_probe.json"), "w") as fh:
+    with open(os.path.join(OUT, f"updown_split_probe_{D}.json"), "w") as fh:
         json.dump(dict(machine_info(), records=recs), fh, indent=1)
     print("\ncase                    token (module's shape)   best split        ratio")
     for r in recs:
         tn = next(n for n in r["ms"] if n.startswith("token"))
+        bt = min((n for n in r["ms"] if n.startswith("token")), key=r["ms"].get)
         print(f"M {r['M']:6d} k {r['k']:2d} {r['dist']:6s}  {tn} {r['ms'][tn]:.3f}   {r['best_split']} {r['ms'][r['best_split']]:.3f}"
-              f"   {r['ms'][tn] / r['ms'][r['best_split']]:.3f}x   split 1x4 {r['ms']['split 1x4']:.3f}")
+              f"   {r['ms'][tn] / r['ms'][r['best_split']]:.3f}x   best token {bt} {r['ms'][bt]:.3f}")
 
 
 if __name__ == "__main__":
