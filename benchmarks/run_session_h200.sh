@@ -61,7 +61,7 @@ for step in "$@"; do
     eagersmall) cmd=(env OUT="$dir" timeout 150 $PY benchmarks/eager_graph_range_probe.py --small) ;;
     breakeven) cmd=(timeout "${BREAKEVEN_S:-300}" $PY benchmarks/break_even_probe.py "$dir") ;;
     breakeventimed) cmd=(env TIMED=1 timeout "${BREAKEVEN_S:-300}" $PY benchmarks/break_even_probe.py "$dir") ;;
-    splitd4096) cmd=(env SHAPE=4096x11008 MS="${SPLIT_MS:-16384,65536}" KS="${SPLIT_KS:-29,56}" timeout "${SPLITD_S:-240}" $PY benchmarks/updown_split_probe.py "$dir") ;;
+    splitd4096) cmd=(env SHAPE=4096x11008 ${SPLIT_MS:+MS=$SPLIT_MS} ${SPLIT_KS:+KS=$SPLIT_KS} timeout "${SPLITD_S:-240}" $PY benchmarks/updown_split_probe.py "$dir") ;;
     packprobe) cmd=(env OUT="$dir" timeout "${PACKPROBE_S:-300}" $PY benchmarks/pack_config_probe.py) ;;
     smallm)   cmd=(timeout "${SMALLM_S:-120}" $PY benchmarks/prefill_small_m_probe.py "$dir") ;;
     gridM)    cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60 --M ${GRID_M:-4096 16384}) ;;

@@ -1,7 +1,8 @@
 """Device experiment: the inference up/down from TwELL, fused (``kernel="token"``, the shape the
 module picks for the case's k) against the split path (``kernel="split"``: up products, then
-down rows, two launches) at a few (entries per step, warps) shapes. bf16, d 2048, f 5632, the
-module's TwELL (cuBLAS gate, ``pack_relu``); three interleaved rounds, medians.
+down rows, two launches) at a few (entries per step, warps) shapes. bf16, d 2048, f 5632 (or
+SHAPE, at MS tokens and KS units, default 16384,65536 and 29,56), the module's TwELL (cuBLAS
+gate, ``pack_relu``); three interleaved rounds, medians.
 
     python benchmarks/updown_split_probe.py [OUTDIR]
     SHAPE=4096x11008 MS=16384,65536 KS=29,56 python benchmarks/updown_split_probe.py [OUTDIR]
