@@ -47,7 +47,7 @@ def main() -> None:
     dispatch.TIMED_CHOICE = timed  # the layers time both paths near the limit (twell.path_timing)
     recs = run_grid(SHAPES, MS, KS, ["even"], rep=60, log=lambda s: print(s, flush=True))
     info = machine_info()
-    limits = {f"{d}x{f}": LayerState.limit(f, None) for d, f in SHAPES}
+    limits = {f"{d}x{f}": LayerState.limit(f, None, d) for d, f in SHAPES}
     out = {"machine": info, "default_limit": limits, "timed_choice": timed, "records": recs}
     with open(os.path.join(OUT, f"break_even_probe{'_timed' if timed else ''}.json"), "w") as fh:
         json.dump(out, fh, indent=1)

@@ -53,7 +53,7 @@ def main() -> None:
         for M, k, dist in CASES:
             s, w, pre, g, nnz = twell_case(M, k, dist)
             k_mean, k_rms = float(nnz.mean()), float(nnz.pow(2).mean().sqrt())
-            be, nw = updown.default_config(D, k_mean, split=updown.splits(M, True), rms_k=k_rms)
+            be, nw = updown.default_config(D, k_mean, split=updown.splits(M, True, d=D), rms_k=k_rms)
             c = OverflowCounters.zeros("cuda")
             pristine = pre.clone()
 

@@ -262,6 +262,12 @@ def test_split_path_from_split_min_m(monkeypatch):
     assert updown.splits(updown.SPLIT_MIN_M, True) and not updown.splits(updown.SPLIT_MIN_M - 1, True)
     assert not updown.splits(10**6, False) and updown.splits(1, True, "split") and not updown.splits(10**6, True, "token")
     assert updown.default_config(2048, split=True) == updown.SPLIT_CONFIG[2048]
+    # by width: d 4096 (and what pads to it) splits from SPLIT_MIN_M_BY_D's batch, d 2048 from SPLIT_MIN_M's
+    m4 = updown.SPLIT_MIN_M_BY_D[4096]
+    assert m4 < updown.SPLIT_MIN_M and updown.split_min_m(4096) == updown.split_min_m(3000) == m4
+    assert updown.splits(m4, True, d=4096) and updown.splits(m4, True, d=3000) and not updown.splits(m4 - 1, True, d=4096)
+    assert not updown.splits(m4, True, d=2048) and not updown.splits(m4, True) and not updown.splits(m4, False, d=4096)
+    assert updown.split_min_m(2048) == updown.split_min_m() == updown.SPLIT_MIN_M
     launched = []
     real_up = updown._twell_up_kernel
 
@@ -445,9 +451,17 @@ def test_split_shape_follows_the_rows_spread(monkeypatch):
     assert default_config(2048, 29.0, split=True, rms_k=29.0 * 1.5) == wide
     assert default_config(2048, 29.0, split=True) == default_config(2048, None, split=True, rms_k=29.0) == wide
     assert default_config(2048, 29.0, rms_k=29.0) == TUNED[2048]  # the fused path keeps its rule
-    assert default_config(4096, 29.0, split=True, rms_k=29.0) == TUNED[4096]  # no split shape measured there
+    # d 4096: one entry a step only below SPLIT_NARROW_MAX_K (it lost at k 56 there)
+    k_max = updown.SPLIT_NARROW_MAX_K[4096]
+    assert default_config(4096, 29.0, split=True, rms_k=29.0) == SPLIT_NARROW[4096] != SPLIT_CONFIG[4096]
+    assert default_config(4096, k_max - 0.5, split=True, rms_k=k_max - 0.5) == SPLIT_NARROW[4096]
+    assert default_config(4096, k_max, split=True, rms_k=k_max) == SPLIT_CONFIG[4096]
+    assert default_config(4096, 56.0, split=True, rms_k=56.0) == SPLIT_CONFIG[4096]
+    assert default_config(4096, 29.0, split=True, rms_k=29.0 * 1.5) == SPLIT_CONFIG[4096]
+    assert default_config(2048, 56.0, split=True, rms_k=56.0) == narrow  # no such bound at d 2048
     seen = _spy_updown_shapes(monkeypatch)
-    monkeypatch.setattr(updown, "SPLIT_MIN_M", 1)
+    # by width: the module must pass its d (64, padded) for this to send 6 tokens down the split path
+    monkeypatch.setitem(updown.SPLIT_MIN_M_BY_D, 64, 1)
     monkeypatch.setitem(SPLIT_NARROW, 64, (1, 1))  # d 40 pads to 64
     monkeypatch.setitem(SPLIT_CONFIG, 64, (4, 2))
     m = twell.SparseGatedMLP(40, 100).eval()

@@ -760,9 +760,10 @@ def test_prefill_threshold_is_inclusive():
 
 
 def test_prefill_limit_caps_the_default_in_units_and_honours_zero():
-    """The default break-even is the lower of DEFAULT_MAX_DENSITY * f and DEFAULT_MAX_UNITS: at
-    d 4096, f 11008 the H200's break-even fell at 68 to 97 units, where the share alone allowed
-    121, so a layer of 70 units there runs dense. A layer's own kernel_max_density replaces
+    """The default break-even is the lower of DEFAULT_MAX_DENSITY * f and a cap in units
+    (DEFAULT_MAX_UNITS, or MAX_UNITS_BY_D for the call's width): at f 11008 the share alone
+    allows 121 units, where the kernels lost at d 4096, so a layer of 70 units of unknown width
+    runs dense and one of d 4096 runs the kernels to its own cap. A layer's own kernel_max_density replaces
     both, 0 included: 0 was read as "the default" (``max_density or DEFAULT``), so a layer set to
     0 still took the kernels."""
     s = SparseGatedMLP(8, 16)._twell_layer
@@ -775,6 +776,19 @@ def test_prefill_limit_caps_the_default_in_units_and_honours_zero():
         s._on_kernels = False
         s.estimate = (est, 0.0)
         assert s.choose(M, 11008, "auto", max_density, False) == want, (est, max_density)
+    # by width: d 4096 (and widths that pad to it) has its own cap, measured after the split
+    # up/down; widths not listed keep DEFAULT_MAX_UNITS
+    cap4 = LayerState.MAX_UNITS_BY_D[4096]
+    assert LayerState.DEFAULT_MAX_UNITS < cap4 < LayerState.DEFAULT_MAX_DENSITY * 11008
+    assert s.limit(11008, None, 4096) == s.limit(11008, None, 3000) == cap4
+    assert s.limit(11008, None, 2048) == s.limit(11008, None, 8192) == LayerState.DEFAULT_MAX_UNITS
+    assert s.limit(5632, None, 4096) == pytest.approx(LayerState.DEFAULT_MAX_DENSITY * 5632)  # the share still bounds it
+    assert s.limit(11008, 0.02, 4096) == pytest.approx(220.16)
+    for d, est, want in [(4096, 90.0, "prefill"), (4096, cap4 + 1, "dense"), (2048, 90.0, "dense")]:
+        s._on_kernels = False
+        s.estimate = (est, 0.0)
+        x = torch.empty(M, d, device="meta")  # the call's input gives the width
+        assert s.choose(M, 11008, "auto", None, False, x) == want, (d, est)
 
 
 def test_poll_reads_each_slot_of_a_probe():

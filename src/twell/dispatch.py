@@ -284,16 +284,20 @@ class LayerState:
     and the weights come from the H200 benchmark (benchmarks/NOTES_inference.md: break-even at
     64 to 70 active units per token on evenly spread units, twenty-seventh session).
 
-    The default limit is the lower of ``DEFAULT_MAX_DENSITY * f`` and ``DEFAULT_MAX_UNITS``
-    (:meth:`limit`). Break-even is closer to a fixed number of units than to a share of f. On the
-    H200 it fell at 63 to 70 units at d 2048, f 5632, and at 68 (M 16384) to 97 (M 65536) at
-    d 4096, f 11008, where the share alone would allow 121. The up and down weights of that
-    shape (180 MB) do not fit in L2, so each unit's gathers cost more than d alone says (NOTES_inference,
-    thirtieth session). A layer's ``kernel_max_density`` replaces both.
+    The default limit is the lower of ``DEFAULT_MAX_DENSITY * f`` and a cap in units,
+    ``MAX_UNITS_BY_D`` for the model widths measured, else ``DEFAULT_MAX_UNITS`` (:meth:`limit`).
+    Break-even fell at 63 to 74 units at d 2048, f 5632 (H200 and H100), and at d 4096, f 11008
+    at 108 to 111 units on the H100 once the up/down took the split path there (it had been 51 to
+    97 with the fused kernel's shape; NOTES_inference thirtieth to thirty-third sessions); the
+    share alone would allow 121 there, where the kernels ran 0.96x dense at 112 units. A layer's
+    ``kernel_max_density`` replaces both.
     """
 
     DEFAULT_MAX_DENSITY = 0.011
     DEFAULT_MAX_UNITS = 62.0
+    # d 4096 (f 11008), H100, kernels against dense at 96 / 112 units: 1.09 / 0.96x (16384
+    # tokens), 1.10 / 0.96x (65536); with HYSTERESIS a layer on the kernels stays to 100.8.
+    MAX_UNITS_BY_D: dict[int, float] = {4096: 96.0}
     RMS_WEIGHT = 0.1
     TAIL_WEIGHT = 850.0
     DENSE_ROW_COST = 150.0
@@ -383,13 +387,17 @@ class LayerState:
             self._union_fit_m = m
 
     @classmethod
-    def limit(cls, f: int, max_density: Optional[float]) -> float:
+    def limit(cls, f: int, max_density: Optional[float], d: Optional[int] = None) -> float:
         """The prefill kernels' break-even in active units per token (before the hysteresis):
         ``max_density * f`` where the layer sets one (0: only a layer with nothing active), else
-        the lower of ``DEFAULT_MAX_DENSITY * f`` and ``DEFAULT_MAX_UNITS``."""
+        the lower of ``DEFAULT_MAX_DENSITY * f`` and the cap for model width ``d`` (padded to a
+        power of two): ``MAX_UNITS_BY_D`` where it lists the width, else ``DEFAULT_MAX_UNITS``."""
         if max_density is not None:
             return max_density * f
-        return min(cls.DEFAULT_MAX_DENSITY * f, cls.DEFAULT_MAX_UNITS)
+        cap = cls.DEFAULT_MAX_UNITS
+        if d is not None:
+            cap = cls.MAX_UNITS_BY_D.get(1 << max(d - 1, 0).bit_length(), cap)
+        return min(cls.DEFAULT_MAX_DENSITY * f, cap)
 
     def cost(self, M: int) -> Optional[float]:
         """Estimated prefill-kernel cost of a call of ``M`` tokens, in active units per token."""
@@ -434,16 +442,17 @@ class LayerState:
             c = self.cost(M)
             if c is None:
                 return "dense"
+            d = None if x is None else x.shape[-1]  # the cap in units depends on the model width
             if TIMED_CHOICE and max_density is None and not capturing and (x is None or x.is_cuda):
                 if self.timer is None:
                     from .path_timing import PathTimer
 
                     self.timer = PathTimer()
-                timed, self._trial = self.timer.choose(M, c, self.estimate[0], self.limit(f, None))
+                timed, self._trial = self.timer.choose(M, c, self.estimate[0], self.limit(f, None, d))
                 if timed is not None:
                     self._on_kernels = timed == "prefill"
                     return timed
-            limit = self.limit(f, max_density) * (self.HYSTERESIS if self._on_kernels else 1.0)
+            limit = self.limit(f, max_density, d) * (self.HYSTERESIS if self._on_kernels else 1.0)
             self._on_kernels = c <= limit
             return "prefill" if self._on_kernels else "dense"
         if mode == "twell":
@@ -657,7 +666,7 @@ class LayerState:
         g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
-        be, nw = default_config(x.shape[1], self.k_est, split=splits(M, w_up is not None), rms_k=self.k_rms)
+        be, nw = default_config(x.shape[1], self.k_est, split=splits(M, w_up is not None, d=x.shape[1]), rms_k=self.k_rms)
         y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz,
                            block_e=be, num_warps=nw, out=out, pre_writable=True)  # pre is ours: dense overflowed rows
         if track:

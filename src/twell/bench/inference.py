@@ -199,7 +199,7 @@ def run_grid(
                         rec["twell_path"] = mod.last_path  # the path of the last timed call
                         rec["twell_cost"] = mod._twell_layer.cost(M)
                         # the up/down shape the module's prefill calls took (it follows the estimate)
-                        split = updown.splits(M, True)
+                        split = updown.splits(M, True, d=d)
                         lay = mod._twell_layer
                         rec["token_config"] = "x".join(map(str, updown.default_config(d, lay.k_est, split=split, rms_k=lay.k_rms)))
                         rec["updown_kernel"] = "split" if split else "token"

@@ -362,7 +362,12 @@ def _ffn_rows_dot_kernel(
 # active units per token from which a d takes its second shape. The rule sees neither the batch
 # nor how units are shared: skewed units at k 29 ran 3.49 against 3.40 ms with two entries (2 x 2
 # programs: 3.29), and at 4096 tokens two entries still won at k 56 (0.247 against 0.263 ms).
-TUNED: dict[int, tuple[int, int]] = {2048: (2, 4), 4096: (4, 8)}
+# At d 4096 (f 11008; benchmarks/updown_split_probe.py with SHAPE=4096x11008, NOTES_inference
+# thirty-third session) two and four entries with four warps tied and beat the (4, 8) shipped
+# before by 15 to 20% (H100, k 29: 4096 tokens 0.564 / 0.569 against 0.682 ms, 16384 tokens
+# 2.224 / 2.225 against 2.627, 65536 tokens 9.275 / 9.261 against 10.890); gated calls of that d
+# take the split path from SPLIT_MIN_M_BY_D tokens anyway.
+TUNED: dict[int, tuple[int, int]] = {2048: (2, 4), 4096: (2, 4)}
 WIDE_STEP: dict[int, tuple[float, tuple[int, int]]] = {2048: (40.0, (4, 4))}
 
 
@@ -398,7 +403,16 @@ LIST_ROWS_BLOCK = 256
 # tokens within 2% either way, at 4096 up to 25% slower (one entry a step with two warps was
 # fastest at 131072 for even and skewed units, up to 12%, but 11% slower with heavy rows).
 SPLIT_MIN_M = 65536
-SPLIT_CONFIG: dict[int, tuple[int, int]] = {2048: (4, 4)}
+# ...except per padded d listed here. At d 4096, f 11008 the up and down weights (180 MB) are far
+# larger than L2 and the split path won at every batch measured (H100, bf16, k 29 / 56 against
+# the best fused shape): 4096 tokens 0.416 / 0.649 against 0.564 / 0.988 ms, 16384 tokens 1.696 /
+# 2.376 against 2.224 / 4.049, 65536 tokens 7.329 / 9.386 against 9.261 / 17.050 (the H200 at
+# 16384 tokens: k 29 1.297 against 1.539, k 56 2.224 against 2.808; NOTES_inference
+# thirty-second and thirty-third sessions). Below 4096 tokens not measured.
+SPLIT_MIN_M_BY_D: dict[int, int] = {4096: 4096}
+# d 4096: two entries a step won at k 56 (16384 tokens 2.376 against 2.532 ms with one, 65536
+# tokens 9.386 against 10.773), one entry at k 29 (SPLIT_NARROW below).
+SPLIT_CONFIG: dict[int, tuple[int, int]] = {2048: (4, 4), 4096: (2, 4)}
 # ...and SPLIT_NARROW (one entry a step) when the rows are about equally long: the root mean
 # square of the active units per token at most SPLIT_NARROW_MAX_SPREAD times their mean, as the
 # module's probes measure them (evenly spread and skewed units: 1.01 to 1.07). Long rows run
@@ -407,16 +421,29 @@ SPLIT_CONFIG: dict[int, tuple[int, int]] = {2048: (4, 4)}
 # 4 x 4: k 29 3.89 against 4.03 ms, k 56 6.87 against 7.05, skewed k 29 3.10 against 3.41,
 # skewed k 56 6.10 against 6.46, k 8 1.32 against 1.42; heavy rows at spread 1.26 4.12 against
 # 4.12, at 1.50 4.40 against 4.25, at 3.66 7.36 against 6.68.
-SPLIT_NARROW: dict[int, tuple[int, int]] = {2048: (1, 2)}
+# At d 4096 one entry a step won only at low k (k 29: 1.696 against 1.909 ms with two at 16384
+# tokens, 7.329 with eight warps against 8.042 at 65536; k 56 lost, above), so there it needs a
+# mean below SPLIT_NARROW_MAX_K too.
+SPLIT_NARROW: dict[int, tuple[int, int]] = {2048: (1, 2), 4096: (1, 4)}
 SPLIT_NARROW_MAX_SPREAD = 1.3
+SPLIT_NARROW_MAX_K: dict[int, float] = {4096: 40.0}
 
 # Row-block kernel (BM tokens, BE entries, BK columns of d per step, warps).
 ROWS_CONFIG: tuple[int, int, int, int] = (16, 64, 128, 4)
 
 
-def splits(M: int, gated: bool, kernel: str = "auto") -> bool:
-    """Whether :func:`ffn_from_twell` takes the split path (up, then down: two launches)."""
-    return gated and (kernel == "split" or (kernel == "auto" and M >= SPLIT_MIN_M))
+def split_min_m(d: Optional[int] = None) -> int:
+    """Tokens from which ``"auto"`` takes the split path for model width ``d`` (padded to a power
+    of two): ``SPLIT_MIN_M_BY_D`` where it lists the width, else ``SPLIT_MIN_M``."""
+    if d is None:
+        return SPLIT_MIN_M
+    return SPLIT_MIN_M_BY_D.get(triton.next_power_of_2(max(d, 1)), SPLIT_MIN_M)
+
+
+def splits(M: int, gated: bool, kernel: str = "auto", d: Optional[int] = None) -> bool:
+    """Whether :func:`ffn_from_twell` takes the split path (up, then down: two launches) for a
+    call of ``M`` tokens of width ``d`` (see :func:`split_min_m`)."""
+    return gated and (kernel == "split" or (kernel == "auto" and M >= split_min_m(d)))
 
 
 def default_config(d: int, mean_k: Optional[float] = None, split: bool = False,
@@ -427,7 +454,8 @@ def default_config(d: int, mean_k: Optional[float] = None, split: bool = False,
     (:func:`splits`)."""
     D = triton.next_power_of_2(max(d, 1))
     if split:
-        if D in SPLIT_NARROW and mean_k and rms_k is not None and rms_k <= SPLIT_NARROW_MAX_SPREAD * mean_k:
+        if (D in SPLIT_NARROW and mean_k and rms_k is not None and rms_k <= SPLIT_NARROW_MAX_SPREAD * mean_k
+                and mean_k < SPLIT_NARROW_MAX_K.get(D, float("inf"))):
             return SPLIT_NARROW[D]
         if D in SPLIT_CONFIG:
             return SPLIT_CONFIG[D]
@@ -510,7 +538,7 @@ def ffn_from_twell(
             ``"split"`` (gated only): one program per token, the up products in one launch
             (``h`` kept in an fp32 TwELL-shaped scratch) and the down rows in a second, so each
             launch's weight rows fit in L2; the same ``y`` bit for bit. ``"auto"`` (the default)
-            takes ``"split"`` for gated calls of at least ``SPLIT_MIN_M`` tokens, else ``"token"``;
+            takes ``"split"`` for gated calls of at least :func:`split_min_m` tokens, else ``"token"``;
             ``"rows"``: token blocks on tensor cores (needs a one-tile TwELL, ``tile >= f``),
             then the exact path for overflowed rows. ``"rows"`` measured 2.5 to 3 times slower
             than ``"token"`` on the H200 (benchmarks/NOTES_inference.md) and is kept for study.
@@ -602,7 +630,7 @@ def ffn_from_twell(
     row_limit = DENSE_ROW_MIN
     D = triton.next_power_of_2(max(d, 1))
     gated = w_up is not None
-    split = not rows_kernel and splits(M, gated, kernel)
+    split = not rows_kernel and splits(M, gated, kernel, d)
     be0, nw0 = default_config(d, split=split)
     if block_e is not None:
         check_pow2(block_e, "block_e", 1, 64)
