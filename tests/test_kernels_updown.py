@@ -408,16 +408,19 @@ def _spy_updown_shapes(monkeypatch) -> list:
 
 
 def test_updown_shape_follows_the_layers_density(monkeypatch):
-    """At d 2048 two entries a step below WIDE_STEP's mean, four from it; the module's prefill
-    calls pass the shape for the layer's estimate (none yet: the sparse shape)."""
+    """A width listed in WIDE_STEP takes its second shape from the listed mean, the others keep
+    TUNED's at any density (d 2048's second shape lost below the split path's batch sizes and
+    was removed); the module's prefill calls pass the shape for the layer's estimate (none yet:
+    the sparse shape)."""
     from twell import dispatch
     from twell.kernels.updown import TUNED, WIDE_STEP, default_config
 
-    k_wide, wide = WIDE_STEP[2048]
-    assert default_config(2048) == default_config(2048, k_wide - 0.5) == TUNED[2048]
-    assert default_config(2048, k_wide) == wide != TUNED[2048]
-    assert default_config(1500, k_wide) == wide  # padded to 2048
-    assert default_config(4096, 500.0) == TUNED[4096]  # no second shape measured there
+    assert 2048 not in WIDE_STEP and 4096 not in WIDE_STEP
+    assert default_config(2048) == default_config(2048, 56.0) == default_config(1500, 500.0) == TUNED[2048]
+    assert default_config(4096, 500.0) == TUNED[4096]
+    monkeypatch.setitem(WIDE_STEP, 2048, (40.0, (4, 4)))
+    assert default_config(2048, 39.5) == TUNED[2048] != (4, 4)
+    assert default_config(2048, 40.0) == default_config(1500, 56.0) == (4, 4)  # 1500 pads to 2048
     seen = _spy_updown_shapes(monkeypatch)
     monkeypatch.setitem(WIDE_STEP, 64, (10.0, (8, 1)))  # d 40 pads to 64: a second shape there
     # split shapes there too, which these calls (fewer than SPLIT_MIN_M tokens: the fused kernel) must not take

@@ -177,8 +177,7 @@ def bench_main(argv=None) -> None:
         best_pack = best_config(var, "pack_bits")
         if best_pack is not None:
             gate_pack.PACK_BITS_CONFIG = best_pack
-        # the default shape serves layers below updown.WIDE_STEP's mean (k 29 here); k 56 takes
-        # WIDE_STEP's own shape
+        # the fused kernel's shape at d 2048, chosen at k 29 (updown.WIDE_STEP lists none above it)
         best_token = best_config(var, "updown_token", ks=(29,))
         if best_token is not None:
             updown.TUNED[2048] = best_token

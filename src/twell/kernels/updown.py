@@ -368,7 +368,12 @@ def _ffn_rows_dot_kernel(
 # 2.224 / 2.225 against 2.627, 65536 tokens 9.275 / 9.261 against 10.890); gated calls of that d
 # take the split path from SPLIT_MIN_M_BY_D tokens anyway.
 TUNED: dict[int, tuple[int, int]] = {2048: (2, 4), 4096: (2, 4)}
-WIDE_STEP: dict[int, tuple[float, tuple[int, int]]] = {2048: (40.0, (4, 4))}
+# WIDE_STEP: per padded d, the mean active units per token from which the fused kernel takes a
+# second shape. d 2048 had (40, (4, 4)) from the 131072-token sweep above, but gated calls of
+# that size now take the split path, and below it four entries lost: the module at 16384 tokens
+# ran 1.631 / 1.792 ms with them against 1.544 / 1.701 with two at k 48 / 56 (H100,
+# benchmarks/module_overhead_probe.py, NOTES_inference thirty-third session). Empty for now.
+WIDE_STEP: dict[int, tuple[float, tuple[int, int]]] = {}
 
 
 # From this many tokens on, overflowed tiles go to a second launch with (units per step,
