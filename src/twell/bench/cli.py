@@ -184,7 +184,9 @@ def bench_main(argv=None) -> None:
         density = break_even_density(var)
         if density is not None:
             _KernelPath.DEFAULT_MAX_DENSITY = round(density, 4)
-            _KernelPath.DEFAULT_MAX_UNITS = float("inf")  # this GPU's own measure, not capped
+            # this GPU's own measure (at d 2048), not capped there; widths with their own cap
+            # (LayerState.MAX_UNITS_BY_D) keep it
+            _KernelPath.DEFAULT_MAX_UNITS = float("inf")
         log(f"variants done in {time.time() - t0:.0f}s; pack {best_pack}; token {best_token}; kernel_max_density {density}")
     if args.no_grid:
         return
