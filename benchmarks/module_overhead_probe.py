@@ -5,13 +5,16 @@ Two readings of the break-even sweeps (NOTES_inference, thirty-third session) th
   from run to run, its third round of three always the slowest. Is the dense branch itself
   slower there (``relu_mul_`` at this width), or does the layer flip paths between calls?
 - d 2048, f 5632, k 48 / 56: the module on the prefill kernels ran 5 to 9% behind the forced
-  kernels. The module passes its estimate to the up/down's shape (four entries a step from
-  WIDE_STEP's 40 units, measured at 131072 tokens) where the forced op keeps two.
+  kernels. The module passed its estimate to the up/down's shape (four entries a step from
+  WIDE_STEP's 40 units, measured at 131072 tokens) where the forced op kept two. WIDE_STEP has
+  been empty since (this probe's finding); the variant below puts that entry back.
 
 Times (bf16, units spread evenly, ROUNDS rounds alternating, medians of
 ``twell.bench.inference.bench_ms``): dense PyTorch, the module in "auto", the module forced to
-its dense branch and to its prefill path, and (d 2048) the module in "auto" with WIDE_STEP
-removed (the forced prefill path takes no probes, so it has no estimate and keeps TUNED's shape);
+its dense branch and to its prefill path, and (d 2048) the module in "auto" with WIDE_STEP's
+old d 2048 entry, four entries a step from 40 units (the forced prefill path takes no probes,
+so it has no estimate and keeps TUNED's shape; the run that found this timed the module with
+the entry and with WIDE_STEP emptied);
 for each module variant the paths its layer chose over the timed calls.
 
     python benchmarks/module_overhead_probe.py [OUTDIR]
@@ -41,6 +44,7 @@ OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
 CASES = [tuple(int(v) for v in c.split("x")) for c in os.environ.get(
     "CASES", "2048x5632x16384x48,2048x5632x16384x56,2048x5632x65536x48,2048x5632x65536x56").split(",")]
 ROUNDS = 6
+OLD_WIDE_STEP = (40.0, (4, 4))  # d 2048's entry until the thirty-third session
 
 
 def module_for(s, d: int, f: int, mode: str) -> SparseGatedMLP:
@@ -78,14 +82,15 @@ def main() -> None:
                     torch.cuda.synchronize()
             variants = {"dense PyTorch": lambda s=s: dense_gated(s.x, s.w_gate, s.w_up, s.w_down)}
             variants.update({f"module {n}": (lambda m=m, x=s.x: m(x)) for n, m in mods.items()})
-            if d == 2048:  # the auto module (its estimate set: the forced paths take no probes) at (2, 4)
-                def no_wide(m=mods["auto"], x=s.x):
-                    updown.WIDE_STEP.clear()
+            if d == 2048:  # the auto module (its estimate set: the forced paths take no probes)
+                def old_wide(m=mods["auto"], x=s.x):
+                    updown.WIDE_STEP[2048] = OLD_WIDE_STEP
                     try:
                         return m(x)
                     finally:
+                        updown.WIDE_STEP.clear()
                         updown.WIDE_STEP.update(wide)
-                variants["module auto, no WIDE_STEP"] = no_wide
+                variants["module auto, old WIDE_STEP"] = old_wide
             times = {n: [] for n in variants}
             for _ in range(ROUNDS):
                 for n, fn in variants.items():

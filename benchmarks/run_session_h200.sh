@@ -26,7 +26,8 @@
 # breakeven (benchmarks/break_even_probe.py: the prefill break-even at d 2048 and 4096, k 48 to 128),
 # breakeventimed (the same with twell.dispatch.TIMED_CHOICE on),
 # splitd4096 (benchmarks/updown_split_probe.py at d 4096, f 11008: fused and split up/down shapes),
-# overhead (benchmarks/module_overhead_probe.py: the module against its own branches at 16384 tokens).
+# overhead (benchmarks/module_overhead_probe.py: the module against its own branches at 16384 and
+# 65536 tokens; OVERHEAD_CASES for its CASES).
 # Each writes STEP.log and its results under OUTDIR/STEP/; OUTDIR/results.tar.gz holds them all
 # (the device tool returns few files). Prints each step's last lines.
 set -u
@@ -63,7 +64,7 @@ for step in "$@"; do
     breakeven) cmd=(timeout "${BREAKEVEN_S:-300}" $PY benchmarks/break_even_probe.py "$dir") ;;
     breakeventimed) cmd=(env TIMED=1 timeout "${BREAKEVEN_S:-300}" $PY benchmarks/break_even_probe.py "$dir") ;;
     splitd4096) cmd=(env SHAPE=4096x11008 ${SPLIT_MS:+MS=$SPLIT_MS} ${SPLIT_KS:+KS=$SPLIT_KS} timeout "${SPLITD_S:-240}" $PY benchmarks/updown_split_probe.py "$dir") ;;
-    overhead) cmd=(timeout 240 $PY benchmarks/module_overhead_probe.py "$dir") ;;
+    overhead) cmd=(env ${OVERHEAD_CASES:+CASES=$OVERHEAD_CASES} timeout "${OVERHEAD_S:-240}" $PY benchmarks/module_overhead_probe.py "$dir") ;;
     packprobe) cmd=(env OUT="$dir" timeout "${PACKPROBE_S:-300}" $PY benchmarks/pack_config_probe.py) ;;
     smallm)   cmd=(timeout "${SMALLM_S:-120}" $PY benchmarks/prefill_small_m_probe.py "$dir") ;;
     gridM)    cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60 --M ${GRID_M:-4096 16384}) ;;

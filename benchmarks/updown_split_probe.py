@@ -1,5 +1,5 @@
-"""Device experiment: the inference up/down from TwELL, fused (``kernel="token"``, the shape the
-module picks for the case's k) against the split path (``kernel="split"``: up products, then
+"""Device experiment: the inference up/down from TwELL, fused (``kernel="token"``, at the fused
+shape ``updown.default_config`` gives for the case's k) against the split path (``kernel="split"``: up products, then
 down rows, two launches) at a few (entries per step, warps) shapes. bf16, d 2048, f 5632 (or
 SHAPE, at MS tokens and KS units, default 16384,65536 and 29,56), the module's TwELL (cuBLAS
 gate, ``pack_relu``); three interleaved rounds, medians.
@@ -7,8 +7,10 @@ gate, ``pack_relu``); three interleaved rounds, medians.
     python benchmarks/updown_split_probe.py [OUTDIR]
     SHAPE=4096x11008 MS=16384,65536 KS=29,56 python benchmarks/updown_split_probe.py [OUTDIR]
 
-With SHAPE set, the fused kernel is timed at several shapes too (TOKEN_SHAPES), not only the
-module's: the tuned shapes come from d 2048.
+With SHAPE set, the fused kernel is timed at several shapes too (TOKEN_SHAPES). The thirty-third
+session's run at d 4096 set that width's shapes (``updown.TUNED``, ``SPLIT_CONFIG``,
+``SPLIT_NARROW``) and its split threshold (``SPLIT_MIN_M_BY_D``): the module now takes the split
+path there from 4096 tokens, so the first column is no longer what the module runs at d 4096.
 
 Writes OUTDIR/updown_split_probe_D.json; prints the table last.
 """
@@ -80,7 +82,7 @@ def main() -> None:
     os.makedirs(OUT, exist_ok=True)
     with open(os.path.join(OUT, f"updown_split_probe_{D}.json"), "w") as fh:
         json.dump(dict(machine_info(), records=recs), fh, indent=1)
-    print("\ncase                    token (module's shape)   best split        ratio")
+    print("\ncase                    token (default fused)    best split        ratio")
     for r in recs:
         tn = next(n for n in r["ms"] if n.startswith("token"))
         bt = min((n for n in r["ms"] if n.startswith("token")), key=r["ms"].get)

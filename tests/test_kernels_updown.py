@@ -283,13 +283,21 @@ def test_split_path_from_split_min_m(monkeypatch):
     # bit for bit as the fused kernels with the same entries per step (the order of the sums)
     y4, y2 = (ffn_from_twell(x, g, wdt, w_up=wu, pre=pre, block_e=be) for be in (4, 2))
     assert launched == []
-    monkeypatch.setattr(updown, "SPLIT_MIN_M", 13)
     monkeypatch.setitem(updown.SPLIT_CONFIG, 64, (4, 2))  # d 40 pads to 64
+    # by width: ffn_from_twell passes x's d, so a threshold for d 64 alone sends these 13 tokens
+    monkeypatch.setitem(updown.SPLIT_MIN_M_BY_D, 64, 13)
+    assert torch.equal(ffn_from_twell(x, g, wdt, w_up=wu, pre=pre), y4)
+    assert launched == [(4, 2)]
+    monkeypatch.setitem(updown.SPLIT_MIN_M_BY_D, 64, 14)  # one token short: fused (at its own shape)
+    torch.testing.assert_close(ffn_from_twell(x, g, wdt, w_up=wu, pre=pre), y4)
+    assert launched == [(4, 2)]
+    monkeypatch.delitem(updown.SPLIT_MIN_M_BY_D, 64)
+    monkeypatch.setattr(updown, "SPLIT_MIN_M", 13)
     assert torch.equal(ffn_from_twell(x, g, wdt, w_up=wu, pre=pre), y4)
     assert torch.equal(ffn_from_twell(x, g, wdt, w_up=wu, pre=pre, block_e=2, num_warps=1), y2)
-    assert launched == [(4, 2), (2, 1)]
+    assert launched == [(4, 2), (4, 2), (2, 1)]
     ffn_from_twell(x, g, wdt, pre=pre)  # non-gated: never split
-    assert len(launched) == 2
+    assert len(launched) == 3
     with pytest.raises(ValueError, match="gated"):
         ffn_from_twell(x, g, wdt, pre=pre, kernel="split")
 

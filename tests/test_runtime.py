@@ -780,7 +780,8 @@ def test_prefill_limit_caps_the_default_in_units_and_honours_zero():
     # up/down; widths not listed keep DEFAULT_MAX_UNITS
     cap4 = LayerState.MAX_UNITS_BY_D[4096]
     assert LayerState.DEFAULT_MAX_UNITS < cap4 < LayerState.DEFAULT_MAX_DENSITY * 11008
-    assert s.limit(11008, None, 4096) == s.limit(11008, None, 3000) == cap4
+    assert s.limit(11008, None, 4096) == s.limit(11008, None, 3000) == cap4 == LayerState.max_units(2049)
+    assert LayerState.max_units(2048) == LayerState.max_units() == LayerState.DEFAULT_MAX_UNITS
     assert s.limit(11008, None, 2048) == s.limit(11008, None, 8192) == LayerState.DEFAULT_MAX_UNITS
     assert s.limit(5632, None, 4096) == pytest.approx(LayerState.DEFAULT_MAX_DENSITY * 5632)  # the share still bounds it
     assert s.limit(11008, 0.02, 4096) == pytest.approx(220.16)
@@ -789,6 +790,41 @@ def test_prefill_limit_caps_the_default_in_units_and_honours_zero():
         s.estimate = (est, 0.0)
         x = torch.empty(M, d, device="meta")  # the call's input gives the width
         assert s.choose(M, 11008, "auto", None, False, x) == want, (d, est)
+
+
+def test_a_call_hands_its_input_to_the_choice(monkeypatch):
+    """The module's calls give the layer's choice their input (the width sets the cap in units,
+    LayerState.MAX_UNITS_BY_D): a layer of width 40 (padded: 64) with a cap of its own takes the
+    kernels at an estimate the default cap sends to dense."""
+    from twell import dispatch
+
+    m = SparseGatedMLP(40, 100).eval()
+    layer = m._twell_layer
+    seen = []
+    real = layer.choose
+
+    def spy(M, f, mode, max_density, capturing, x=None):
+        seen.append(None if x is None else tuple(x.shape))
+        # the call's mode is "prefill" (forced, for the interpreter); decide as "auto" would
+        return real(M, f, "auto", max_density, False, x) if mode == "prefill" else real(M, f, mode, max_density, capturing, x)
+
+    monkeypatch.setattr(layer, "choose", spy)
+    monkeypatch.setattr(LayerState, "DEFAULT_MAX_DENSITY", 1.0)  # the share allows 100 units
+    monkeypatch.setattr(LayerState, "DEFAULT_MAX_UNITS", 2.0)
+    monkeypatch.setitem(LayerState.MAX_UNITS_BY_D, 64, 50.0)
+    monkeypatch.setattr(dispatch, "EAGER_PREFILL_MIN_M", 1)
+    monkeypatch.setattr(dispatch, "PREFILL_MIN_M", 1)
+    monkeypatch.setattr(dispatch, "DECODE_MAX_M", 0)
+    monkeypatch.setattr(layer, "_poll", lambda: None)  # keep the estimate set here
+    m.kernel_mode = "prefill"
+    x = torch.randn(300, 40)
+    paths = []
+    with torch.no_grad():
+        for est in (10.0, 60.0):
+            layer.estimate, layer._on_kernels = (est, 0.0), False
+            m(x)
+            paths.append(m.last_path)
+    assert seen == [(300, 40), (300, 40)] and paths == ["prefill", "dense"]
 
 
 def test_poll_reads_each_slot_of_a_probe():

@@ -11,8 +11,9 @@ Three paths compute the same function (up to rounding) for every input:
     :func:`twell.kernels.decode.ffn_decode`. It never reads more weight bytes than dense.
     ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
 ``"prefill"`` (large batches)
-    cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the fused up/down kernel
-    (:func:`twell.kernels.ffn_from_twell`); rows with an overflowed tile or more than
+    cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the up/down kernels
+    (:func:`twell.kernels.ffn_from_twell`: fused, or up and down in two launches from
+    :func:`twell.kernels.updown.split_min_m` tokens, which depends on the width); rows with an overflowed tile or more than
     ``twell.kernels.updown.DENSE_ROW_MIN`` active units are computed whole on tensor cores.
 ``"dense"``
     cuBLAS gate and up, ``relu(gate) * up`` fused into one Triton pass, cuBLAS down.
@@ -267,7 +268,7 @@ def layer_state(key: int) -> "LayerState":
 class LayerState:
     """Per-layer state of the inference path: the sparsity estimate and the overflow counters.
 
-    The prefill kernels take a call of ``M`` tokens while ``cost(M) <= limit(f)`` (see below;
+    The prefill kernels take a call of ``M`` tokens while ``cost(M) <= limit(f, d)`` (see below;
     5% more once on them: ``HYSTERESIS``), in active units per token::
 
         cost = mean + 0.1 * (rms - mean) + 850 * max / M + 150 * dense rows per token
@@ -287,9 +288,10 @@ class LayerState:
     The default limit is the lower of ``DEFAULT_MAX_DENSITY * f`` and a cap in units,
     ``MAX_UNITS_BY_D`` for the model widths measured, else ``DEFAULT_MAX_UNITS`` (:meth:`limit`).
     Break-even fell at 63 to 74 units at d 2048, f 5632 (H200 and H100), and at d 4096, f 11008
-    at 108 to 111 units on the H100 once the up/down took the split path there (it had been 51 to
-    97 with the fused kernel's shape; NOTES_inference thirtieth to thirty-third sessions); the
-    share alone would allow 121 there, where the kernels ran 0.96x dense at 112 units. A layer's
+    at 101 to 109 units on the H100 once the up/down took the split path there (it had been 51
+    to 97 with the fused kernel's shape; NOTES_inference thirtieth to thirty-third sessions); the
+    share alone would allow 121 there, where the kernels ran 0.91x to 0.96x dense at 112 units.
+    Widths are padded to a power of two, so d 2049 to 4096 take d 4096's cap. A layer's
     ``kernel_max_density`` replaces both.
     """
 
@@ -394,10 +396,15 @@ class LayerState:
         power of two): ``MAX_UNITS_BY_D`` where it lists the width, else ``DEFAULT_MAX_UNITS``."""
         if max_density is not None:
             return max_density * f
-        cap = cls.DEFAULT_MAX_UNITS
-        if d is not None:
-            cap = cls.MAX_UNITS_BY_D.get(1 << max(d - 1, 0).bit_length(), cap)
-        return min(cls.DEFAULT_MAX_DENSITY * f, cap)
+        return min(cls.DEFAULT_MAX_DENSITY * f, cls.max_units(d))
+
+    @classmethod
+    def max_units(cls, d: Optional[int] = None) -> float:
+        """The default limit's cap in active units per token for model width ``d`` (padded to a
+        power of two; None: a width not known)."""
+        if d is None:
+            return cls.DEFAULT_MAX_UNITS
+        return cls.MAX_UNITS_BY_D.get(1 << max(d - 1, 0).bit_length(), cls.DEFAULT_MAX_UNITS)
 
     def cost(self, M: int) -> Optional[float]:
         """Estimated prefill-kernel cost of a call of ``M`` tokens, in active units per token."""
@@ -421,8 +428,9 @@ class LayerState:
     def choose(self, M: int, f: int, mode: str, max_density: Optional[float], capturing: bool,
                x: Optional[torch.Tensor] = None) -> str:
         """``"dense"``, ``"decode"`` or ``"prefill"`` for a call of ``M`` tokens (``x``: the call's
-        input, to check that the split decode kernels' buffers are there for it; None: assume
-        they are)."""
+        input, to check that the split decode kernels' buffers are there for it and whose width
+        sets the prefill cap in units, :meth:`limit`; None: assume the buffers are there and take
+        ``DEFAULT_MAX_UNITS``)."""
         self._trial = None  # a trial of the timer (TIMED_CHOICE) is this call's alone
         if mode == "auto":
             if not capturing:

@@ -1,10 +1,10 @@
 """A layer's own timing of the prefill kernels against dense near its break-even (opt-in:
 ``twell.dispatch.TIMED_CHOICE``).
 
-The static rule (:meth:`twell.dispatch.LayerState.limit`) was measured on the H200 at two
-shapes. Another GPU or shape moves the break-even: on an H100 at d 4096, f 11008 it fell at 52
-active units per token against 68 on the H200 (benchmarks/NOTES_inference.md, thirtieth
-session). Both paths are exact, so which one runs changes only the time. Near the limit a
+The static rule (:meth:`twell.dispatch.LayerState.limit`) was measured at two shapes. Another
+GPU or shape moves the break-even: at d 4096, f 11008 with the fused up/down it fell at 52
+active units per token on an H100 against 68 on the H200 (benchmarks/NOTES_inference.md,
+thirtieth session); that shape now takes the split path and its own cap (96, H100). Both paths are exact, so which one runs changes only the time. Near the limit a
 layer with this on times both on its own calls and takes the faster.
 
 - **Size classes.** Calls are grouped by ``M.bit_length()`` (a power of two of tokens). Times
@@ -40,8 +40,9 @@ __all__ = ["PathTimer", "Trial", "SAMPLES", "BAND", "COST_TOLERANCE"]
 
 PATHS = ("prefill", "dense")
 SAMPLES = 3
-# estimates from BAND[0] to BAND[1] times the limit are timed: the measured break-evens lay
-# between 0.84 (H100, d 4096, M 16384) and 1.56 (H200, d 4096, M 65536) times the 62-unit limit
+# estimates from BAND[0] to BAND[1] times the limit are timed: with the fused up/down the
+# measured break-evens lay between 0.84 (H100, d 4096, M 16384) and 1.56 (H200, d 4096, M 65536)
+# times the 62-unit limit; with the split path and d 4096's cap of 96, 1.05 to 1.14 (H100)
 BAND = (0.7, 1.7)
 COST_TOLERANCE = 0.1
 

@@ -177,7 +177,9 @@ def bench_main(argv=None) -> None:
         best_pack = best_config(var, "pack_bits")
         if best_pack is not None:
             gate_pack.PACK_BITS_CONFIG = best_pack
-        # the fused kernel's shape at d 2048, chosen at k 29 (updown.WIDE_STEP lists none above it)
+        # the fused kernel's shape at d 2048, chosen at k 29 (updown.WIDE_STEP lists none above
+        # it); the variants time it at a batch where gated calls now take the split path, and it
+        # serves the smaller ones, where it was not timed
         best_token = best_config(var, "updown_token", ks=(29,))
         if best_token is not None:
             updown.TUNED[2048] = best_token

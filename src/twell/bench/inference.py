@@ -169,7 +169,7 @@ def run_grid(
                     rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=tile, compression=DEFAULT_COMPRESSION,
                                pack_config="bits " + "x".join(map(str, gate_pack.bits_config(M))),
                                max_density=_KernelPath.DEFAULT_MAX_DENSITY,
-                               max_units=_KernelPath.DEFAULT_MAX_UNITS if _KernelPath.DEFAULT_MAX_UNITS < float("inf") else None,
+                               max_units=_KernelPath.max_units(d) if _KernelPath.max_units(d) < float("inf") else None,
                                limit=_KernelPath.limit(f, None, d))  # the layer's default break-even at this shape
                     ref = reference_fp32(x, wg, wu, wd)
                     with torch.no_grad():

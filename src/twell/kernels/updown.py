@@ -358,15 +358,15 @@ def _ffn_rows_dot_kernel(
 # (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements. At d 2048
 # two entries a step won below about 40 active units per token (131072 tokens: k 8 1.46 against
 # 1.64 ms with four, k 29 3.88 against 4.04, heavy rows 5.74 against 6.13; 4096 tokens, k 29:
-# 0.14 against 0.22), four from there (k 56: 6.90 against 7.12): WIDE_STEP gives the mean
-# active units per token from which a d takes its second shape. The rule sees neither the batch
-# nor how units are shared: skewed units at k 29 ran 3.49 against 3.40 ms with two entries (2 x 2
+# 0.14 against 0.22), four from there at that batch (k 56: 6.90 against 7.12), which WIDE_STEP
+# (below) once encoded. Skewed units at k 29 ran 3.49 against 3.40 ms with two entries (2 x 2
 # programs: 3.29), and at 4096 tokens two entries still won at k 56 (0.247 against 0.263 ms).
 # At d 4096 (f 11008; benchmarks/updown_split_probe.py with SHAPE=4096x11008, NOTES_inference
 # thirty-third session) two and four entries with four warps tied and beat the (4, 8) shipped
 # before by 15 to 20% (H100, k 29: 4096 tokens 0.564 / 0.569 against 0.682 ms, 16384 tokens
 # 2.224 / 2.225 against 2.627, 65536 tokens 9.275 / 9.261 against 10.890); gated calls of that d
-# take the split path from SPLIT_MIN_M_BY_D tokens anyway.
+# take the split path from SPLIT_MIN_M_BY_D tokens anyway. Non-gated calls at d 4096 were not
+# measured with the new shape.
 TUNED: dict[int, tuple[int, int]] = {2048: (2, 4), 4096: (2, 4)}
 # WIDE_STEP: per padded d, the mean active units per token from which the fused kernel takes a
 # second shape. d 2048 had (40, (4, 4)) from the 131072-token sweep above, but gated calls of
