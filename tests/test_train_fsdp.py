@@ -222,3 +222,67 @@ def test_export_of_an_unsharded_checkpoint(tmp_path):
     # generation reads the KV cache setting from the export (the training preset's was off)
     exported = LlamaForCausalLM.from_pretrained(out)
     assert exported.config.use_cache and exported.generation_config.use_cache
+
+
+# Units whose gate rows are zeroed never fire: dead from the first window. Some rows in each
+# rank's shard (88 units: rows 0-43 on rank 0, 44-87 on rank 1).
+ZEROED = [0, 1, 2, 3, 4, 50, 51, 52, 53, 54]
+
+
+def _zero_gate_rows(trainer) -> None:
+    """Zero the ZEROED gate rows of every layer, sharded or not."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    with torch.no_grad():
+        for m in trainer.modules:
+            w = m.gate_proj.weight
+            keep = torch.ones(tuple(w.shape), dtype=w.dtype)
+            keep[ZEROED] = 0.0
+            if isinstance(w, DTensor):
+                keep = distribute_tensor(keep, w.device_mesh, w.placements, src_data_rank=None)
+            w.mul_(keep)
+
+
+def _gate_rows(trainer) -> dict:
+    return {k: v for k, v in _full_state(trainer)[0].items() if "gate_proj" in k}
+
+
+def _reinit_worker(rank, world, port, cfg, out_file):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    trainer = Trainer(cfg)
+    _zero_gate_rows(trainer)
+    trainer.fit()
+    result = {"gates": _gate_rows(trainer), "reinit_count": int(trainer.dead.reinit_count),
+              "sharded": type(trainer.modules[0].gate_proj.weight).__name__}
+    if rank == 0:
+        torch.save(result, out_file)
+    del trainer
+    shutdown_distributed()
+
+
+def test_fsdp_reinit_gives_the_one_process_rows(tmp_path):
+    """--reinit under FSDP2: each rank nudges its own shard's dead gate rows with its rows of the
+    one whole-matrix draw, so the gathered gates are the one-process run's, the zeroed rows on
+    both ranks' shards included (off zero, and not the unsharded draw's first rows on every
+    rank); without --reinit those rows stay at zero."""
+    common = dict(l1=0.05, steps=2, log_every=1, eval_every=2, dead_window=1, reinit=True)
+    runs = {}
+    for reinit in (True, False):
+        one = Trainer(config(tmp_path, **{**common, "reinit": reinit}, batch_size=4, out=str(tmp_path / f"one_{reinit}")))
+        _zero_gate_rows(one)
+        one.fit()
+        runs[reinit] = (_gate_rows(one), int(one.dead.reinit_count))
+        one.loader.close()  # no prefetch thread running while the ranks are forked
+    cfg = config(tmp_path, **common, **TWO, out=str(tmp_path / "fsdp"))
+    _spawn(_reinit_worker, (2, _free_port(), cfg, str(tmp_path / "rank0.pt")), start_method="fork")
+    got = torch.load(tmp_path / "rank0.pt", weights_only=False)
+    want, count = runs[True]
+    plain, plain_count = runs[False]
+    assert got["sharded"] == "DTensor" and set(got["gates"]) == set(want) and len(want) == 2
+    assert got["reinit_count"] == count >= 2 * len(ZEROED) and plain_count == 0  # 2 layers
+    for name, w in want.items():
+        assert torch.count_nonzero(plain[name][ZEROED]) == 0
+        assert bool((w[ZEROED].abs().sum(dim=1) > 0).all())
+        torch.testing.assert_close(got["gates"][name], w, rtol=1e-4, atol=1e-6)

@@ -499,17 +499,40 @@ class _SparseFFN(nn.Module):
         ``mask`` (``[f]`` bool) names the units to treat as dead; by default, those that have not
         fired since :meth:`reset_fire_counts` (:meth:`dead_units`). Returns the ``[f]`` bool mask
         of re-initialised units (a tensor: reading it needs no sync).
+
+        Under FSDP2 the weight is a sharded DTensor: the noise is drawn for the whole ``[f, d]``
+        matrix, as without sharding, and each rank applies its own rows of it, so that every
+        rank must call this with the same ``generator`` state and the same ``mask`` (the
+        trainer sums the firings over ranks for it; a rank's own fire counts are not that), and
+        the result is the unsharded model's.
         """
         w = self._first_projection().weight
         if mask is not None and mask.shape != (w.shape[0],):
             raise ValueError(f"mask must be [{w.shape[0]}] (one entry per unit), got {tuple(mask.shape)}")
         dead = self.dead_units() if mask is None else mask.to(w.device, torch.bool)
         noise = torch.randn(w.shape, generator=generator, device=w.device, dtype=torch.float32).to(w.dtype) * std
-        w.copy_(torch.where(dead.unsqueeze(1), keep * w + (1.0 - keep) * noise, w))
+        dead_rows = dead.unsqueeze(1).expand(w.shape)
+        sharded = _as_sharded_like(w)
+        if sharded is not None:  # this rank's rows of the same whole-matrix draw
+            noise, dead_rows = sharded(noise), sharded(dead_rows)
+        w.copy_(torch.where(dead_rows, keep * w + (1.0 - keep) * noise, w))
         return dead
 
     def _first_projection(self) -> nn.Linear:
         raise NotImplementedError
+
+
+def _as_sharded_like(w: torch.Tensor):
+    """For a DTensor ``w`` (FSDP2's sharded parameters): a function that lays a whole tensor of
+    ``w``'s shape, the same on every rank, out as ``w`` is laid out, from each rank's own copy
+    (no communication); None for a plain tensor."""
+    try:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+    except ImportError:  # a build without torch.distributed
+        return None
+    if not isinstance(w, DTensor):
+        return None
+    return lambda t: distribute_tensor(t.contiguous(), w.device_mesh, w.placements, src_data_rank=None)
 
 
 class SparseGatedMLP(_SparseFFN):

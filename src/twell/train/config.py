@@ -105,7 +105,6 @@ class TrainConfig:
             (c.keep >= 0, f"keep (--keep) must be >= 0 (0: keep every checkpoint), got {c.keep}"),
             (c.precision in (None, "bf16", "fp32"), f"precision must be bf16 or fp32, got {c.precision!r}"),
             (c.kernels in ("auto", "dense", "sparse"), f"kernels must be auto, dense or sparse, got {c.kernels!r}"),
-            (not (c.fsdp and c.reinit), "--reinit with --fsdp is not supported (the gate rows are sharded)"),
         ]
         for ok, msg in checks:
             if not ok:
