@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call on two H200s (kind nvidia-h200-x2): `twell train` under torchrun with DDP and
-# with FSDP, 2 micro-batches per step on each rank; reinit on under DDP (FSDP refuses it), against one process (reinit on) with the same global batch, and an FSDP resume.
+# with FSDP, 2 micro-batches per step on each rank; reinit on under DDP and FSDP (FSDP's since the thirty-third session: the committed results predate it and ran FSDP without), against one process (reinit on) with the same global batch, and an FSDP resume.
 # Usage (repository root): bash benchmarks/multigpu_h200x2.sh [OUTDIR]. Prints a table last.
 set -u
 OUTDIR="${1:-${OUT:-runs/multigpu}}"
@@ -17,9 +17,9 @@ nvidia-smi --query-gpu=index,name,memory.total --format=csv | tee "$log"
 run() { echo "== $*" | tee -a "$log"; "$@" 2>&1 | grep -v "^\s*$" | tail -12 | tee -a "$log"; }
 run python3 -m twell train $COMMON --batch-size $((2 * B)) --val-batches 8 --reinit --out $RUNS/one
 run torchrun --standalone --nproc_per_node 2 -m twell train $COMMON --batch-size $((B / GA)) --grad-accum $GA --val-batches $((8 * GA)) --reinit --out $RUNS/ddp
-run torchrun --standalone --nproc_per_node 2 -m twell train $COMMON --batch-size $((B / GA)) --grad-accum $GA --val-batches $((8 * GA)) --fsdp --out $RUNS/fsdp
+run torchrun --standalone --nproc_per_node 2 -m twell train $COMMON --batch-size $((B / GA)) --grad-accum $GA --val-batches $((8 * GA)) --fsdp --reinit --out $RUNS/fsdp
 cp -r $RUNS/fsdp $RUNS/fsdp_resumed && rm -rf $RUNS/fsdp_resumed/checkpoints/step_$(printf %06d $STEPS) $RUNS/fsdp_resumed/log.csv
-run torchrun --standalone --nproc_per_node 2 -m twell train $COMMON --batch-size $((B / GA)) --grad-accum $GA --val-batches $((8 * GA)) --fsdp --out $RUNS/fsdp_resumed --resume $RUNS/fsdp_resumed/checkpoints/step_$(printf %06d $HALF)
+run torchrun --standalone --nproc_per_node 2 -m twell train $COMMON --batch-size $((B / GA)) --grad-accum $GA --val-batches $((8 * GA)) --fsdp --reinit --out $RUNS/fsdp_resumed --resume $RUNS/fsdp_resumed/checkpoints/step_$(printf %06d $HALF)
 for r in one ddp fsdp fsdp_resumed; do cp $RUNS/$r/log.csv "$OUTDIR/${r}_log.csv" 2>/dev/null; done
 python3 - "$RUNS" <<'PY' | tee -a "$log"
 import csv, sys
