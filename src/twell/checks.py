@@ -86,6 +86,13 @@ def check_launchable(t: torch.Tensor, name: str) -> None:
         raise ValueError(f"{name} is on the meta device (shapes only, no data): a Triton kernel cannot run on it")
 
 
+def width_key(d: int) -> int:
+    """The key of the per-width tuning tables (``twell.kernels.updown``'s shapes and split
+    threshold, ``twell.dispatch.LayerState.MAX_UNITS_BY_D``): the model width ``d`` rounded up
+    to a power of two (at least 1), as the kernels pad it."""
+    return 1 << (max(d, 1) - 1).bit_length()
+
+
 def check_pow2(value: int, name: str, lo: int = 1, hi: int = 1024) -> None:
     """A clear error unless ``value`` (a kernel's launch knob) is an int power of two in
     ``[lo, hi]``."""

@@ -73,7 +73,7 @@ import torch
 import torch.nn.functional as F
 
 from . import eager_graphs
-from .checks import triton_interpreting
+from .checks import triton_interpreting, width_key
 
 __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION",
            "FUSED_WIDE_M", "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M", "EAGER_PREFILL_MIN_M", "DECODE_SPLIT",
@@ -404,7 +404,7 @@ class LayerState:
         power of two; None: a width not known)."""
         if d is None:
             return cls.DEFAULT_MAX_UNITS
-        return cls.MAX_UNITS_BY_D.get(1 << max(d - 1, 0).bit_length(), cls.DEFAULT_MAX_UNITS)
+        return cls.MAX_UNITS_BY_D.get(width_key(d), cls.DEFAULT_MAX_UNITS)
 
     def cost(self, M: int) -> Optional[float]:
         """Estimated prefill-kernel cost of a call of ``M`` tokens, in active units per token."""

@@ -511,10 +511,8 @@ class _SparseFFN(nn.Module):
             raise ValueError(f"mask must be [{w.shape[0]}] (one entry per unit), got {tuple(mask.shape)}")
         dead = self.dead_units() if mask is None else mask.to(w.device, torch.bool)
         noise = torch.randn(w.shape, generator=generator, device=w.device, dtype=torch.float32).to(w.dtype) * std
-        dead_rows = dead.unsqueeze(1).expand(w.shape)
-        sharded = _as_sharded_like(w)
-        if sharded is not None:  # this rank's rows of the same whole-matrix draw
-            noise, dead_rows = sharded(noise), sharded(dead_rows)
+        # under FSDP2, this rank's rows of the same whole-matrix draw
+        noise, dead_rows = laid_out_like(noise, w), laid_out_like(dead.unsqueeze(1).expand(w.shape), w)
         w.copy_(torch.where(dead_rows, keep * w + (1.0 - keep) * noise, w))
         return dead
 
@@ -522,17 +520,17 @@ class _SparseFFN(nn.Module):
         raise NotImplementedError
 
 
-def _as_sharded_like(w: torch.Tensor):
-    """For a DTensor ``w`` (FSDP2's sharded parameters): a function that lays a whole tensor of
-    ``w``'s shape, the same on every rank, out as ``w`` is laid out, from each rank's own copy
-    (no communication); None for a plain tensor."""
+def laid_out_like(full: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``full``, a whole tensor of ``target``'s shape and the same on every rank, laid out as
+    ``target`` is: for a DTensor (FSDP2's sharded parameters) this rank's shard of it, sliced
+    from the rank's own copy (``src_data_rank=None``: no communication); else ``full`` itself."""
     try:
         from torch.distributed.tensor import DTensor, distribute_tensor
     except ImportError:  # a build without torch.distributed
-        return None
-    if not isinstance(w, DTensor):
-        return None
-    return lambda t: distribute_tensor(t.contiguous(), w.device_mesh, w.placements, src_data_rank=None)
+        return full
+    if not isinstance(target, DTensor):
+        return full
+    return distribute_tensor(full.contiguous(), target.device_mesh, target.placements, src_data_rank=None)
 
 
 class SparseGatedMLP(_SparseFFN):

@@ -166,10 +166,11 @@ def run_grid(
                     s = make_ffn(M, d, f, k, dist, dtype=torch.bfloat16, device=device, seed=int(k) + M + d)
                     x, wg, wu, wd = s.x, s.w_gate, s.w_up, s.w_down
                     tile = default_tile(f)
+                    cap = _KernelPath.max_units(d)
                     rec = dict(M=M, d=d, f=f, k=k, distribution=dist, tile=tile, compression=DEFAULT_COMPRESSION,
                                pack_config="bits " + "x".join(map(str, gate_pack.bits_config(M))),
                                max_density=_KernelPath.DEFAULT_MAX_DENSITY,
-                               max_units=_KernelPath.max_units(d) if _KernelPath.max_units(d) < float("inf") else None,
+                               max_units=cap if cap < float("inf") else None,
                                limit=_KernelPath.limit(f, None, d))  # the layer's default break-even at this shape
                     ref = reference_fp32(x, wg, wu, wd)
                     with torch.no_grad():

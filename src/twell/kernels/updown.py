@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..checks import KERNEL_DTYPES, check_launchable, check_pow2, check_tensor, check_weight_rows
+from ..checks import KERNEL_DTYPES, check_launchable, check_pow2, check_tensor, check_weight_rows, width_key
 from ..format import TwELL, twell_slots
 from ._activity import fires
 from ._dot import dot_operand, dot_precision
@@ -442,7 +442,7 @@ def split_min_m(d: Optional[int] = None) -> int:
     of two): ``SPLIT_MIN_M_BY_D`` where it lists the width, else ``SPLIT_MIN_M``."""
     if d is None:
         return SPLIT_MIN_M
-    return SPLIT_MIN_M_BY_D.get(triton.next_power_of_2(max(d, 1)), SPLIT_MIN_M)
+    return SPLIT_MIN_M_BY_D.get(width_key(d), SPLIT_MIN_M)
 
 
 def splits(M: int, gated: bool, kernel: str = "auto", d: Optional[int] = None) -> bool:
@@ -457,7 +457,7 @@ def default_config(d: int, mean_k: Optional[float] = None, split: bool = False,
     units per token and ``rms_k`` their root mean square over the tokens, where the caller
     knows them (the modules' estimate); ``split``: for the split path's two launches
     (:func:`splits`)."""
-    D = triton.next_power_of_2(max(d, 1))
+    D = width_key(d)
     if split:
         if (D in SPLIT_NARROW and mean_k and rms_k is not None and rms_k <= SPLIT_NARROW_MAX_SPREAD * mean_k
                 and mean_k < SPLIT_NARROW_MAX_K.get(D, float("inf"))):

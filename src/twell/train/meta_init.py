@@ -308,7 +308,9 @@ def materialize(model: "nn.Module", recipe: InitRecipe, device) -> None:
     on ``device`` and the values of the recorded build: each parameter's full value is made on
     the CPU, one at a time, and this rank's shard of it copied in (a DTensor's local shard, by
     its placements; plain tensors whole). Ties survive (checked)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
+
+    from ..nn import laid_out_like
 
     model.to_empty(device=device)
     tensors = dict(model.named_parameters(remove_duplicate=False))
@@ -320,11 +322,8 @@ def materialize(model: "nn.Module", recipe: InitRecipe, device) -> None:
 
     def emit(name: str, full: torch.Tensor) -> None:
         target = tensors[name]
-        if isinstance(target, DTensor):
-            # Every rank holds the same full tensor: src_data_rank=None slices it locally, no
-            # communication.
-            shard = distribute_tensor(full.to(target.device), target.device_mesh, target.placements, src_data_rank=None)
-            target.to_local().copy_(shard.to_local())
+        if isinstance(target, DTensor):  # every rank holds the same full tensor: sliced locally
+            target.to_local().copy_(laid_out_like(full.to(target.device), target).to_local())
         else:
             target.copy_(full)
         done.add(name)
