@@ -9,6 +9,8 @@
 # (benchmarks/prefill_small_m_probe.py), decode, decodefused (decode with DECODE_SPLIT off), splitsmallm
 # (benchmarks/decode_split_small_m.py), downlayout (benchmarks/dense_down_layout_probe.py),
 # eltprobe (benchmarks/dense_elementwise_probe.py), batch (BATCH_ARGS, e.g. --quick),
+# batchd4096 (twell bench batch --shape 4096x11008, M $BATCHD_M, default 1 to 16384),
+# decoded4096 (twell bench decode --shape 4096x11008),
 # gridM (twell bench inference --M $GRID_M, default 4096 16384),
 # grid (twell bench inference, no variants), model (twell bench model: 2b, calibrated k 29),
 # training (twell bench training: the training grid and the 0.5b train steps; TRAINING_ARGS),
@@ -74,6 +76,8 @@ for step in "$@"; do
     eltprobe) cmd=(env OUT="$dir" timeout 120 $PY benchmarks/dense_elementwise_probe.py) ;;
     splitsmallm) cmd=(env OUT="$dir" timeout "${SPLITSMALLM_S:-150}" $PY benchmarks/decode_split_small_m.py) ;;
     batch)    cmd=(timeout "${BATCH_S:-200}" $PY -m twell.bench.cli batch --out "$dir" ${BATCH_ARGS:-}) ;;
+    batchd4096) cmd=(timeout "${BATCH_S:-240}" $PY -m twell.bench.cli batch --out "$dir" --shape 4096x11008 --M ${BATCHD_M:-1 4 16 64 256 1024 4096 16384}) ;;
+    decoded4096) cmd=(timeout "${DECODE_S:-150}" $PY -m twell.bench.cli decode --out "$dir" --shape 4096x11008) ;;
     grid)     cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60) ;;
     model)    cmd=(timeout "${MODEL_S:-300}" $PY -m twell.bench.cli model --out "$dir") ;;
     training) cmd=(timeout "${TRAINING_S:-330}" $PY -m twell.bench.cli training --out "$dir" ${TRAINING_ARGS:-}) ;;

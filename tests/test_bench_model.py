@@ -222,3 +222,16 @@ def test_eager_decode_interleaved_pairs_the_two_models():
     assert out["twell"]["step_ratios"] == [d / t for d, t in zip(out["dense"]["steps_ms"], out["twell"]["steps_ms"])]
     assert out["dense"]["tokens"].shape == (2, 9 + new_tokens)
     assert torch.equal(out["dense"]["tokens"], out["twell"]["tokens"])
+
+
+def test_bench_shape_parses_d_by_f_and_refuses_anything_else():
+    from twell.bench.cli import bench_main, parse_shape
+
+    assert parse_shape("4096x11008") == (4096, 11008)
+    assert parse_shape("2048X5632") == (2048, 5632)
+    for bad in ("4096", "4096x", "x11008", "4096x11008x2", "0x5632", "4096y11008", "-1x5"):
+        with pytest.raises(SystemExit, match="--shape takes DxF"):
+            parse_shape(bad)
+    # the command refuses a bad shape before it looks for a GPU
+    with pytest.raises(SystemExit, match="--shape takes DxF"):
+        bench_main(["batch", "--shape", "4096y11008"])

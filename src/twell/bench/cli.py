@@ -1,8 +1,8 @@
 """``twell bench``: benchmark twell's kernels against dense PyTorch on this GPU.
 
     twell bench inference [--out DIR] [--quick] [--variants] [--no-grid]
-    twell bench batch [--out DIR] [--quick]
-    twell bench decode [--out DIR] [--fused]
+    twell bench batch [--out DIR] [--quick] [--shape 2048x5632]
+    twell bench decode [--out DIR] [--fused] [--shape 2048x5632]
     twell bench model [--out DIR] [--preset 2b] [--k 29] [--batch 16] [--model RUN_OR_CHECKPOINT]
     twell bench training [--out DIR] [--quick] [--variants] [--no-grid]
 
@@ -14,11 +14,13 @@ kernels, up/down tuning) into ``inference_variants_<gpu>.json``.
 
 ``batch`` times the module as users run it (default settings) at every batch size from one token
 to 131072, eager and in CUDA graphs, with host time and peak memory, and a compiled stack
-against a compiled dense one: ``inference_batch_<gpu>.{json,csv,png}``.
+against a compiled dense one: ``inference_batch_<gpu>.{json,csv,png}``. ``--shape 4096x11008``
+runs the same grid at another width (no compiled stacks): ``inference_batch_<gpu>_d4096.*``.
 
 ``decode`` times small batches in CUDA graphs (M 1 to 256, k 8/29/56, even and skewed units):
 ``decode_<gpu>.{json,csv,png}``; with ``--fused``, the split decode kernels off
-(``twell.dispatch.DECODE_SPLIT``): ``decode_<gpu>_fused.*``.
+(``twell.dispatch.DECODE_SPLIT``): ``decode_<gpu>_fused.*``; with ``--shape``, at another width:
+``decode_<gpu>_d<D>.*``.
 
 ``model`` builds a randomly initialised model of a preset's shape, gives its MLPs about ``--k``
 active units per token by construction (:func:`twell.bench.model.calibrate_sparsity`), and
@@ -136,7 +138,8 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--no-grid", action="store_true", help="skip the main grid")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms (the training grid instead times 40 calls of each variant in turn)")
     parser.add_argument("--M", type=int, nargs="+", help="inference: only these tokens per call (d 2048 rows of the "
-                        "grid; a check, not a results file: written as inference_mlp_<gpu>_M.json)")
+                        "grid; a check, not a results file: written as inference_mlp_<gpu>_M.json); batch: "
+                        "these tokens per call instead of 1 to 131072")
     parser.add_argument("--preset", help="model: the preset whose shape is built (default 2b; with --model, the "
                         "run's own preset labels it); training: the train steps' preset (default 0.5b)")
     parser.add_argument("--k", type=float, default=29, help="model: active units per token to construct (default 29)")
@@ -145,9 +148,13 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--fused", action="store_true", help="decode: with the split decode kernels off, the "
                         "fused kernel up to 64 tokens (twell.dispatch.DECODE_SPLIT; results written as "
                         "decode_<gpu>_fused.json)")
+    parser.add_argument("--shape", default="2048x5632", help="batch, decode: the MLP's width and units, DxF "
+                        "(default 2048x5632; another shape writes its results with a _d<D> suffix, and batch "
+                        "then skips the compiled stacks, which have d 2048)")
     parser.add_argument("--model", help="model: a trained model instead (a twell checkpoint, run folder or export), "
                         "benchmarked on windows of its run's validation split; --preset then only labels it")
     args = parser.parse_args(argv)
+    parse_shape(args.shape)  # a bad shape says so before any GPU work
 
     import torch
 
@@ -421,14 +428,27 @@ def plot_model(records: list[dict], path_png: str) -> None:
     plt.close(fig)
 
 
-def _runtime_bench(args, tag: str, log, t0: float) -> None:
-    from .runtime import batch_grid, compile_compare, decode_grid
+def parse_shape(text: str) -> tuple[int, int]:
+    """``"4096x11008"`` -> ``(4096, 11008)``: an MLP's width d and units f."""
+    try:
+        d, f = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise SystemExit(f"--shape takes DxF, two positive integers such as 4096x11008; got {text!r}") from None
+    if d < 1 or f < 1:
+        raise SystemExit(f"--shape takes DxF, two positive integers such as 4096x11008; got {text!r}")
+    return d, f
 
+
+def _runtime_bench(args, tag: str, log, t0: float) -> None:
+    from .runtime import D, F, batch_grid, compile_compare, decode_grid
+
+    d, f = parse_shape(args.shape)
+    suffix = "" if (d, f) == (D, F) else f"_d{d}"
     if args.what == "batch":
-        Ms = (1, 16, 4096) if args.quick else (1, 4, 16, 64, 256, 1024, 4096, 16384, 131072)
-        records = batch_grid(Ms=Ms, log=log)
-        comp = compile_compare(log=log)
-        path = os.path.join(args.out, f"inference_batch_{tag}.json")
+        Ms = args.M or ((1, 16, 4096) if args.quick else (1, 4, 16, 64, 256, 1024, 4096, 16384, 131072))
+        records = batch_grid(Ms=Ms, log=log, d=d, f=f)
+        comp = compile_compare(log=log) if not suffix else []
+        path = os.path.join(args.out, f"inference_batch_{tag}{suffix}.json")
         with open(path, "w") as fh:
             json.dump({"records": records, "compile": comp}, fh, indent=1)
         write_results(records, os.path.splitext(path)[0] + "_records.json")
@@ -439,8 +459,8 @@ def _runtime_bench(args, tag: str, log, t0: float) -> None:
             from .. import dispatch
 
             dispatch.DECODE_SPLIT = False
-        records = decode_grid(log=log)
-        path = os.path.join(args.out, f"decode_{tag}{'_fused' if args.fused else ''}.json")
+        records = decode_grid(log=log, d=d, f=f)
+        path = os.path.join(args.out, f"decode_{tag}{'_fused' if args.fused else ''}{suffix}.json")
         model = []  # the generation records `twell bench model` wrote there stay
         if os.path.exists(path):
             with open(path) as fh:

@@ -67,21 +67,22 @@ def _warm(twell, x, calls: int = 3) -> None:
 
 
 def batch_grid(Ms=(1, 4, 16, 64, 256, 1024, 4096, 16384, 131072), ks=(29, 280), dists=("even", "heavy"),
-               log: Callable[[str], None] = print) -> list[dict]:
-    """Issue 8's grid: one record per (M, k, distribution); see ``twell bench batch --help``."""
+               log: Callable[[str], None] = print, d: int = D, f: int = F) -> list[dict]:
+    """Issue 8's grid: one record per (M, k, distribution) for an MLP of width ``d`` and ``f``
+    units; see ``twell bench batch --help``."""
     info = machine_info()
     out = []
     for k in ks:
         for dist in dists:
-            s = make_ffn(max(Ms), D, F, k, dist, dtype=torch.bfloat16, device="cuda", seed=k + 11)
+            s = make_ffn(max(Ms), d, f, k, dist, dtype=torch.bfloat16, device="cuda", seed=k + 11)
             dense, twell = _pair(s)
-            weights = 3 * D * F * 2
+            weights = 3 * d * f * 2
             for M in Ms:
                 t0 = time.time()
                 x = s.x[:M].contiguous()
                 with torch.no_grad():
                     _warm(twell, x)
-                    rec = dict(M=M, k=k, distribution=dist, d=D, f=F)
+                    rec = dict(M=M, k=k, distribution=dist, d=d, f=f)
                     rec["k_measured"] = float(((x.float() @ s.w_gate.float().T) > 0).sum(dim=1).float().mean()) if M <= 16384 else None
                     # eager small batches are bound by the host, whose speed drifts: call by call in
                     # turn up to 16384 tokens (a 131072-token call takes 14 ms: one round each)
@@ -192,7 +193,7 @@ CHAIN_LAYERS = 8
 
 
 def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed"), layers: int = CHAIN_LAYERS,
-                log: Callable[[str], None] = print) -> list[dict]:
+                log: Callable[[str], None] = print, d: int = D, f: int = F) -> list[dict]:
     """Issue 9's MLP records, both sides in CUDA graphs: twell with default settings (after eager
     warm-up calls) and with the decode kernels forced, against dense.
 
@@ -206,7 +207,7 @@ def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed")
     out = []
     for k in ks:
         for dist in dists:
-            s = make_ffn(4096, D, F, k, dist, dtype=torch.bfloat16, device="cuda", seed=k + 23)
+            s = make_ffn(4096, d, f, k, dist, dtype=torch.bfloat16, device="cuda", seed=k + 23)
             pairs = [_pair(s) for _ in range(layers)]
             denses, twells = [p[0] for p in pairs], [p[1] for p in pairs]
             dense, twell = pairs[0]
@@ -215,7 +216,7 @@ def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed")
                 with torch.no_grad():
                     for t in twells:
                         _warm(t, x)
-                    rec = dict(M=M, k=k, distribution=dist, d=D, f=F, chain_layers=layers)
+                    rec = dict(M=M, k=k, distribution=dist, d=d, f=f, chain_layers=layers)
                     union = int(((x.float() @ s.w_gate.float().T) > 0).any(dim=0).sum())
                     rec["union"] = union
                     rec["dense_graph_us"] = 1e3 * chain_graph_ms([lambda m=m: m(x) for m in denses])
@@ -236,7 +237,7 @@ def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed")
                     rec["rel_err"], rec["max_row_err"] = errors(twell(x), ref)
                     rec["dense_rel_err"], rec["dense_max_row_err"] = errors(dense(x), ref)
                 # bytes the decode path must read: the whole gate, and an up row and a down column per active unit
-                need = (F * D + 2 * union * D) * 2
+                need = (f * d + 2 * union * d) * 2
                 rec["GBps"] = need / (rec["decode_graph_us"] * 1e3)
                 rec["speedup"] = rec["dense_graph_us"] / rec["twell_graph_us"]
                 rec["decode_speedup"] = rec["dense_graph_us"] / rec["decode_graph_us"]
