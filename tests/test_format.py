@@ -263,3 +263,58 @@ def test_hybrid_from_coo_refuses_coordinates_outside_the_shape(rows, cols, match
     want = torch.zeros(8, 64)
     want[0, 63], want[7, 0] = 2.0, 3.0
     assert torch.equal(unpack_hybrid(h), want)
+
+
+def test_twell_validate_checks_every_field():
+    """Each field validate() covers, made wrong alone on a TwELL that is otherwise valid (one
+    overflowed tile, so that the overflow fields are in play)."""
+    h = torch.zeros(2, 32)
+    h[1, :16] = 1.0
+    t = pack_twell(h, tile=16, compression=8)
+    t.validate()
+    fields = dict(values=t.values, cols=t.cols, counts=t.counts, f=t.f, tile=t.tile, compression=t.compression,
+                  overflow_index=t.overflow_index, overflow_values=t.overflow_values)
+    bad_cases = [
+        (dict(counts=t.counts.long()), "counts must be int32"),
+        (dict(counts=t.counts[:, :1]), "counts must be int32"),
+        # one slot fewer than tile // compression - 1, in values and cols alike
+        (dict(values=t.values[..., :-1], cols=t.cols[..., :-1]), "slots"),
+        (dict(overflow_values=None), "both be set or both be None"),
+        (dict(overflow_index=None), "both be set or both be None"),
+        (dict(overflow_values=t.overflow_values[:, :8]), r"overflow_values must be \[1, 16\]"),
+    ]
+    for change, match in bad_cases:
+        with pytest.raises(ValueError, match=match):
+            TwELL(**{**fields, **change}).validate()
+    # kernel-written: neither overflow field, which is valid
+    TwELL(**{**fields, "overflow_index": None, "overflow_values": None}).validate()
+
+
+def test_hybrid_validate_checks_every_field():
+    hy = pack_hybrid(sparse_hidden(5, 9, "dense_rows", 0.2, seed=6, dtype=torch.float32), width=2)
+    hy.validate()
+    assert hy.heavy_rows.numel()  # the backup is in play
+    fields = dict(values=hy.values, cols=hy.cols, counts=hy.counts, heavy_rows=hy.heavy_rows,
+                  heavy_values=hy.heavy_values, n_cols=hy.n_cols)
+    bad_cases = [
+        (dict(cols=hy.cols.long()), "cols must be int32"),
+        (dict(counts=hy.counts.long()), "counts must be int32"),
+        (dict(counts=hy.counts.unsqueeze(1)), "counts must be int32"),
+        (dict(heavy_values=hy.heavy_values[:, :-1]), r"heavy_values must be \[\d+, 9\]"),
+    ]
+    for change, match in bad_cases:
+        with pytest.raises(ValueError, match=match):
+            Hybrid(**{**fields, **change}).validate()
+
+
+def test_hybrid_from_coo_refuses_the_row_at_n_rows_bools_and_other_devices():
+    """A row index equal to n_rows is one past the end (the check on the columns' edge is
+    tested above); bool tensors are masks, not coordinates; coordinates on another device than
+    the values are refused before any work."""
+    ones = torch.ones(2)
+    with pytest.raises(ValueError, match=r"rows must lie in \[0, 8\)"):
+        hybrid_from_coo(torch.tensor([0, 8]), torch.tensor([1, 2]), ones, (8, 64), 4)
+    with pytest.raises(ValueError, match="integer coordinates"):
+        hybrid_from_coo(torch.tensor([True, False]), torch.tensor([1, 2]), ones, (8, 64), 4)
+    with pytest.raises(ValueError, match="one device"):
+        hybrid_from_coo(torch.tensor([0, 1], device="meta"), torch.tensor([1, 2]), ones, (8, 64), 4)

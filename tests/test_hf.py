@@ -198,3 +198,88 @@ def test_convert_honours_dtype(tmp_path):
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     back = Qwen2ForCausalLM.from_pretrained(tmp_path / "dst", dtype="auto")
     assert back.model.layers[0].mlp.down_proj.weight.dtype == torch.bfloat16
+
+
+def test_is_gated_mlp_needs_all_three_projections():
+    """A module without an up_proj Linear is not a gated MLP: swapping it would fail on the
+    missing projection (or drop a non-Linear one) instead of leaving it alone."""
+    lin = torch.nn.Linear
+    assert twell.hf.is_gated_mlp(_MLP(lin(8, 16), lin(8, 16), lin(16, 8)))
+    for gate, up, down in ((lin(8, 16), None, lin(16, 8)), (None, lin(8, 16), lin(16, 8)),
+                           (lin(8, 16), lin(8, 16), torch.nn.Identity())):
+        mlp = _MLP(gate, up, down)
+        assert not twell.hf.is_gated_mlp(mlp)
+        holder = torch.nn.Sequential()
+        holder.add_module("mlp", mlp)
+        with pytest.raises(ValueError, match="no gated MLP"):
+            sparsify(holder)
+
+
+def test_sparsify_refuses_an_up_projection_unlike_the_gate():
+    """gate_proj and up_proj must both be [f, d] with biases alike: the checks on down_proj
+    alone let an up_proj of another width, or the only bias on up_proj, through to the kernels."""
+    lin = torch.nn.Linear
+    for up, match in ((lin(8, 12, bias=False), r"expected \[f, d\]"), (lin(8, 16), "biases or none")):
+        model = torch.nn.Sequential()
+        model.add_module("mlp", _MLP(lin(8, 16, bias=False), up, lin(16, 8, bias=False)))
+        with pytest.raises(ValueError, match=match):
+            sparsify(model)
+        assert type(model.mlp) is _MLP  # nothing swapped
+
+
+def test_sparsify_of_a_bare_mlp_raises():
+    """The root module is never swapped (there is no parent to put the new module in): a bare
+    LlamaMLP gets the "no gated MLP" error rather than a silent no-op."""
+    from transformers.models.llama.modeling_llama import LlamaMLP
+
+    with pytest.raises(ValueError, match="no gated MLP"):
+        sparsify(LlamaMLP(LlamaConfig(**TINY)))
+
+
+def test_sparsify_filter_is_given_each_mlp():
+    model = build(LlamaConfig, LlamaForCausalLM, "relu")
+    second = model.model.layers[1].mlp
+    seen = []
+    sparsify(model, filter=lambda name, m: seen.append(name) or m is second)
+    assert "model.layers.0.mlp" in seen and "model.layers.1.mlp" in seen
+    assert [type(layer.mlp).__name__ for layer in model.model.layers] == ["LlamaMLP", "SparseGatedMLP"]
+
+
+def test_sparsify_builds_no_weights():
+    """The new modules are built on the meta device and take the model's Parameters: building
+    them with real weights would hold a second copy of each MLP for a moment and draw their
+    initialisation from the global generator (a seeded run would then differ with sparsify)."""
+    model = LlamaForCausalLM(LlamaConfig(**TINY))
+    state = torch.random.get_rng_state()
+    sparsify(model)
+    assert torch.equal(torch.random.get_rng_state(), state)
+
+
+def test_sparsified_training_model_counts_on_the_weights_device():
+    """The statistics buffers are made on the weights' device (here the CPU), not left on the
+    meta device the module was built on: a training forward must count into real tensors."""
+    model = sparsify(build(LlamaConfig, LlamaForCausalLM, "relu").train())
+    model(torch.randint(0, 97, (2, 5)))
+    for m in twell.sparse_modules(model):
+        assert m.fire_counts.device.type == "cpu" and m.tokens_seen.device.type == "cpu"
+        assert int(m.tokens_seen) == 10 and torch.equal(m.fire_counts, m.stats.unit_counts)
+
+
+def test_sparsify_swaps_an_mlp_shared_by_two_layers_at_both():
+    """One MLP instance registered under two names (layers sharing their MLP): named_modules()
+    lists it once, and the second name kept the dense MLP (SiLU here), while the config said
+    ReLU. Both names now hold the same SparseGatedMLP."""
+    model = build(LlamaConfig, LlamaForCausalLM, "silu")
+    layers = model.model.layers
+    layers[1].mlp = layers[0].mlp
+    sparsify(model)
+    assert isinstance(layers[0].mlp, SparseGatedMLP) and layers[1].mlp is layers[0].mlp
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu", "relu", None])
+def test_activation_note_names_a_non_relu_activation(act):
+    note = twell.hf.activation_note(act)
+    if act in ("relu", None):
+        assert note is None
+    else:
+        assert act in note and "ReLU" in note

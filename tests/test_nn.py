@@ -388,3 +388,105 @@ def test_modules_with_d_or_f_zero(cls, mode):
             with torch.no_grad():
                 y = m(torch.randn(300, d))
             assert y.shape == (300, d) and not y.any()
+
+
+@pytest.mark.parametrize("module", [SparseGatedMLP(8, 16), SparseMLP(8, 16)])
+def test_a_scalar_input_gets_the_shape_error(module):
+    """A 0-d input has no last dimension: the clear ValueError, not an IndexError from x.shape[-1]."""
+    with pytest.raises(ValueError, match=r"\[\.\.\., 8\]"):
+        module(torch.tensor(1.0))
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_training_mode_with_frozen_weights_takes_the_dense_math(cls, monkeypatch):
+    """In training mode with grad enabled the call is a training call even when no weight needs
+    a gradient (a frozen FFN): it computes the L1 term and takes no inference kernel."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    m = cls(8, 16).train()
+    m.kernel_mode = "decode"
+    m.requires_grad_(False)
+    m(torch.randn(3, 8))
+    assert m.last_path is None and m.l1 is not None
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_eval_mode_with_one_trainable_projection_gets_its_gradient(cls, monkeypatch):
+    """In eval mode with grad enabled, any one projection that requires grad keeps the call off
+    the inference kernels (which have no backward), whichever projection it is."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(7)
+    names = ["gate_proj", "up_proj", "down_proj"] if cls is SparseGatedMLP else ["up_proj", "down_proj"]
+    for name in names:
+        m = cls(8, 16).eval()
+        m.kernel_mode = "decode"
+        m.requires_grad_(False)
+        getattr(m, name).weight.requires_grad_(True)
+        m(torch.randn(3, 8)).square().sum().backward()
+        assert m.last_path is None and getattr(m, name).weight.grad is not None, name
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_training_kernels_in_eval_mode_leave_no_l1_term(cls, monkeypatch):
+    """Gradients in eval mode (weights requiring grad) may take the training kernels; the L1
+    term is a training-mode quantity there as on the dense path: None."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    m = cls(16, 40).eval()
+    m.train_kernels = "sparse"
+    m(torch.randn(4, 16)).sum().backward()
+    assert m.last_train_path == "sparse" and m.l1 is None
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_biases_keep_training_calls_off_the_training_kernels(cls, monkeypatch):
+    """The training kernels have no bias terms: a module with biases takes the dense math even
+    with train_kernels forced, and its output includes the biases."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(8)
+    m = cls(8, 16, bias=True)
+    m.train_kernels = "sparse"
+    x = torch.randn(5, 8)
+    y = m(x)
+    F = torch.nn.functional
+    if cls is SparseGatedMLP:
+        h = torch.relu(F.linear(x, m.gate_proj.weight, m.gate_proj.bias)) * F.linear(x, m.up_proj.weight, m.up_proj.bias)
+    else:
+        h = torch.relu(F.linear(x, m.up_proj.weight, m.up_proj.bias))
+    assert m.last_train_path is None
+    assert rel_err(y, F.linear(h, m.down_proj.weight, m.down_proj.bias)) < 1e-5
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_from_config_takes_sizes_and_mlp_bias(bias):
+    cfg = LlamaConfig(hidden_size=8, intermediate_size=20, num_attention_heads=2, mlp_bias=bias)
+    m = SparseGatedMLP.from_config(cfg)
+    assert (m.hidden_size, m.intermediate_size) == (8, 20) and m.down_proj.weight.shape == (8, 20)
+    assert all((p.bias is not None) == bias for p in (m.gate_proj, m.up_proj, m.down_proj))
+    m.load_state_dict(LlamaMLP(cfg).state_dict())  # strict: the same names, biases included
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_old_pickles_keep_their_counts_in_eval(cls):
+    """A module pickled before train_kernels, train_max_density and the recorded-counts flag
+    existed: the settings take their defaults, and its counts (of unknown age) are never
+    dropped by eval() unasked."""
+    torch.manual_seed(9)
+    m = cls(8, 16)
+    m(torch.randn(6, 8))
+    state = m.__getstate__()
+    for key in ("train_kernels", "train_max_density", "_stats_recorded"):
+        del state[key]
+    old = cls.__new__(cls)
+    old.__setstate__(state)
+    assert old.train_kernels == "auto" and old.train_max_density is None
+    old.eval()
+    assert old.fire_counts is not None and torch.equal(old.fire_counts, m.fire_counts) and int(old.tokens_seen) == 6
+
+
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_stat_buffers_come_back_on_the_weights_device(cls):
+    """Buffers dropped in eval mode are made again on the weights' device (here meta, after a
+    move), not on the default device."""
+    m = cls(8, 16).eval()
+    assert m.fire_counts is None
+    m.to("meta").train()
+    assert m.fire_counts.device.type == "meta" and m.tokens_seen.device.type == "meta"

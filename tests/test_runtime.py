@@ -1515,6 +1515,70 @@ def test_eval_layout_leaves_weights_that_view_a_larger_buffer():
     assert own.down_proj.weight.t().is_contiguous()  # the kernel layout
 
 
+@pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
+def test_a_meta_module_takes_the_training_layout_when_materialised(cls, monkeypatch):
+    """Built on the meta device in training mode, the down weight keeps the nn.Linear layout
+    (what FSDP2's fully_shard accepts); to_empty() on a device that trains in the kernel layout
+    (here the interpreter) lays it out there, before an optimizer records its strides."""
+    from twell import train_path
+
+    monkeypatch.setattr(train_path, "KERNEL_LAYOUT", True)
+    monkeypatch.setattr(twell.nn, "triton_interpreting", lambda: True)
+    m = cls(8, 16, device="meta")
+    assert m.down_proj.weight.is_contiguous()
+    m.to_empty(device="cpu")
+    assert m.down_proj.weight.device.type == "cpu" and m.down_proj.weight.stride() == (1, 8)
+
+
+def test_a_gradient_kept_from_eval_takes_the_training_layout(monkeypatch):
+    """The other direction of test_layout_changes_carry_gradients_copies_and_swaps: a gradient
+    kept in the kernel layout (accumulated in eval mode) becomes contiguous with its weight when
+    training mode takes the nn.Linear layout, values unchanged."""
+    from twell import train_path
+
+    monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)
+    m = SparseGatedMLP(8, 24).eval()
+    w = m.down_proj.weight
+    g = torch.randn(8, 24)
+    w.grad = torch.empty_like(w).copy_(g)
+    assert w.grad.stride() == (1, 8)
+    m.train()
+    assert w.is_contiguous() and w.grad.is_contiguous() and torch.equal(w.grad, g)
+
+
+def test_use_kernel_layout_lays_out_every_module(monkeypatch):
+    """Where eval() leaves the layout (a process group is up), use_kernel_layout lays out every
+    twell FFN now, whatever its mode, and counts them; a second call finds nothing to do."""
+    from twell import train_path
+
+    monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)
+    monkeypatch.setattr(twell.nn, "_distributed", lambda: True)
+    model = torch.nn.Sequential(SparseGatedMLP(8, 24).eval(), SparseMLP(8, 24))
+    assert all(m.down_proj.weight.is_contiguous() for m in twell.sparse_modules(model))
+    assert twell.use_kernel_layout(model) == 2 and twell.use_kernel_layout(model) == 0
+    assert all(m.down_proj.weight.stride() == (1, 8) for m in twell.sparse_modules(model))
+
+
+_SHARDED_DOWN = r"""
+import torch, torch.distributed as dist, twell
+from torch.distributed.tensor import DeviceMesh, Shard, distribute_tensor
+dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:%d")
+m = twell.SparseGatedMLP(8, 16)
+m.down_proj.weight = torch.nn.Parameter(distribute_tensor(m.down_proj.weight.detach(), DeviceMesh("cpu", [0]), [Shard(0)]))
+w = m.down_proj.weight
+ptr = w.to_local().data_ptr()
+print("LAID", twell.use_kernel_layout(m), m.down_proj.weight is w, w.to_local().data_ptr() == ptr)
+dist.destroy_process_group()
+"""
+
+
+def test_use_kernel_layout_leaves_sharded_weights_alone():
+    """A down weight that is a DTensor (FSDP2's sharded parameter) is FSDP's: use_kernel_layout
+    must not give it new data (it would be cut loose from what FSDP updates). One gloo process."""
+    stdout = _one_gloo_process(_SHARDED_DOWN)
+    assert "LAID 0 True True" in stdout, stdout
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("M", [16, 256, 1024])

@@ -83,19 +83,24 @@ def sparsify(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    # every name an MLP is registered under: an instance shared by two layers must be swapped at
+    # both, or the second keeps running the dense MLP (named_modules() lists it once)
     targets = [
         (name, mod)
-        for name, mod in model.named_modules()
+        for name, mod in model.named_modules(remove_duplicate=False)
         if name and is_gated_mlp(mod) and not isinstance(mod, SparseGatedMLP) and (filter is None or filter(name, mod))
     ]
     if not targets and not any(isinstance(m, SparseGatedMLP) for m in model.modules()):
         raise ValueError(
             f"found no gated MLP (a module with gate_proj, up_proj and down_proj nn.Linear) in {type(model).__name__}"
         )
+    swapped: dict[int, SparseGatedMLP] = {}  # one sparse module per MLP instance, shared as it was
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, _sparse_from(mod))
+        if id(mod) not in swapped:
+            swapped[id(mod)] = _sparse_from(mod)
+        setattr(parent, child, swapped[id(mod)])
     config = getattr(model, "config", None)
     if set_config_activation and config is not None and hasattr(config, "hidden_act"):
         config.hidden_act = "relu"
