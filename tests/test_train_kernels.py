@@ -992,3 +992,128 @@ def test_weight_grads_dtype_and_base():
         assert rel_err(lo, hi) < TOL[torch.bfloat16] and bool((hi != hi.bfloat16().float()).any())
     with pytest.raises(ValueError, match="base dw_gate"):
         ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=(low[0].clone(), None, low[2].clone()))
+
+
+# --- a fourth mutation round (the row and weight-gradient kernels themselves): these had survived
+
+
+def _ell_case(gated, d=33, f=29, W=6, seed=0):
+    """ELL rows with every kind of row at once, M = 7: row 0 heavy (so the slots of du and da a
+    masked-off lane falls back to, flat index 0, are never written), row 1 empty, rows 2 and 6
+    (the last) exactly W used slots (W = 6 is no multiple of block_e 4: the last step of slots runs
+    past W), row 3 every unit (heavy), rows 4 and 5 some. The last unit fires in light rows, 3
+    times (no multiple of block_t 4). d = 33 is one past a multiple of block_d 32.
+    Whatever a kernel could wrongly read is NaN: x and dy are the leading rows of longer buffers
+    whose extra rows are NaN; a and the weights are views with a row stride past their width
+    (the launchers take any row stride), NaN in the gap and in extra rows past the last unit."""
+    M = 7
+    active = [list(range(0, f, 2)), [], [1, 5, 9, 13, 17, f - 1], list(range(f)), [0, 2, 3, f - 2, f - 1], [7],
+              [3, 4, 8, 20, f - 2, f - 1]]
+    g = torch.Generator().manual_seed(seed)
+    a = torch.full((M, f + 3), float("nan"))
+    a[:, :f] = -0.5 - torch.rand(M, f, generator=g)
+    for m, units in enumerate(active):
+        a[m, units] = 0.5 + torch.rand(len(units), generator=g)
+
+    def guarded(rows, cols, gap):
+        big = torch.full((rows + GUARD, cols + gap), float("nan"))
+        big[:rows, :cols] = torch.randn(rows, cols, generator=g) / math.sqrt(cols)
+        return big.to(DEV)[:rows, :cols]
+
+    x, dy = guarded(M, d, 0), guarded(M, d, 0)
+    w_up, w_gate, w_down_t = guarded(f, d, 3), guarded(f, d, 5), guarded(f, d, 1)  # three row strides
+    return a.to(DEV)[:, :f], x, dy, w_up, (w_gate if gated else None), w_down_t, W
+
+
+def _guarded_outputs(mp, shapes):
+    """Make torch.empty hand out the leading rows of GUARD-row-longer NaN buffers for the given
+    shapes (the kernels' outputs); returns the list (buffer, rows handed out) it fills."""
+    real = torch.empty
+    bigs = []
+
+    def empty(*size, **kw):
+        if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+            size = tuple(size[0])
+        if all(isinstance(s, int) for s in size) and tuple(size) in shapes:
+            big = poison_(real(size[0] + GUARD, *size[1:], **kw))
+            bigs.append((big, size[0]))
+            return big[: size[0]]
+        return real(*size, **kw)
+
+    mp.setattr(torch, "empty", empty)
+    return bigs
+
+
+@pytest.mark.parametrize("block_d", [None, 32])
+@pytest.mark.parametrize("gated", [True, False])
+def test_row_and_weight_grad_kernels_on_every_kind_of_row(gated, block_d, monkeypatch):
+    """The three training kernels called directly (gated or not, whole-row or blocked over d)
+    against float64 sums over the light rows' used slots: y, u, the |h| sums, dx, du and da at
+    used slots, and the three weight gradients; and no kernel writes past its outputs. Kills
+    mutants every other test survives: a loop over d that stops at d - 1 (d 33, block_d 32), the
+    whole-row forward storing u without its slot mask, a launcher passing d (or w_up's) as a
+    weight's row stride or f as a's. And kills for certain stores without their column or slot
+    mask (y, dx, du, u's zeroing past W, the weight gradients), which elsewhere only corrupt the
+    interpreter's heap, at random: on the GPU the last row's land past the buffer and the
+    others race with the next row's program."""
+    from twell.kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads
+    from twell.kernels.train_index import unit_index
+
+    a, x, dy, w_up, w_gate, w_down_t, W = _ell_case(gated)
+    (M, d), f = x.shape, a.shape[1]
+    cols, g, counts = pack_rows(a, W, block_m=2, block_f=32, num_warps=1)
+    order, offsets = unit_index(cols, counts, f)
+    c = torch.tensor([0.3], device=DEV)
+    rows = dict(block_e=4, block_d=block_d, num_warps=1)
+    with monkeypatch.context() as mp:
+        bigs = _guarded_outputs(mp, {(M, d), (M, W), (M,), (f, d)})
+        y, u, l1_rows = ffn_rows_forward(x, cols, g, counts, w_down_t, w_up if gated else None, **rows)
+        dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, w_down_t, w_up, w_gate, c, **rows)
+        dwu, dwg, dwdt = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, block_t=4, block_d=block_d, num_warps=1)
+    assert len(bigs) == (9 if gated else 6)
+    for big, n in bigs:
+        assert untouched(big[n:]).all()
+
+    # the reference: dense [M, f] matrices that are zero off the light rows' used slots
+    light = counts <= W
+    assert torch.equal(counts.long(), (a > 0).sum(1)) and light.tolist() == [False, True, True, False, True, True, True]
+    used = (torch.arange(W, device=DEV) < counts.unsqueeze(1)) & light.unsqueeze(1)
+    r, s = used.nonzero(as_tuple=True)
+    j = cols[r, s].long()
+    x64, dy64, wu64, wdt64 = (t.double() for t in (x, dy, w_up, w_down_t))
+    G = torch.relu(a.double()) * light.unsqueeze(1)  # a light row's slots hold all its positives
+    assert torch.equal(G[r, j], g[r, s].double())
+    if gated:
+        U = x64 @ wu64.T
+        H = G * U
+        assert rel_err(u[used], U[r, j]) < 1e-6 and torch.equal(u[~used], torch.zeros_like(u[~used]))
+    else:
+        H = G
+    assert l1_rows.dtype == torch.float32
+    assert rel_err(y, H @ wdt64) < 1e-6 and rel_err(l1_rows, H.abs().sum(1)) < 1e-6
+    dH = (dy64 @ wdt64.T + 0.3 * torch.sign(H)) * (G != 0)
+    if gated:
+        dU, dA = dH * G, dH * U
+        assert rel_err(du[used], dU[r, j]) < 1e-6 and rel_err(da[used], dA[r, j]) < 1e-6
+        assert rel_err(dx, dU @ wu64 + dA @ w_gate.double()) < 1e-6
+        assert rel_err(dwg, dA.T @ x64) < 1e-6
+    else:
+        dU = dH
+        assert rel_err(du[used], dH[r, j]) < 1e-6 and rel_err(dx, dH @ wu64) < 1e-6
+    assert rel_err(dwu, dU.T @ x64) < 1e-6 and rel_err(dwdt, H.T @ dy64) < 1e-6
+
+
+@pytest.mark.parametrize("block_d", [None, 32])
+def test_rows_forward_sums_h_from_the_u_it_returns_in_fp32(block_d):
+    """bf16: each row's |h| sum is the fp32 sum of |g u| over its slots with u as the forward
+    returns it (rounded to bf16: the h that y, the backward and the weight gradients use). Kills
+    the blocked forward summing |g u| before it rounds u, and l1_rows allocated in x's dtype:
+    both stay within every other test's bf16 tolerance."""
+    from twell.kernels.train_ffn import ffn_rows_forward
+
+    x, wg, wu, wd = (t.bfloat16() for t in make_case(16, 40, 75, seed=3, adversarial=False))
+    cols, g, counts = pack_rows(x @ wg.T, 75)
+    _, u, l1_rows = ffn_rows_forward(x, cols, g, counts, wd.t().contiguous(), wu, block_e=4, block_d=block_d)
+    assert l1_rows.dtype == torch.float32 and int(counts.sum()) > 20
+    want = (g.float() * u.float()).abs().sum(1)  # zeros past each row's count in g and u
+    assert rel_err(l1_rows, want) < 1e-6
