@@ -143,3 +143,54 @@ def test_gpu_bf16_real_shape_keeps_the_l1_term():
     d1_ref, da_ref, _ = backward_ref(dz, a, u, c)
     assert rel_err(d1, d1_ref) < TOL[torch.bfloat16] and rel_err(da, da_ref) < TOL[torch.bfloat16]
     assert int((d1 != d1_0).sum()) > 0 and int((da != da_0).sum()) > 0
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_pytorch_fallback_matches_the_kernels(gated, monkeypatch):
+    """CPU tensors without the Triton interpreter (the dense training op on a CPU machine) take the
+    PyTorch formulas in dense_rows_forward / _backward_torch: the same outputs as the kernels,
+    NaN pre-activations counted as active and the L1 term's sign taken from h, not a (u has zeros
+    and negatives where a > 0). The other tests run every call under the interpreter, so a
+    fallback that counted ``a > 0`` or took ``sign(a)`` passed them (mutation round on
+    dense_rows.py)."""
+    a, u, dz = case(7, 30, torch.float32, seed=2)
+    a[3, 4] = a[5, 29] = float("nan")
+    u = u if gated else None
+    c = torch.tensor([0.25])
+    outs = {}
+    for interpret in ("1", "0"):
+        monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        fwd = dense_rows_forward(a.clone(), u)
+        bwd = dense_rows_backward(dz.clone(), a.clone() if gated else torch.relu(a), u, c)
+        outs[interpret] = [*fwd, *(t for t in bwd if t is not None)]
+    assert len(outs["0"]) == len(outs["1"])
+    for got, want in zip(outs["0"], outs["1"]):
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
+
+
+def test_forward_writes_only_its_rows(monkeypatch):
+    """The per-row outputs (|h| sums, active counts) of M 33 rows, which the kernel's last block
+    of 32 rows overhangs, are written in their [M] buffers and nowhere past them (a guard after
+    each stays as it was). A store without its row mask wrote past the allocation, which the
+    other tests caught only when the heap corruption happened to crash the process."""
+    from kernel_cases import I16, untouched
+
+    guard = 64  # past the last block's overhang (f 300: blocks of 32 rows, 31 past M)
+    guards = []
+    real_empty = torch.empty
+
+    def guarded_empty(*size, **kw):  # 1-D buffers: the first n of n + guard, the rest poisoned
+        if len(size) == 1 and isinstance(size[0], int):
+            base = real_empty(size[0] + guard, **kw)
+            base.fill_(float("nan") if base.is_floating_point() else I16)
+            guards.append(base[size[0]:])
+            return base[:size[0]]
+        return real_empty(*size, **kw)
+
+    monkeypatch.setattr(torch, "empty", guarded_empty)
+    a, u, _ = case(33, 300, torch.float32)
+    _, l1, _, row_counts = dense_rows_forward(a, u)
+    _, l1_ref, _, row_counts_ref = forward_ref(a, u)
+    assert rel_err(l1, l1_ref) < 1e-6 and torch.equal(row_counts.long(), row_counts_ref)
+    assert len(guards) == 2 and all(bool(untouched(t).all()) for t in guards)

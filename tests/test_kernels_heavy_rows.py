@@ -180,3 +180,21 @@ def test_gated_h_rounds_the_up_product_as_the_dense_path():
     heavy_rows_forward(x, a_out, rows, torch.tensor([M], device=DEV), y, wd, wu, **SMALL)
     assert torch.equal(a_out, h_ref)
     assert rel_err(y, h_ref.float() @ wd.float().T) <= 2e-3
+
+
+def test_nan_gate_counts_as_an_active_unit():
+    """A NaN pre-activation is active (relu keeps it, twell.kernels._activity): the per-unit counts
+    take it, as the exact path and the light rows count it. Counting ``a > 0`` instead passed the
+    other tests, which check the counts only on finite gates (mutation round on heavy_rows.py)."""
+    M, d, f = 20, 40, 75
+    x, wg, wu, wd = _case(M, d, f, torch.float32, seed=3)
+    a = x @ wg.T
+    a[4, 7] = a[9, 70] = float("nan")  # the second in the partial last column block (64..74)
+    rows = torch.tensor([4, 9, 2], device=DEV)
+    expected = (a[rows] > 0).sum(0)
+    expected[7] += 1
+    expected[70] += 1
+    for w_up in (wu, None):
+        _, counts = heavy_rows_forward(x, a.clone(), rows, torch.tensor([3], device=DEV), torch.zeros(M, d, device=DEV),
+                                       wd, w_up, **SMALL)
+        assert torch.equal(counts.long(), expected)

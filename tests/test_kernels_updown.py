@@ -834,3 +834,140 @@ def test_rows_kernel_full_rows_and_several_d_steps(monkeypatch):
         y_c = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, kernel="rows", unit_counts=uc, row_nnz=nnz)
         assert torch.equal(uc.long(), (pre > 0).sum(0)) and torch.equal(nnz.long(), (pre > 0).sum(1))
         assert rel_err(y_c, ref) < 1e-5
+
+
+@pytest.mark.parametrize("kernel", ["token", "token-two-pass", "split"])
+def test_non_finite_gates_in_overflowed_tiles(kernel, monkeypatch):
+    """Overflowed tiles read from ``pre`` holding what an fp16 gate can hold: a NaN is active
+    (torch.relu keeps it, so the dense MLP's row is NaN) and -inf is not (relu gives 0, so the row
+    stays finite: 0 * u, never -inf * 0). A kernel that tested ``a > 0`` dropped the NaN and returned a
+    finite row; one that multiplied by ``a`` instead of ``relu(a)`` (gated or non-gated) turned
+    the -inf into NaN. All three survived every other test (mutation round on updown.py). Rows
+    of NaN-filled y not overflowed, the partial last tile (f 37, tile 16) and an empty row are
+    checked too."""
+    if kernel == "token-two-pass":
+        monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+        kernel = "token"
+    M, d, f, tile, C = 6, 24, 37, 16, 4  # 3 slots a tile; tiles 0, 1 and a partial tile 2 (5 units)
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=12, adversarial=False)
+    pre = x @ wg.T
+    pre[1] = -1.0  # empty row
+    for r, lo, hi in ((0, 0, 16), (2, 16, 32), (3, 32, 37), (4, 0, 16)):
+        pre[r, lo:hi] = pre[r, lo:hi].abs() + 0.1  # the whole tile active: it overflows
+        pre[r, lo + 2] = float("-inf")
+    pre[4, 5] = float("nan")  # row 4: a NaN in an overflowed tile
+    g = packed(pre, tile, C)
+    assert bool(g.overflowed()[0, 0]) and bool(g.overflowed()[3, 2]) and bool(g.overflowed()[4, 0])
+    ref = (torch.relu(pre.double()) * (x.double() @ wu.double().T)) @ wd.double().T
+    finite = torch.arange(M) != 4
+    out = torch.full((M, d), float("nan"))
+    y = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre, kernel=kernel, out=out)
+    assert torch.isnan(y[4]).all()
+    assert rel_err(y[finite], ref[finite]) < 1e-5 and torch.all(y[1] == 0)
+    if kernel != "split":  # non-gated (never split): h = relu(pre) itself
+        y_u = ffn_from_twell(x, g, wd.T.contiguous(), pre=pre, kernel=kernel)
+        ref_u = torch.relu(pre.double()) @ wd.double().T
+        assert torch.isnan(y_u[4]).all() and rel_err(y_u[finite], ref_u[finite]) < 1e-5
+
+
+def test_recomputed_gates_sum_exact_products():
+    """Overflowed tiles recomputed from fp16 x and w_first take each product x_k w_jk exactly
+    (in fp32) and round the sum once, as the dense pre-activation is rounded: bit for bit what
+    reading that pre-activation gives. The inputs are multiples of 1/64 in [-1, 1] (d 64): every
+    product and partial sum is exact in fp32, while the products themselves need up to 14
+    significant bits, more than fp16's 11, so a kernel multiplying in fp16 (rounding each product)
+    gets other gates. That mutant passed every tolerance-based test (mutation round on updown.py)."""
+    M, d, f, tile, C = 5, 64, 40, 16, 4
+    gen = torch.Generator().manual_seed(4)
+    x, wg = ((torch.randint(-64, 65, s, generator=gen) / 64).half() for s in ((M, d), (f, d)))
+    wu = (torch.randn(f, d, generator=gen) / 8).half()
+    wdt = (torch.randn(f, d, generator=gen) / 8).half()
+    pre = (x.double() @ wg.double().T).half()  # exact sums, then the one rounding
+    g = packed(pre, tile, C)
+    assert int(g.overflowed().sum()) >= 12  # about half the units fire: nearly every tile is recomputed
+    y_pre = ffn_from_twell(x, g, wdt, w_up=wu, pre=pre)
+    y_rec = ffn_from_twell(x, g, wdt, w_up=wu, w_first=wg)
+    assert torch.equal(y_pre, y_rec), (y_pre.float() - y_rec.float()).abs().max()
+
+
+def test_out_overlap_check_at_its_edges():
+    """The overlap check between out and x, at the cases its arithmetic decides by one element:
+    out right after x in one flat buffer shares nothing and is taken (and right); out starting on
+    x's last element, out rows that wrap into the next row of x's buffer (a column window past
+    the row stride), and out rows that overlap each other are refused. Moving the check by one
+    element at each of these cases passed the other tests (mutation round on updown.py)."""
+    M, d, f = 5, 24, 37
+    x, wg, wu, wd = gate_case(M, d, f, seed=6)
+    pre = x @ wg.T
+    g = packed(pre, 16, 4)
+    w_down_t = wd.T.contiguous()
+    ref = ffn_from_twell(x, g, w_down_t, w_up=wu, pre=pre)
+    flat = torch.full((2 * M * d,), float("nan"))
+    flat[: M * d] = x.reshape(-1)
+    y = ffn_from_twell(flat[: M * d].view(M, d), g, w_down_t, w_up=wu, pre=pre, out=flat[M * d :].view(M, d))
+    assert torch.equal(y, ref) and torch.equal(flat[: M * d].view(M, d), x)
+    overlapping = []
+    flat = torch.zeros(2 * M * d)
+    flat[: M * d] = x.reshape(-1)
+    overlapping.append((flat[: M * d].view(M, d), flat[M * d - 1 : 2 * M * d - 1].view(M, d)))  # one element
+    s = d + 4  # x's rows start 2 before the end of a row of stride s and run 22 into the next
+    buf = torch.zeros((M + 1) * s)
+    xs = buf.as_strided((M, d), (s, 1), s - 2)
+    xs.copy_(x)
+    overlapping.append((xs, buf.as_strided((M, d), (s, 1), 0)))
+    for xx, out in overlapping:
+        with pytest.raises(ValueError, match="out must not overlap x"):
+            ffn_from_twell(xx, g, w_down_t, w_up=wu, pre=pre, out=out)
+    for out in (torch.zeros(d).expand(M, d), torch.zeros(M * d).as_strided((M, d), (d - 1, 1))):
+        with pytest.raises(ValueError, match="non-overlapping rows"):
+            ffn_from_twell(x, g, w_down_t, w_up=wu, pre=pre, out=out)
+
+
+def test_w_up_past_int32_offsets_takes_the_exact_launch(monkeypatch):
+    """The dense-rows path is refused when w_up alone reaches past what the heavy-rows kernels'
+    int32 offsets address (here a strided w_up and the limit lowered between the two weights'
+    spans): pre is left as it was and y is the exact launch's. Checking only w_down_t passed the
+    other tests, whose two weights always had the same span."""
+    from twell.kernels import heavy_rows
+
+    monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+    M, d, f = 13, 40, 100
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=5)
+    w_down_t = wd.T.contiguous()  # reaches element f d - 1 = 3999
+    wu_s = torch.zeros(2 * f, d)[::2]
+    wu_s.copy_(wu)  # reaches element 2 d (f - 1) + d - 1 = 7959
+    monkeypatch.setattr(heavy_rows, "_MAX_SPAN", 4000)
+    pre = x @ wg.T
+    g = packed(pre, 16, 2)
+    assert bool(g.overflowed().any())
+    p = pre.clone()
+    y = ffn_from_twell(x, g, w_down_t, w_up=wu_s, pre=p, pre_writable=True)
+    assert torch.equal(p, pre) and torch.equal(y, ffn_from_twell(x, g, w_down_t, w_up=wu, pre=pre))
+
+
+@pytest.mark.parametrize("kernel", ["token", "token-two-pass", "split", "rows", "dense-rows"])
+def test_y_written_only_in_its_rows_and_columns(kernel, monkeypatch):
+    """out as a view into a NaN buffer with guard columns beside it and guard rows after it: every
+    element of the view written and right, nothing outside it touched. d 40 pads to 64 and M 13
+    is no multiple of the row-block kernel's 16 tokens: a store without its d or row mask lands
+    in the guards here (elsewhere it wrote past the output's allocation, which the other tests
+    caught only when the heap corruption happened to crash the process)."""
+    from kernel_cases import GUARD
+
+    writable = kernel == "dense-rows"
+    if kernel in ("token-two-pass", "dense-rows"):
+        monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+        kernel = "token"
+    M, d, f = 13, 40, 100
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=8)
+    pre = x @ wg.T
+    g = packed(pre, 128 if kernel == "rows" else 32, 4)
+    assert bool(g.overflowed().any())
+    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+    buf = torch.full((M + GUARD, d + 5), float("nan"))
+    out = buf[:M, 2 : 2 + d]
+    y = ffn_from_twell(x, g, wd.T.contiguous(), w_up=wu, pre=pre.clone(), out=out, kernel=kernel, pre_writable=writable)
+    assert y.data_ptr() == out.data_ptr() and rel_err(y, ref) < 1e-5
+    outside = torch.ones_like(buf, dtype=torch.bool)
+    outside[:M, 2 : 2 + d] = False
+    assert torch.isnan(buf[outside]).all()
