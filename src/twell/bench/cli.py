@@ -154,7 +154,7 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--model", help="model: a trained model instead (a twell checkpoint, run folder or export), "
                         "benchmarked on windows of its run's validation split; --preset then only labels it")
     args = parser.parse_args(argv)
-    parse_shape(args.shape)  # a bad shape says so before any GPU work
+    args.shape = parse_shape(args.shape)  # (d, f); a bad shape says so before any GPU work
 
     import torch
 
@@ -433,7 +433,7 @@ def parse_shape(text: str) -> tuple[int, int]:
     try:
         d, f = (int(v) for v in text.lower().split("x"))
     except ValueError:
-        raise SystemExit(f"--shape takes DxF, two positive integers such as 4096x11008; got {text!r}") from None
+        d = f = 0  # not two integers: the same error as a non-positive one
     if d < 1 or f < 1:
         raise SystemExit(f"--shape takes DxF, two positive integers such as 4096x11008; got {text!r}")
     return d, f
@@ -442,7 +442,7 @@ def parse_shape(text: str) -> tuple[int, int]:
 def _runtime_bench(args, tag: str, log, t0: float) -> None:
     from .runtime import D, F, batch_grid, compile_compare, decode_grid
 
-    d, f = parse_shape(args.shape)
+    d, f = args.shape
     suffix = "" if (d, f) == (D, F) else f"_d{d}"
     if args.what == "batch":
         Ms = args.M or ((1, 16, 4096) if args.quick else (1, 4, 16, 64, 256, 1024, 4096, 16384, 131072))
