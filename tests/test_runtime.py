@@ -830,14 +830,16 @@ def test_a_call_hands_its_input_to_the_choice(monkeypatch):
 def test_poll_reads_each_slot_of_a_probe():
     """A rows probe: k_est is the mean, k_rms the root mean square; a path without overflow puts
     the rms in the overflow slot as a placeholder (row_stats), which is not overflow; the prefill
-    path's overflowed tiles per token and its rows above DENSE_ROW_MIN cost DENSE_ROW_COST each
+    path's overflowed tiles per token and its rows above DENSE_ROW_MIN cost dense_row_cost each
     (computed whole), the cost's other terms taken over the remaining rows. A small dense call's
     union share (in the overflow slot) is fitted, and replaced by one measured on as many tokens
     or more."""
     from twell.dispatch import row_stats
     from twell.kernels.updown import DENSE_ROW_MIN
 
-    s = SparseGatedMLP(8, 16)._twell_layer
+    m = SparseGatedMLP(8, 16)  # (kept alive: the state prices rows computed whole by its shape)
+    s = m._twell_layer
+    row_cost = LayerState.dense_row_cost(16, 8)
     per_row = torch.tensor([10.0, 10.0, 10.0, 50.0])  # mean 20, rms 27.39, max 50
     mean, rms = 20.0, float(per_row.square().mean().sqrt())
     s._host, s._event, s._union_m, s._no_overflow = row_stats(per_row), Done(), 0, True
@@ -846,7 +848,7 @@ def test_poll_reads_each_slot_of_a_probe():
     assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean), 50.0))
     s._host, s._event, s._no_overflow = row_stats(per_row, torch.tensor(0.5)), Done(), False
     s._poll()
-    assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean) + 0.5 * LayerState.DENSE_ROW_COST, 50.0))
+    assert s.estimate == pytest.approx((mean + LayerState.RMS_WEIGHT * (rms - mean) + 0.5 * row_cost, 50.0))
     # a row above DENSE_ROW_MIN: a quarter of the rows dense, the others' mean 7.5, rms 8.66, max 10
     long_row = torch.tensor([10.0, 10.0, 10.0, DENSE_ROW_MIN + 1.0])
     s._host, s._event = row_stats(long_row, torch.tensor(0.0)), Done()
@@ -855,14 +857,14 @@ def test_poll_reads_each_slot_of_a_probe():
     assert s.k_rms == pytest.approx(float(long_row.square().mean().sqrt()))  # all rows: decode's rule reads it
     light_rms = (300 / 4) ** 0.5
     light = 7.5 + LayerState.RMS_WEIGHT * (light_rms - 7.5)
-    assert s.estimate == pytest.approx((light + 0.25 * LayerState.DENSE_ROW_COST, 10.0))
+    assert s.estimate == pytest.approx((light + 0.25 * row_cost, 10.0))
     # overflowed tiles and long rows are the same rows when a row has one tile: the larger share
     s._host, s._event = row_stats(long_row, torch.tensor(0.1)), Done()
     s._poll()
-    assert s.estimate == pytest.approx((light + 0.25 * LayerState.DENSE_ROW_COST, 10.0))
+    assert s.estimate == pytest.approx((light + 0.25 * row_cost, 10.0))
     s._host, s._event = row_stats(long_row, torch.tensor(0.4)), Done()
     s._poll()
-    assert s.estimate == pytest.approx((light + 0.4 * LayerState.DENSE_ROW_COST, 10.0))
+    assert s.estimate == pytest.approx((light + 0.4 * row_cost, 10.0))
     # a small dense call's probe: the union in the overflow slot, never read as overflow
     s._host, s._event, s._union_m = row_stats(per_row, torch.tensor(0.05)), Done(), 16
     s._poll()
@@ -912,8 +914,8 @@ def test_auto_prefill_calls_take_the_dense_rows_path():
 
 
 def test_prefill_overflow_cost_counts_rows_computed_whole():
-    """An overflowed tile per token costs DENSE_ROW_COST (its row is computed whole on tensor
-    cores), whatever the tile and f; a probe of four slots (no dense-row statistics) reads so."""
+    """An overflowed tile per token costs dense_row_cost (its row is computed whole on tensor
+    cores), whatever the tile; a probe of four slots (no dense-row statistics) reads so."""
     torch.manual_seed(9)
     m = SparseGatedMLP(40, 100).eval()
     m.kernel_mode = "prefill"
@@ -923,7 +925,33 @@ def test_prefill_overflow_cost_counts_rows_computed_whole():
     assert m.last_path == "prefill"
     s._host, s._event, s._union_m, s._no_overflow = torch.tensor([10.0, 12.0, 20.0, 0.5]), Done(), 0, False
     s._poll()
-    assert s.estimate == pytest.approx((10.0 + LayerState.RMS_WEIGHT * 2.0 + 0.5 * LayerState.DENSE_ROW_COST, 20.0))
+    assert s.estimate == pytest.approx((10.0 + LayerState.RMS_WEIGHT * 2.0 + 0.5 * LayerState.dense_row_cost(100, 40), 20.0))
+
+
+def test_rows_computed_whole_cost_more_at_a_wider_layer():
+    """A row computed whole costs about 2.4 times the default limit: 150 units at d 2048, f 5632
+    (as measured on the H200), and at d 4096, f 11008 about 232. The H100 figures it was fitted
+    to: heavy rows at 314 units per token on average, 35% of them computed whole, ran 0.83x dense
+    at 4096 tokens and 0.96x at 16384 on the prefill kernels. The probe of that layer sends both
+    calls to the dense path now (with 150 a row it took the kernels); heavy rows at 42 units per
+    token (7% computed whole) stay on the kernels."""
+    assert LayerState.dense_row_cost(5632, 2048) == pytest.approx(150.0, abs=0.5)
+    assert LayerState.dense_row_cost(11008, 4096) == pytest.approx(232.3, abs=0.5)
+    # widths pad to a power of two, as the limit's cap does
+    assert LayerState.dense_row_cost(11008, 3000) == LayerState.dense_row_cost(11008, 4096)
+    assert LayerState.dense_row_cost(11008, 4097) == pytest.approx(150.0, abs=0.5)
+    m = SparseGatedMLP(4096, 11008, device="meta").eval()
+    s = m._twell_layer
+    x = torch.empty(16384, 4096, device="meta")
+    # mean, rms, max, overflowed tiles per token; share computed whole, the rest's mean, rms, max
+    heavy = torch.tensor([314.0, 480.0, 3000.0, 0.0, 0.351, 12.9, 30.5, 128.0])
+    light = torch.tensor([42.0, 90.0, 900.0, 0.0, 0.067, 4.4, 16.3, 128.0])
+    for stats, path in ((heavy, "dense"), (light, "prefill")):
+        s._host, s._event, s._union_m, s._no_overflow, s._on_kernels = stats, Done(), 0, False, False
+        assert s.choose(16384, 11008, "auto", None, False, x=x) == path, stats
+        # 4096 tokens take the kernels only in a capture (an eager graph's too), on the estimate
+        s._on_kernels = False
+        assert s.choose(4096, 11008, "auto", None, True, x=x[:4096]) == path, stats
 
 
 @pytest.mark.parametrize("track", [True, False])

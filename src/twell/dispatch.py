@@ -275,7 +275,7 @@ class LayerState:
 
     where mean, rms and max are taken over the rows the first up/down launch processes (rows
     with more than ``twell.kernels.updown.DENSE_ROW_MIN`` active units count as 0: they are
-    computed whole on tensor cores, about 100 entries' time each, priced at 150), and dense rows
+    computed whole on tensor cores, priced at :meth:`dense_row_cost`), and dense rows
     per token is the larger of their share and the overflowed tiles per token (whose rows are
     computed whole too; a row that overflows with at most DENSE_ROW_MIN units, possible where a
     tile has fewer slots, is then counted in both). That
@@ -302,7 +302,12 @@ class LayerState:
     MAX_UNITS_BY_D: dict[int, float] = {4096: 96.0}
     RMS_WEIGHT = 0.1
     TAIL_WEIGHT = 850.0
-    DENSE_ROW_COST = 150.0
+    # A row computed whole costs about 2.4 times the default limit: 150 units at d 2048, f 5632
+    # (limit 62; H200), and at d 4096, f 11008 (limit 96) 212 to 240 on the H100, where heavy rows
+    # at 314 active units per token on average (35% of the rows computed whole) ran 0.83x dense at
+    # 4096 tokens and 0.96x at 16384 with 150 (thirty-fifth session). A whole row's time and the
+    # break-even both grow with f (d cancels against an entry's), so the ratio carries over.
+    DENSE_ROW_LIMITS = 2.42
     HYSTERESIS = 1.05
     PROBE_EVERY = 8  # calls between two estimates (each costs a few small launches)
     PROBE_EVERY_SMALL = 64  # the same for calls of fewer than PREFILL_MIN_M tokens
@@ -376,7 +381,7 @@ class LayerState:
                 e = 0.0
             if self._no_overflow:
                 e = 0.0
-            self.estimate = (la + self.RMS_WEIGHT * max(0.0, lb - la) + max(dense, e) * self.DENSE_ROW_COST, lc)
+            self.estimate = (la + self.RMS_WEIGHT * max(0.0, lb - la) + max(dense, e) * self._dense_row_cost(), lc)
             self.k_est, self.k_rms = a, b
             self._event = None
 
@@ -397,6 +402,21 @@ class LayerState:
         if max_density is not None:
             return max_density * f
         return min(cls.DEFAULT_MAX_DENSITY * f, cls.max_units(d))
+
+    @classmethod
+    def dense_row_cost(cls, f: int, d: Optional[int] = None) -> float:
+        """What one row computed whole (longer than ``DENSE_ROW_MIN``, or with an overflowed
+        tile) costs the prefill kernels, in active units per token: ``DENSE_ROW_LIMITS`` times the
+        default limit for ``f`` and ``d`` (a layer's ``kernel_max_density`` does not change what
+        the hardware does)."""
+        return cls.DENSE_ROW_LIMITS * cls.limit(f, None, d)
+
+    def _dense_row_cost(self) -> float:
+        m = self._module()
+        if m is None:  # (a state whose module is gone runs no call; tests poll such states)
+            return self.DENSE_ROW_LIMITS * self.DEFAULT_MAX_UNITS
+        w = m._first_projection().weight
+        return self.dense_row_cost(w.shape[0], w.shape[1])
 
     @classmethod
     def max_units(cls, d: Optional[int] = None) -> float:
