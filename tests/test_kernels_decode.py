@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import case_id, gate_case, rel_err
+from kernel_cases import I16, case_id, gate_case, rel_err
 from twell import reference as R
 from twell.kernels import decode
 from twell.kernels.decode import ffn_decode
@@ -958,3 +958,280 @@ def test_decode_shares_add_in_fp32(shares):
     expect[0, 0] = 2**-11
     assert torch.equal(torch.relu(x @ wg.T) @ wdt, expect)  # the dense path
     assert torch.equal(y, expect), y[0, :2].tolist()
+
+
+# From a second mutation round on the decode kernels (75 single-line mutants of decode.py,
+# decode_fused.py, decode_split.py and _activity.py, named R2-...): each test below fails on a
+# mutant that every test above passed, or caught only when the interpreter happened to crash on
+# an out-of-bounds access (a write landing in mapped memory would not crash).
+
+# Every launch path of the decode kernels: (kind, config, list capacity of the split kernels)
+_PATHS = [
+    ("decode", (16, 16, 16, 4, 16, 16, 4, 1), None),  # y written by the down kernel
+    ("decode", (16, 16, 16, 4, 16, 16, 4, 3), None),  # by the sum kernel
+    ("fused", (16, 16, 16, 4, 1), None),  # tensor-core kernel
+    ("fused", GemvConfig(4, 16, 2, 1), None),  # CUDA-core kernel
+    ("split", (16, 16, 4, 1, 3, 32, 4), 8192),  # up/down with d in one step
+    ("split", (16, 16, 4, 1, 3, 8, 4), 8192),  # up/down with d in steps
+    ("split", (16, 16, 4, 1, 3, 32, 4), 2),  # most fires past the list: the gate's own path
+]
+
+
+def _run_path(kind, config, capacity, x, w_first, w_down_t, w_up, uc=None, nnz=None, scratch=None):
+    """One call of the decode kernels of ``kind`` (see _PATHS) on x; ``scratch``: the fused
+    kernels' DecodeScratch or the split kernels' SplitScratch (None: none, or a new one)."""
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+
+    if kind == "decode":
+        return ffn_decode(x, w_first, w_down_t, w_up=w_up, unit_counts=uc, row_nnz=nnz, config=config)
+    if kind == "fused":
+        return ffn_decode_fused(x, w_first, w_down_t, w_up=w_up, unit_counts=uc, row_nnz=nnz, config=config,
+                                scratch=scratch)
+    if scratch is None:
+        scratch = SplitScratch(x.shape[1], w_first.shape[0], x.dtype, "cpu", capacity=capacity)
+    return decode_split_launch(x, w_first, w_down_t, w_up, uc, nnz, scratch=scratch, config=SplitConfig(*config))[0]
+
+
+def _dead_units_case():
+    """``(x [5, 24], w_first, w_up [37, 24], w_down [24, 37])`` fp32 in which unit 3 fires for
+    every token and is the only active unit of units 0 to 15 (a block of 4 or 16 units with a
+    single active unit); unit 36, the last, and some others fire for no token; f 37: the last
+    block of 16 units partial."""
+    M, d, f = 5, 24, 37
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=19, adversarial=False)
+    wg[:16, 0] = wg[f - 1, 0] = -30.0  # dead: x[:, 0] = 1
+    wg[3, 0] = 30.0  # hot
+    active = ((x @ wg.T) > 0).any(0)
+    assert active[:16].nonzero().flatten().tolist() == [3] and not active[f - 1] and 4 < int(active[16:].sum()) < 16
+    return x, wg, wu, wd
+
+
+@pytest.mark.parametrize("kind,config,capacity", _PATHS, ids=str)
+def test_decode_reads_only_firing_units_rows_and_writes_only_its_statistics(kind, config, capacity):
+    """The up and down rows of a unit that fires for no token of the batch are never read, nor
+    the rows past f: they hold NaN here (w_up and w_down_t are the first f rows of larger NaN
+    buffers), and y must be the reference's with those rows taken as zeros (a kernel that loads
+    them multiplies NaN by a zero h: NaN). Unit 0 is one of them (a masked lane that reads "unit
+    0" reads it). The first block of units has a single active unit. The statistics are the
+    first f and M elements of larger sentinel buffers whose tails must stay as they were.
+
+    Kills R2-D19 (_decode_down_kernel loading down rows without the entries' mask: unit 0's row
+    for the lanes past the list) and R2-F25 (_decode_fused_kernel skipping a block with one
+    active unit: no block of the other tests' tensor-core cases has one), which every other test
+    passed; deterministically (the other tests caught them by chance, reading past the weights
+    or writing past the statistics) R2-F8 (_up_down_block loading the down rows of inactive
+    units), R2-F18 (_units_times_rows loading the up rows of inactive units), R2-S8 (the
+    overflow path loading every unit's rows), R2-D2 (_rows_times_units loading the up rows of
+    inactive units: the tensor-core fused kernel) and R2-F1 (_block_activity storing
+    unit_counts without the unit mask: zeros written past f)."""
+    x, wg, wu, wd = _dead_units_case()
+    (M, d), f = x.shape, wg.shape[0]
+    fired = (x @ wg.T) > 0
+    dead = ~fired.any(0)
+    assert capacity is None or (int(fired.sum()) > capacity) == (capacity == 2)  # the short list overflows
+    wu0, wdt0 = wu.clone(), wd.T.contiguous()
+    wu0[dead], wdt0[dead] = 0.0, 0.0
+    wu_nan = torch.full((f + 16, d), float("nan"))
+    wdt_nan = torch.full((f + 16, d), float("nan"))
+    wu_nan[:f][~dead], wdt_nan[:f][~dead] = wu0[~dead], wdt0[~dead]
+    uc_big = torch.full((f + 16,), I16, dtype=torch.int32)  # past the last block's units
+    nnz_big = torch.full((M + 16,), I16, dtype=torch.int32)  # past the tile's rows
+    uc, nnz = uc_big[:f].zero_(), nnz_big[:M].zero_()
+    y = _run_path(kind, config, capacity, x, wg, wdt_nan[:f], wu_nan[:f], uc, nnz)
+    assert rel_err(y, _reference(x, wg, wu0, wdt0.T)) < 1e-5
+    assert torch.equal(uc.long(), fired.sum(0)) and torch.equal(nnz.long(), fired.sum(1))
+    assert bool((uc_big[f:] == I16).all()) and bool((nnz_big[M:] == I16).all()), (uc_big[f:], nnz_big[M:])
+
+
+@pytest.mark.parametrize("kind", ["decode", "fused", "split"])
+def test_decode_without_units_gives_zeros(kind):
+    """A layer of no units (f = 0): y is zeros, also into an ``out`` pre-filled with NaN
+    (ffn_decode), not memory as torch.empty left it (NaN under the tests' fixture).
+
+    Kills R2-D24 (decode_launch returning ``out`` without zeroing it), R2-F24 and R2-S23 (the fused and
+    split launchers returning ``torch.empty`` for the empty call)."""
+    from twell.kernels.decode_split import SplitScratch, ffn_decode_split
+
+    x = torch.randn(3, 24, generator=torch.Generator().manual_seed(0))
+    w = torch.zeros(0, 24)
+    if kind == "decode":
+        out = torch.full((3, 24), float("nan"))
+        y = ffn_decode(x, w, w, w_up=w, out=out)
+        assert y.data_ptr() == out.data_ptr()
+        assert torch.equal(ffn_decode(x, w, w), torch.zeros(3, 24))
+    elif kind == "fused":
+        y = ffn_decode_fused(x, w, w, w_up=w)
+    else:
+        y = ffn_decode_split(x, w, w, w_up=w, scratch=SplitScratch(24, 0, torch.float32, "cpu"))
+    assert torch.equal(y, torch.zeros(3, 24))
+
+
+@pytest.mark.parametrize("kind", ["fused", "split"])
+def test_decode_write_out_past_one_block_of_columns(kind):
+    """d 1100: the write-out (y from the kept accumulator, which it zeroes) runs in blocks of
+    1024 columns, two per row here; every other test has d below 1024 (one block). y is the
+    reference's in every column and the scratch is left zeroed.
+
+    Kills R2-F15 (launch_write_out with one block of columns per row: columns from 1024 left as
+    torch.empty left them, and the accumulator's not zeroed for the next call)."""
+    from twell.kernels.decode_fused import DecodeScratch
+    from twell.kernels.decode_split import SplitConfig, SplitScratch, decode_split_launch
+
+    M, d, f = 2, 1100, 20
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=23)
+    if kind == "fused":
+        scratch = DecodeScratch(d, "cpu")
+        y = ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=GemvConfig(4, 2048, 2, 1))
+    else:
+        scratch = SplitScratch(d, f, torch.float32, "cpu")
+        y = decode_split_launch(x, wg, wd.T.contiguous(), wu, None, None, scratch=scratch,
+                                config=SplitConfig(16, 512, 4, 1, 3, 2048, 4))[0]
+    ref = _reference(x, wg, wu, wd)
+    assert rel_err(y[:, 1024:], ref[:, 1024:]) < 1e-5 and rel_err(y, ref) < 1e-5
+    assert torch.all(scratch.acc == 0)
+
+
+def _product_case():
+    """fp16, one token, whose output is exact only if each product of x with a gate or up row is
+    taken in fp32 (as the dense path's fp16 matmul accumulates): (1 + 2^-10)^2 - (1 + 2^-9) is
+    2^-20 in fp32, 0 with each product rounded to fp16 (1 + 2^-9 + 2^-20 rounds to 1 + 2^-9).
+
+    - Unit 0: gate 1, up that difference: y[0] = 2^-20 * 2^10.
+    - Unit 1: gate that difference (it fires only if it is taken in fp32), up 1: y[1] = 2^-10.
+    Every other unit's gate is -1."""
+    d, f = 16, 16
+    x = torch.zeros(1, d)
+    wg, wu, wdt = torch.zeros(f, d), torch.zeros(f, d), torch.zeros(f, d)
+    x[0, :3] = torch.tensor([1 + 2**-10, 1.0, 1.0])
+    wg[:, 2] = -1.0
+    wg[0, 2], wu[0, 0], wu[0, 1], wdt[0, 0] = 1.0, 1 + 2**-10, -(1 + 2**-9), 2.0**10
+    wg[1, 0], wg[1, 1], wg[1, 2], wu[1, 2], wdt[1, 1] = 1 + 2**-10, -(1 + 2**-9), 0.0, 1.0, 2.0**10
+    expect = torch.zeros(1, d)
+    expect[0, :2] = 2**-10
+    return *(t.half() for t in (x, wg, wu, wdt)), expect.half()
+
+
+@pytest.mark.parametrize("kind,config,capacity", _PATHS, ids=str)
+def test_decode_products_of_fp16_inputs_in_fp32(kind, config, capacity):
+    """Every kernel takes each fp16 product of x with a gate or up row in fp32 and sums in fp32
+    before rounding, as the dense path does (_product_case: exact only so). The fp16 cases above
+    compare within a tolerance that products rounded to fp16 stay inside.
+
+    Kills R2-F22 (_units_times_rows multiplying in the input dtype: the CUDA-core fused kernel's
+    gate and up), R2-S13 (_add_fire_in_steps's up product in the input dtype) and R2-S12 (the
+    one-step up/down's, which only the bf16 test above caught, within its tolerance)."""
+    x, wg, wu, wdt, expect = _product_case()
+    assert torch.equal(((torch.relu(x @ wg.T) * (x @ wu.T)) @ wdt), expect)  # the dense path
+    y = _run_path(kind, config, capacity, x, wg, wdt, wu)
+    assert torch.equal(y, expect), y[0, :2].tolist()
+
+
+def test_decode_more_than_sixteen_blocks_of_units():
+    """f 300 in blocks of 16 units: 19 blocks, more than the 16 lanes the down kernel's prefix
+    sum over the blocks' counts takes at least (NBP, the next power of two: 32); every test
+    above has at most 7 blocks. One share and two.
+
+    Kills R2-D27 (NBP fixed at 16: the entries of blocks 16 to 18 dropped)."""
+    M, d, f = 3, 24, 300
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=29)
+    fired = (x @ wg.T) > 0
+    assert fired[:, 256:].any()  # units of the blocks past 16 fire
+    for shares in (1, 2):
+        y = ffn_decode(x, wg, wd.T.contiguous(), w_up=wu, config=(16, 16, 16, 4, 16, 16, 4, shares))
+        assert rel_err(y, _reference(x, wg, wu, wd)) < 1e-5, shares
+
+
+def test_decode_config_takes_the_smallest_key_at_or_above_m():
+    """ffn_decode's block shapes: the entry of the smallest key at or above M (a call of exactly
+    a key's tokens takes that key's shapes), the largest key's above them all.
+
+    Kills R2-D28 (``M < key``: a call of 4 tokens took the 16-token shapes, 8 shares)."""
+    keys = sorted(decode.DECODE_CONFIGS)
+    for M in range(1, keys[-1] + 3):
+        want = decode.DECODE_CONFIGS[min((k for k in keys if k >= M), default=keys[-1])]
+        assert decode.decode_config(M) == want, M
+
+
+@pytest.mark.parametrize("kind,config,capacity,M", [(*p, 5) for p in _PATHS if p[2] != 8192] + [(*_PATHS[1], 21)], ids=str)
+def test_decode_writes_nothing_around_its_buffers(kind, config, capacity, M, monkeypatch):
+    """Every buffer a decode call makes with torch.empty (the three-launch kernels' h columns,
+    unit lists, block counts, fp32 partials and y; the fused and split kernels' block counts and
+    y, written from a kept accumulator) sits between two guards of 8192 elements, NaN or 0, which
+    must stay as they were: a store that drops its mask writes there (a block whose first unit
+    does not fire has slot -1 for it: unit 0 does not fire here). The split kernels' list of 2
+    entries, which the batch's fires overflow, sits in buffers long enough for every fire, whose
+    tails must stay as they were too. A read of a slot no call wrote, or past a buffer, finds a
+    NaN h or gate (the int buffers hold 0: unit 0, a count of 0), which y shows; the up/down walk
+    must stop at the list's capacity. 5 tokens, and 21 (two chunks of the three-launch kernels).
+
+    Without the guards each mutant below showed only as a crash of the interpreter (a heap
+    corruption, or an index read from the fixture's poison), which a write or read landing in
+    mapped memory would not give. Kills, by assertion: R2-D9 and R2-D10 (_decode_up_kernel
+    storing h and the unit list without the active mask: slot -1 of block 0, before the buffer),
+    R2-D4 (its gate read without the unit mask: units past f fire), R2-D5 and R2-D11 (a chunk's
+    block counts or entries at chunk 0's place), R2-D7 (a block with one active unit skipped: its
+    count read, its slot never written), R2-D12, R2-D15 and R2-D16 (_decode_down_kernel reading a
+    count or entries past its chunk or share), R2-S4 (the list's stores not bounded by its
+    capacity), R2-S9 (_fire_updown_kernel walking the list's whole count, past its capacity);
+    also R2-F12 (the write-out's column mask ``cols <= d``: one element past y)."""
+    import math
+
+    from twell.kernels.decode_fused import DecodeScratch
+    from twell.kernels.decode_split import SplitScratch
+
+    x, wg, wu, wd = _dead_units_case()
+    x = torch.cat([x, x.flip(0), x, x, x])[:M]  # 21 tokens: two chunks of 16 (three-launch)
+    (M, d), f = x.shape, wg.shape[0]
+    ref = _reference(x, wg, wu, wd)
+    scratch = None
+    if kind == "fused":
+        scratch = DecodeScratch(d, "cpu")
+    elif kind == "split":
+        scratch = SplitScratch(d, f, torch.float32, "cpu", capacity=capacity)
+        # the tails: entry 0 (unit 0, token 0: unit 0 never fires, no fire is listed as 0) with a
+        # NaN gate, which a walk past the list's capacity would add into y's row 0
+        entries, gates = torch.zeros(M * f, dtype=torch.int32), torch.full((M * f,), float("nan"))
+        scratch.entries, scratch.gates = entries[:capacity], gates[:capacity]
+    G, guards, real_empty = 8192, [], torch.empty
+
+    def guarded_empty(*size, **kw):
+        dims = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        if not dims or not all(isinstance(n, int) for n in dims):
+            return real_empty(*size, **kw)
+        n = math.prod(dims)
+        # NaN, or 0 (unit 0, which never fires here; a count of 0) before, in and after the buffer:
+        # a read of a slot nobody wrote, or past the buffer, adds a NaN instead of crashing
+        base = real_empty(n + 2 * G, **kw)
+        base.fill_(float("nan") if base.is_floating_point() else 0)
+        guards.extend((base[:G], base[G + n:]))
+        return base[G:G + n].view(dims)
+
+    monkeypatch.setattr(torch, "empty", guarded_empty)
+    y = _run_path(kind, config, capacity, x, wg, wd.T.contiguous(), wu, scratch=scratch)
+    written = [int((~torch.isnan(g) if g.is_floating_point() else g != 0).sum()) for g in guards]
+    assert len(guards) >= 4 and not any(written), written  # elements written in each guard
+    if kind == "split":
+        assert torch.all(entries[capacity:] == 0) and torch.isnan(gates[capacity:]).all()
+    assert rel_err(y, ref) < 1e-5
+
+
+def test_decode_fused_call_larger_than_the_scratch_leaves_it_alone():
+    """A call of more tokens than a DecodeScratch's rows takes a fresh zeroed buffer: the
+    scratch (here the first 16 rows of a 32-row buffer whose other rows are NaN) is neither added
+    into nor zeroed past its rows, and y is the reference's (test_decode_fused_scratch_is_left_
+    zeroed_and_reused makes such a call on an exactly sized scratch).
+
+    Kills deterministically R2-F23 and R2-F31 (the scratch used for a call of more tokens than
+    its rows: the adds and the write-out run past them, which without the guard rows only
+    corrupted the heap: a crash, at times)."""
+    from twell.kernels.decode_fused import DecodeScratch
+
+    M, d, f = 20, 24, 37
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=31)
+    scratch = DecodeScratch(d, "cpu")
+    big = torch.full((32, d), float("nan"))
+    big[:16] = 0.0
+    scratch.acc = big[:16]
+    y = ffn_decode_fused(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=(16, 16, 16, 4, 1))
+    assert rel_err(y, _reference(x, wg, wu, wd)) < 1e-5
+    assert torch.all(big[:16] == 0) and torch.isnan(big[16:]).all()
