@@ -9,6 +9,7 @@ negative flips every threshold), heavy rows (x[m, 0] = 0: about half the units),
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -71,6 +72,46 @@ def poison_(t: torch.Tensor) -> torch.Tensor:
 def untouched(t: torch.Tensor) -> torch.Tensor:
     """Where ``t`` still holds :func:`poison_`'s value."""
     return torch.isnan(t) if t.is_floating_point() else t == I16
+
+
+class Guarded(NamedTuple):
+    """One buffer :func:`guard_empty` handed out: ``base[before:before + rows]`` is what the
+    caller got; ``guards`` are the slices of ``base`` in front of it and after it."""
+
+    base: torch.Tensor
+    before: int
+    rows: int
+
+    @property
+    def guards(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.base[: self.before], self.base[self.before + self.rows :]
+
+
+def guard_empty(monkeypatch, chosen=lambda size, kw: True, after: int = GUARD, before: int = 0, fill=poison_):
+    """Make ``torch.empty`` hand out guarded buffers, for the tests that check a kernel neither
+    writes nor reads past the buffers its launcher allocates.
+
+    For each call with an integer size that ``chosen(size, kw)`` accepts, the caller gets rows
+    ``[before, before + size[0])`` of a buffer ``before + size[0] + after`` rows long, all filled
+    by ``fill`` (by default :func:`poison_`: NaN, or I16 for integers). A write past the buffer
+    then changes a guard row, which the test sees, instead of corrupting the heap (which the
+    interpreter shows only as a crash, at random); a read past it gets the fill, which the test
+    can choose to spoil the result. Every other call goes to the real ``torch.empty``.
+
+    Returns the list of :class:`Guarded` buffers handed out, in order, filled as calls come."""
+    real = torch.empty
+    handed: list[Guarded] = []
+
+    def empty(*size, **kw):
+        dims = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
+        if not dims or not all(isinstance(n, int) for n in dims) or not chosen(dims, kw):
+            return real(*size, **kw)
+        base = fill(real(before + dims[0] + after, *dims[1:], **kw))
+        handed.append(Guarded(base, before, dims[0]))
+        return base[before : before + dims[0]]
+
+    monkeypatch.setattr(torch, "empty", empty)
+    return handed
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:

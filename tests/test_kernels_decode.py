@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import I16, case_id, gate_case, rel_err
+from kernel_cases import I16, case_id, gate_case, guard_empty, rel_err
 from twell import reference as R
 from twell.kernels import decode
 from twell.kernels.decode import ffn_decode
@@ -1174,8 +1174,6 @@ def test_decode_writes_nothing_around_its_buffers(kind, config, capacity, M, mon
     count or entries past its chunk or share), R2-S4 (the list's stores not bounded by its
     capacity), R2-S9 (_fire_updown_kernel walking the list's whole count, past its capacity);
     also R2-F12 (the write-out's column mask ``cols <= d``: one element past y)."""
-    import math
-
     from twell.kernels.decode_fused import DecodeScratch
     from twell.kernels.decode_split import SplitScratch
 
@@ -1192,24 +1190,14 @@ def test_decode_writes_nothing_around_its_buffers(kind, config, capacity, M, mon
         # NaN gate, which a walk past the list's capacity would add into y's row 0
         entries, gates = torch.zeros(M * f, dtype=torch.int32), torch.full((M * f,), float("nan"))
         scratch.entries, scratch.gates = entries[:capacity], gates[:capacity]
-    G, guards, real_empty = 8192, [], torch.empty
-
-    def guarded_empty(*size, **kw):
-        dims = tuple(size[0]) if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)) else size
-        if not dims or not all(isinstance(n, int) for n in dims):
-            return real_empty(*size, **kw)
-        n = math.prod(dims)
-        # NaN, or 0 (unit 0, which never fires here; a count of 0) before, in and after the buffer:
-        # a read of a slot nobody wrote, or past the buffer, adds a NaN instead of crashing
-        base = real_empty(n + 2 * G, **kw)
-        base.fill_(float("nan") if base.is_floating_point() else 0)
-        guards.extend((base[:G], base[G + n:]))
-        return base[G:G + n].view(dims)
-
-    monkeypatch.setattr(torch, "empty", guarded_empty)
+    # NaN, or 0 (unit 0, which never fires here; a count of 0) before, in and after each buffer:
+    # a read of a slot nobody wrote, or past the buffer, adds a NaN instead of crashing
+    zero_or_nan = lambda t: t.fill_(float("nan") if t.is_floating_point() else 0)  # noqa: E731
+    handed = guard_empty(monkeypatch, after=8192, before=8192, fill=zero_or_nan)
     y = _run_path(kind, config, capacity, x, wg, wd.T.contiguous(), wu, scratch=scratch)
+    guards = [g for h in handed for g in h.guards]
     written = [int((~torch.isnan(g) if g.is_floating_point() else g != 0).sum()) for g in guards]
-    assert len(guards) >= 4 and not any(written), written  # elements written in each guard
+    assert len(handed) >= 2 and not any(written), written  # elements written in each guard
     if kind == "split":
         assert torch.all(entries[capacity:] == 0) and torch.isnan(gates[capacity:]).all()
     assert rel_err(y, ref) < 1e-5

@@ -174,23 +174,13 @@ def test_forward_writes_only_its_rows(monkeypatch):
     of 32 rows overhangs, are written in their [M] buffers and nowhere past them (a guard after
     each stays as it was). A store without its row mask wrote past the allocation, which the
     other tests caught only when the heap corruption happened to crash the process."""
-    from kernel_cases import I16, untouched
+    from kernel_cases import guard_empty, untouched
 
-    guard = 64  # past the last block's overhang (f 300: blocks of 32 rows, 31 past M)
-    guards = []
-    real_empty = torch.empty
-
-    def guarded_empty(*size, **kw):  # 1-D buffers: the first n of n + guard, the rest poisoned
-        if len(size) == 1 and isinstance(size[0], int):
-            base = real_empty(size[0] + guard, **kw)
-            base.fill_(float("nan") if base.is_floating_point() else I16)
-            guards.append(base[size[0]:])
-            return base[:size[0]]
-        return real_empty(*size, **kw)
-
-    monkeypatch.setattr(torch, "empty", guarded_empty)
+    # 1-D buffers: 64 poisoned elements past each, past the last block's overhang (f 300:
+    # blocks of 32 rows, 31 past M)
+    handed = guard_empty(monkeypatch, lambda size, kw: len(size) == 1, after=64)
     a, u, _ = case(33, 300, torch.float32)
     _, l1, _, row_counts = dense_rows_forward(a, u)
     _, l1_ref, _, row_counts_ref = forward_ref(a, u)
     assert rel_err(l1, l1_ref) < 1e-6 and torch.equal(row_counts.long(), row_counts_ref)
-    assert len(guards) == 2 and all(bool(untouched(t).all()) for t in guards)
+    assert len(handed) == 2 and all(bool(untouched(h.guards[1]).all()) for h in handed)

@@ -203,7 +203,7 @@ def test_dense_rows_from_exactly_two_pass_min_m(kernel, monkeypatch):
     whole (pre's rows overwritten with h, y right, its rows never taken by the first launch alone),
     one token short of it pre is only read. The row list is written inside its [M] buffer (a
     guard past its end stays as it was)."""
-    from kernel_cases import GUARD, I16
+    from kernel_cases import GUARD, I16, guard_empty
 
     M, d, f = 13, 40, 100
     x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=21)
@@ -213,17 +213,8 @@ def test_dense_rows_from_exactly_two_pass_min_m(kernel, monkeypatch):
     overflowed = g.overflowed().any(dim=1)
     assert bool(overflowed.any()) and int(((pre > 0).sum(1) > 0)[~overflowed].sum()) >= 2
     monkeypatch.setattr(updown, "DENSE_ROW_MIN", -1)
-    guards = []
-    real_empty = torch.empty
-
-    def guarded_empty(*size, **kw):  # 1-D int32 scratch: the first n of n + GUARD, the rest I16
-        if kw.get("dtype") == torch.int32 and len(size) == 1 and isinstance(size[0], int):
-            base = real_empty(size[0] + GUARD, **kw).fill_(I16)
-            guards.append(base[size[0]:])
-            return base[:size[0]]
-        return real_empty(*size, **kw)
-
-    monkeypatch.setattr(torch, "empty", guarded_empty)
+    # 1-D int32 scratch: GUARD elements before and past it, filled with I16
+    handed = guard_empty(monkeypatch, lambda size, kw: len(size) == 1 and kw.get("dtype") == torch.int32, before=GUARD)
     w = prepare_gated_weights(wu, wd)
     for two_pass_min_m, dense in ((M, True), (M + 1, False)):
         monkeypatch.setattr(updown, "TWO_PASS_MIN_M", two_pass_min_m)
@@ -235,7 +226,7 @@ def test_dense_rows_from_exactly_two_pass_min_m(kernel, monkeypatch):
             torch.testing.assert_close(p, torch.relu(pre) * (x @ wu.T), rtol=1e-5, atol=1e-5)
         else:
             assert torch.equal(p, pre)
-    assert len(guards) == 1 and bool((guards[0] == I16).all())
+    assert len(handed) == 1 and all(bool((g == I16).all()) for g in handed[0].guards)
 
 
 def test_overflowed_rows_list_without_overflow(monkeypatch):

@@ -13,10 +13,9 @@ import pytest
 import torch
 
 import twell.train_ops as T
-from kernel_cases import GUARD, case_id, poison_, rel_err, untouched
+from kernel_cases import GUARD, case_id, guard_empty, rel_err, untouched
 from twell import reference as R
 from twell.format import pack_hybrid
-from twell.kernels import train_ffn
 from twell.kernels.train_ffn import pack_rows
 from twell.train_ops import choose_width, saved_bytes, sparse_ffn, sparse_gated_ffn
 
@@ -823,32 +822,23 @@ def test_pack_rows_writes_nothing_past_its_rows(monkeypatch):
     write nothing. Kills the same mutants as above for train_ffn (W + 1 as the limit, no limit,
     rows not masked)."""
     M, f, W = 5, 70, 4
-    real_empty = torch.empty
-    bigs = []
-
-    def guarded_empty(*size, **kw):
-        if size and all(isinstance(s, int) for s in size) and size[0] == M:
-            big = poison_(real_empty(size[0] + GUARD, *size[1:], **kw))
-            bigs.append(big)
-            return big[: size[0]]
-        return real_empty(*size, **kw)
 
     big_a = torch.full((M + GUARD, f), -1.0, device=DEV)
     big_a[M:] = 1.0
     a = big_a[:M]
     a[0, [1, 31, 40]] = 1.5
     a[M - 1, 10:30] = 2.0  # heavy: 20 entries, W = 4
-    monkeypatch.setattr(train_ffn.torch, "empty", guarded_empty)
+    handed = guard_empty(monkeypatch, lambda size, kw: size[0] == M)  # GUARD poisoned rows past each
     for bm, bf in [(4, 32), (2, 512), (1, 64)]:
-        bigs.clear()
+        handed.clear()
         cols, vals, counts = pack_rows(a, W, block_m=bm, block_f=bf, num_warps=1)
         fired = a > 0
         assert torch.equal(counts, fired.sum(1).int())
         assert torch.equal(cols[M - 1].long(), torch.arange(10, 14, device=DEV))
         assert torch.equal(cols[0, :3].long(), torch.tensor([1, 31, 40], device=DEV))
-        assert len(bigs) == 3  # cols, values, counts
-        for big in bigs:
-            assert untouched(big[M:]).all(), (bm, bf)
+        assert len(handed) == 3  # cols, values, counts
+        for h in handed:
+            assert untouched(h.guards[1]).all(), (bm, bf)
 
 
 def test_pack_rows_int32_columns():
@@ -1025,25 +1015,6 @@ def _ell_case(gated, d=33, f=29, W=6, seed=0):
     return a.to(DEV)[:, :f], x, dy, w_up, (w_gate if gated else None), w_down_t, W
 
 
-def _guarded_outputs(mp, shapes):
-    """Make torch.empty hand out the leading rows of GUARD-row-longer NaN buffers for the given
-    shapes (the kernels' outputs); returns the list (buffer, rows handed out) it fills."""
-    real = torch.empty
-    bigs = []
-
-    def empty(*size, **kw):
-        if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
-            size = tuple(size[0])
-        if all(isinstance(s, int) for s in size) and tuple(size) in shapes:
-            big = poison_(real(size[0] + GUARD, *size[1:], **kw))
-            bigs.append((big, size[0]))
-            return big[: size[0]]
-        return real(*size, **kw)
-
-    mp.setattr(torch, "empty", empty)
-    return bigs
-
-
 @pytest.mark.parametrize("block_d", [None, 32])
 @pytest.mark.parametrize("gated", [True, False])
 def test_row_and_weight_grad_kernels_on_every_kind_of_row(gated, block_d, monkeypatch):
@@ -1066,13 +1037,14 @@ def test_row_and_weight_grad_kernels_on_every_kind_of_row(gated, block_d, monkey
     c = torch.tensor([0.3], device=DEV)
     rows = dict(block_e=4, block_d=block_d, num_warps=1)
     with monkeypatch.context() as mp:
-        bigs = _guarded_outputs(mp, {(M, d), (M, W), (M,), (f, d)})
+        # the kernels' outputs: GUARD poisoned rows past each
+        handed = guard_empty(mp, lambda size, kw: size in {(M, d), (M, W), (M,), (f, d)})
         y, u, l1_rows = ffn_rows_forward(x, cols, g, counts, w_down_t, w_up if gated else None, **rows)
         dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, w_down_t, w_up, w_gate, c, **rows)
         dwu, dwg, dwdt = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, block_t=4, block_d=block_d, num_warps=1)
-    assert len(bigs) == (9 if gated else 6)
-    for big, n in bigs:
-        assert untouched(big[n:]).all()
+    assert len(handed) == (9 if gated else 6)
+    for h in handed:
+        assert untouched(h.guards[1]).all()
 
     # the reference: dense [M, f] matrices that are zero off the light rows' used slots
     light = counts <= W
