@@ -1007,6 +1007,52 @@ def test_split_rule_bounds_are_inclusive():
     assert s.split_scratch is not None and s.split_scratch.f == _MAX_F - 1
 
 
+def test_split_rule_limits_by_width():
+    """At a width SPLIT_MAX_FIRES_BY_D lists (d 4096, and 3000, which pads to it), the split
+    kernels take a batch while its fires counted by the mean active units are within the first
+    limit and counted by their root mean square within the second, both inclusive; at d 2048
+    (not listed) and with no width, SPLIT_MAX_FIRES bounds both, so a heavy batch that d 4096
+    takes goes elsewhere."""
+    from twell import dispatch
+
+    max_mean, max_rms = dispatch.SPLIT_MAX_FIRES_BY_D[4096]
+    assert dispatch.SPLIT_MAX_FIRES < max_mean < max_rms
+    s = SparseGatedMLP(8, 16)._twell_layer
+    M = 40
+    for d in (4096, 3000):
+        s.k_est, s.k_rms = max_mean / M, max_mean / M  # even: exactly the mean limit
+        assert s._split_pays(M, 11008, d)
+        s.k_est = s.k_rms = max_mean / M * 1.01
+        assert not s._split_pays(M, 11008, d)
+        s.k_est, s.k_rms = 1.0, max_rms / M  # heavy: exactly the rms limit, a small mean
+        assert s._split_pays(M, 11008, d)
+        s.k_rms = max_rms / M * 1.01
+        assert not s._split_pays(M, 11008, d)
+    s.k_est, s.k_rms = 1.0, max_rms / M
+    assert not s._split_pays(M, 5632, 2048) and not s._split_pays(M, 5632)
+    s.k_est = s.k_rms = dispatch.SPLIT_MAX_FIRES / M
+    assert s._split_pays(M, 5632, 2048) and s._split_pays(M, 5632)
+    s.k_est, s.k_rms = None, None  # no probe yet: the fitted rate's count for both
+    s.union_rate = max_mean / M / 11008
+    assert s._split_pays(M, 11008, 4096) and not s._split_pays(M, 11008, 2048)
+
+
+def test_fused_union_rule_switches_caps_at_the_widths_token_count(monkeypatch):
+    """Above FUSED_WIDE_M_BY_D's token count for x's width (16 at d 4096), the fused kernel's
+    union cap is FUSED_WIDE_MAX_UNION; at d 2048 the wide cap starts past FUSED_WIDE_M (32)."""
+    from twell import dispatch
+
+    monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
+    s = SparseGatedMLP(8, 16)._twell_layer
+    monkeypatch.setattr(s, "union_share", lambda M, f: dispatch.FUSED_MAX_UNION)  # above the wide cap
+    wide_m = dispatch.FUSED_WIDE_M_BY_D[4096]
+    assert wide_m < dispatch.FUSED_WIDE_M
+    for M, d, want in [(wide_m, 4096, "decode"), (wide_m + 1, 4096, "dense"), (wide_m + 1, 2048, "decode"),
+                       (dispatch.FUSED_WIDE_M, 2048, "decode"), (dispatch.FUSED_WIDE_M + 1, 2048, "dense")]:
+        assert s.choose(M, 11008, "auto", None, True, x=torch.zeros(M, d)) == want, (M, d)
+    assert s.choose(wide_m + 1, 11008, "auto", None, True) == "decode"  # no x: FUSED_WIDE_M
+
+
 def test_decode_buffers_made_up_to_the_largest_decode_batch():
     """An eager call of up to FUSED_MAX_M tokens (any path) makes the decode buffers a later
     capture needs; a larger one does not."""

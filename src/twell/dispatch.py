@@ -6,8 +6,8 @@ Three paths compute the same function (up to rounding) for every input:
     The gate read whole, then the up and down rows of the batch's active units only, in one
     fused kernel (:func:`twell.kernels.decode_fused.ffn_decode_fused`), or from ``SPLIT_MIN_M``
     to 64 tokens in three launches that list the batch's fires and do up and down one fire at a
-    time (:mod:`twell.kernels.decode_split`, while the expected number of fires is at most
-    ``SPLIT_MAX_FIRES``); a forced call of more than 64 tokens takes three launches,
+    time (:mod:`twell.kernels.decode_split`, while the expected number of fires is within
+    ``SPLIT_MAX_FIRES``, or the width's ``SPLIT_MAX_FIRES_BY_D``); a forced call of more than 64 tokens takes three launches,
     :func:`twell.kernels.decode.ffn_decode`. It never reads more weight bytes than dense.
     ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
 ``"prefill"`` (large batches)
@@ -21,11 +21,12 @@ Three paths compute the same function (up to rounding) for every input:
 How a layer chooses (``module.kernel_mode = "auto"``, the default):
 
 - ``M <= DECODE_MAX_M`` inside a CUDA graph capture: decode, if the layer's measured sparsity
-  says that the batch's expected fires (tokens times the root mean square of the active units
-  per token) are at most ``SPLIT_MAX_FIRES`` (from ``SPLIT_MIN_M`` tokens, and with its buffers
-  made) or that the share of units active for some
-  token of the batch is at most ``FUSED_MAX_UNION`` (``FUSED_WIDE_MAX_UNION`` above
-  ``FUSED_WIDE_M`` tokens; without a measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
+  says that the batch's expected fires (tokens times the mean, and times the root mean square,
+  of the active units per token) are within ``SPLIT_MAX_FIRES`` (``SPLIT_MAX_FIRES_BY_D`` for
+  wider layers; from ``SPLIT_MIN_M`` tokens, and with its buffers made) or that the share of
+  units active for some token of the batch is at most ``FUSED_MAX_UNION``
+  (``FUSED_WIDE_MAX_UNION`` above ``FUSED_WIDE_M`` tokens, or the width's ``FUSED_WIDE_M_BY_D``;
+  without a measurement yet: only for ``M <= DECODE_BLIND_M``). Outside a
   capture small batches run dense: there the host's time to issue a call (each launch about
   14 us on the H200 machine here) decides, not the GPU's, and dense, whose three cuBLAS calls
   and two element-wise ops need no checks or Triton launcher, issues fastest. But an eager
@@ -77,7 +78,8 @@ from .checks import triton_interpreting, width_key
 
 __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECODE_BLIND_M", "FUSED_MAX_UNION",
            "FUSED_WIDE_M", "FUSED_WIDE_MAX_UNION", "PREFILL_MIN_M", "EAGER_PREFILL_MIN_M", "DECODE_SPLIT",
-           "SHARE_DECODE_BUFFERS", "SPLIT_MIN_M", "SPLIT_MAX_FIRES", "SPLIT_MAX_ROW_FIRES", "MODES"]
+           "SHARE_DECODE_BUFFERS", "SPLIT_MIN_M", "SPLIT_MAX_FIRES", "SPLIT_MAX_FIRES_BY_D", "SPLIT_MAX_ROW_FIRES",
+           "FUSED_WIDE_M_BY_D", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
 
@@ -96,6 +98,11 @@ DECODE_BLIND_M = 4
 FUSED_MAX_UNION = 0.25
 FUSED_WIDE_M = 32
 FUSED_WIDE_MAX_UNION = 0.10
+# Wider layers, by width_key(d): FUSED_WIDE_M there. At d 4096, f 11008 (H200, the split-fires
+# probe of the fifty-second session) the fused kernel read 1.14x and 1.21x at 16 tokens with a
+# share of 0.34, but 0.85x at 32 tokens with 0.21 (and 0.67x to 0.79x at 32 and 64 tokens with
+# larger shares).
+FUSED_WIDE_M_BY_D: dict[int, int] = {4096: 16}
 # Whether the decode kernels keep a zeroed fp32 accumulator between calls ([64, d] with the split
 # kernels, [16, d] without: 512 or 128 KB at d 2048; calls of more tokens make a fresh one), saving
 # a memset launch per call (the memset and the cast measured 5.9 us together in a graph on the
@@ -126,6 +133,15 @@ SHARE_DECODE_BUFFERS = True
 DECODE_SPLIT = True
 SPLIT_MIN_M = 3
 SPLIT_MAX_FIRES = 4096
+# Wider layers, by width_key(d): (most expected fires counted by the mean active units per
+# token, most counted by their root mean square). d 2048 takes SPLIT_MAX_FIRES for both. At
+# d 4096, f 11008 (benchmarks/decode_split_fires_probe.py, H200, bf16, module in graphs, fifty-
+# second session) the split kernels took about 29 us plus 10 ns a fire against dense's 82 to 87:
+# even batches at 1.95x / 1.48x / 1.08x for 1280 / 2560 / 5120 fires (break-even near 5800), and
+# 1.17x at 16 tokens of k 280 (4480); heavy batches with a root-mean-square count of 4862 to
+# 6748 at 1.37x to 1.74x (where 4096 had sent 64 tokens of k 29 to dense, 1.02x, and 32 tokens
+# of k 80 to the fused kernel, 0.85x), but 0.94x and 1.01x at 10738 and 14567.
+SPLIT_MAX_FIRES_BY_D: dict[int, tuple[int, int]] = {4096: (5400, 7500)}
 # ...and while a token's active units (their root mean square over the batch's tokens) are at
 # most SPLIT_MAX_ROW_FIRES: a guard against a few tokens of thousands of fires each, whose adds
 # would queue on their accumulator rows (not measured at this size; the heavy batches measured,
@@ -464,7 +480,8 @@ class LayerState:
                 split = self._split_pays(M, f) if x is None else self._split_for(x, M, f) is not None
                 if split:  # (without its buffers the fused kernel would run: the union rule below)
                     return "decode"
-                return "decode" if u <= (FUSED_MAX_UNION if M <= FUSED_WIDE_M else FUSED_WIDE_MAX_UNION) else "dense"
+                wide_m = FUSED_WIDE_M if x is None else FUSED_WIDE_M_BY_D.get(width_key(x.shape[-1]), FUSED_WIDE_M)
+                return "decode" if u <= (FUSED_MAX_UNION if M <= wide_m else FUSED_WIDE_MAX_UNION) else "dense"
             if M < (PREFILL_MIN_M if capturing else EAGER_PREFILL_MIN_M):
                 return "dense"
             c = self.cost(M)
@@ -631,24 +648,28 @@ class LayerState:
             m._record_counts(nnz, uc)
         return y
 
-    def _split_pays(self, M: int, f: int) -> bool:
+    def _split_pays(self, M: int, f: int, d: Optional[int] = None) -> bool:
         """Whether a decode call of ``M`` tokens should take the split kernels: DECODE_SPLIT on,
-        SPLIT_MIN_M to SPLIT_MAX_M tokens, and the expected fires at most SPLIT_MAX_FIRES: M times
-        the measured root mean square of the active units per token (heavy tokens count more:
-        their fires queue on one accumulator row; also at most SPLIT_MAX_ROW_FIRES), else its
-        mean, else the fitted rate times f; with no measurement yet (a forced decode call), yes."""
+        SPLIT_MIN_M to SPLIT_MAX_M tokens, and the expected fires within the layer width's
+        limits (``SPLIT_MAX_FIRES_BY_D`` for ``d``, else SPLIT_MAX_FIRES for both; d None: the
+        default): M times the measured mean of the active units per token, and M times their
+        root mean square (heavy tokens count more: their fires queue on one accumulator row;
+        also at most SPLIT_MAX_ROW_FIRES); without a probe yet, the fitted rate times f for
+        both; with no measurement at all (a forced decode call), yes."""
         if not DECODE_SPLIT or not SPLIT_MIN_M <= M <= _split_max_m() or f >= _split_max_f():
             return False
-        k = self.k_rms if self.k_rms is not None else self.k_est
-        if k is None and self.union_rate is not None:
-            k = self.union_rate * f
-        return k is None or (M * k <= SPLIT_MAX_FIRES and k <= SPLIT_MAX_ROW_FIRES)
+        mean = self.k_est if self.k_est is not None else (None if self.union_rate is None else self.union_rate * f)
+        if mean is None:
+            return True
+        rms = self.k_rms if self.k_rms is not None else mean
+        max_mean, max_rms = SPLIT_MAX_FIRES_BY_D.get(width_key(d), (SPLIT_MAX_FIRES,) * 2) if d else (SPLIT_MAX_FIRES,) * 2
+        return M * mean <= max_mean and M * rms <= max_rms and rms <= SPLIT_MAX_ROW_FIRES
 
     def _split_for(self, x: torch.Tensor, M: int, f: int):
         """The layer's SplitScratch when this decode call of ``M`` tokens takes the split kernels
         (see :meth:`_split_pays`; buffers made for x's d, dtype and device and ``f``), else None."""
         sc = self.split_scratch
-        if sc is None or not self._split_pays(M, f):
+        if sc is None or not self._split_pays(M, f, x.shape[-1]):
             return None
         if sc.gates.dtype != x.dtype or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1] or sc.f != f:
             return None
