@@ -29,6 +29,7 @@
 # breakeventimed (the same with twell.dispatch.TIMED_CHOICE on),
 # splitd4096 (benchmarks/updown_split_probe.py at d 4096, f 11008: fused and split up/down shapes),
 # splitfires (benchmarks/decode_split_fires_probe.py: the split decode kernels past 4096 fires, d 4096 and 2048),
+# densebranch (benchmarks/dense_branch_small_m_probe.py: the module's dense branch against dense at 128 to 512 tokens),
 # overhead (benchmarks/module_overhead_probe.py: the module against its own branches at 16384 and
 # 65536 tokens; OVERHEAD_CASES for its CASES).
 # Each writes STEP.log and its results under OUTDIR/STEP/; OUTDIR/results.tar.gz holds them all
@@ -75,6 +76,7 @@ for step in "$@"; do
     decodefused) cmd=(timeout "${DECODE_S:-150}" $PY -m twell.bench.cli decode --fused --out "$dir") ;;
     downlayout) cmd=(env OUT="$dir" timeout 120 $PY benchmarks/dense_down_layout_probe.py) ;;
     eltprobe) cmd=(env OUT="$dir" timeout 120 $PY benchmarks/dense_elementwise_probe.py) ;;
+    densebranch) cmd=(env OUT="$dir" timeout "${DENSEBRANCH_S:-200}" $PY benchmarks/dense_branch_small_m_probe.py) ;;
     splitfires) cmd=(env OUT="$dir" timeout "${SPLITFIRES_S:-200}" $PY benchmarks/decode_split_fires_probe.py) ;;
     splitsmallm) cmd=(env OUT="$dir" timeout "${SPLITSMALLM_S:-150}" $PY benchmarks/decode_split_small_m.py) ;;
     batch)    cmd=(timeout "${BATCH_S:-200}" $PY -m twell.bench.cli batch --out "$dir" ${BATCH_ARGS:-}) ;;
