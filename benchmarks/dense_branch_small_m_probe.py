@@ -37,8 +37,9 @@ K = 29
 ROUNDS = 3
 OUT = os.environ.get("OUT", "/tmp")
 
-records = []
-for d, f in SHAPES:
+
+def time_shape(d: int, f: int, records: list) -> None:
+    """Appends one record per M for a layer of width d and f units (and rewrites the file)."""
     s = make_ffn(4096, d, f, K, "even", dtype=torch.bfloat16, device="cuda", seed=K + 23)
     pairs = [_pair(s) for _ in range(CHAIN_LAYERS)]
     denses, twells = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -86,5 +87,9 @@ for d, f in SHAPES:
               + f" view/contig x{med['down_contig'] / med['down_view']:.3f}", flush=True)
         with open(os.path.join(OUT, "dense_branch_small_m.json"), "w") as fh:
             json.dump(records, fh, indent=1)
-    del s, pairs, denses, twells, views, contig
+
+
+records = []
+for d, f in SHAPES:
+    time_shape(d, f, records)
     torch.cuda.empty_cache()
