@@ -7,8 +7,8 @@ Three paths compute the same function (up to rounding) for every input:
     fused kernel (:func:`twell.kernels.decode_fused.ffn_decode_fused`), or from ``SPLIT_MIN_M``
     to 64 tokens in three launches that list the batch's fires and do up and down one fire at a
     time (:mod:`twell.kernels.decode_split`, while the expected number of fires is within
-    ``SPLIT_MAX_FIRES``, or the width's ``SPLIT_MAX_FIRES_BY_D``); a forced call of more than 64 tokens takes three launches,
-    :func:`twell.kernels.decode.ffn_decode`. It never reads more weight bytes than dense.
+    ``SPLIT_MAX_FIRES``, or the width's ``SPLIT_MAX_FIRES_BY_D``); a forced call of more than 64
+    tokens takes three launches, :func:`twell.kernels.decode.ffn_decode`. It never reads more weight bytes than dense.
     ``LayerState.last_decode_kernels`` says which kernels the last decode call ran.
 ``"prefill"`` (large batches)
     cuBLAS gate, one Triton pass packing ``relu`` of it into TwELL, the up/down kernels
@@ -82,6 +82,12 @@ __all__ = ["LayerState", "layer_state", "layer_of_weight", "DECODE_MAX_M", "DECO
            "FUSED_WIDE_M_BY_D", "MODES"]
 
 MODES = ("auto", "dense", "twell", "decode", "prefill")
+
+
+def _for_width(table: dict, d: Optional[int], default):
+    """``table``'s entry for model width ``d`` (keyed by :func:`width_key`), else ``default``
+    (also for ``d`` None: a width not known)."""
+    return default if d is None else table.get(width_key(d), default)
 
 # At and below this many tokens per call the fused decode kernel may run
 # (twell.kernels.decode_fused, FUSED_MAX_M = DECODE_MAX_M), while the expected share of units
@@ -438,9 +444,7 @@ class LayerState:
     def max_units(cls, d: Optional[int] = None) -> float:
         """The default limit's cap in active units per token for model width ``d`` (padded to a
         power of two; None: a width not known)."""
-        if d is None:
-            return cls.DEFAULT_MAX_UNITS
-        return cls.MAX_UNITS_BY_D.get(width_key(d), cls.DEFAULT_MAX_UNITS)
+        return _for_width(cls.MAX_UNITS_BY_D, d, cls.DEFAULT_MAX_UNITS)
 
     def cost(self, M: int) -> Optional[float]:
         """Estimated prefill-kernel cost of a call of ``M`` tokens, in active units per token."""
@@ -480,7 +484,7 @@ class LayerState:
                 split = self._split_pays(M, f) if x is None else self._split_for(x, M, f) is not None
                 if split:  # (without its buffers the fused kernel would run: the union rule below)
                     return "decode"
-                wide_m = FUSED_WIDE_M if x is None else FUSED_WIDE_M_BY_D.get(width_key(x.shape[-1]), FUSED_WIDE_M)
+                wide_m = _for_width(FUSED_WIDE_M_BY_D, None if x is None else x.shape[-1], FUSED_WIDE_M)
                 return "decode" if u <= (FUSED_MAX_UNION if M <= wide_m else FUSED_WIDE_MAX_UNION) else "dense"
             if M < (PREFILL_MIN_M if capturing else EAGER_PREFILL_MIN_M):
                 return "dense"
@@ -662,7 +666,7 @@ class LayerState:
         if mean is None:
             return True
         rms = self.k_rms if self.k_rms is not None else mean
-        max_mean, max_rms = SPLIT_MAX_FIRES_BY_D.get(width_key(d), (SPLIT_MAX_FIRES,) * 2) if d else (SPLIT_MAX_FIRES,) * 2
+        max_mean, max_rms = _for_width(SPLIT_MAX_FIRES_BY_D, d, (SPLIT_MAX_FIRES, SPLIT_MAX_FIRES))
         return M * mean <= max_mean and M * rms <= max_rms and rms <= SPLIT_MAX_ROW_FIRES
 
     def _split_for(self, x: torch.Tensor, M: int, f: int):
