@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_cases import I16, case_id, gate_case, guard_empty, rel_err
+from kernel_cases import I16, case_id, gate_case, guard_empty, rel_err, untouched
 from twell import reference as R
 from twell.kernels import decode
 from twell.kernels.decode import ffn_decode
@@ -539,6 +539,36 @@ def test_decode_split_fp16_no_active_unit_and_a_failed_call():
             setattr(decode_split, name, real)
         assert torch.all(scratch.acc == 0) and torch.all(scratch.count == 0), name  # fires() reads 0
         assert torch.equal(ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg), y), name
+
+
+@pytest.mark.parametrize("M,gated", [(5, True), (37, False), (64, True)])
+def test_decode_split_with_buffers_of_one_call(M, gated, monkeypatch):
+    """SplitScratch.for_one_call (twell.dispatch.DECODE_SCRATCH off): an accumulator of exactly
+    M rows and the list's length zeroed in one allocation, the list itself left as the allocator
+    gave it (here: entries that point at real units, NaN gate values, which must never be read;
+    every torch.empty NaN- or I16-filled with guard rows after it, y's included); the dense
+    answer and the number of fires; the launcher's check takes it for at most M tokens."""
+    from twell.kernels.decode_split import SplitScratch, decode_split_launch, ffn_decode_split
+
+    d, f = 24, 37
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + 11)
+    handed = guard_empty(monkeypatch)
+    sc = SplitScratch.for_one_call(M, d, f, torch.float32, "cpu")
+    assert sc.acc.shape == (M, d) and sc.count.dtype == torch.int32 and torch.all(sc.count == 0)
+    sc.entries.copy_(torch.arange(sc.capacity, dtype=torch.int32) % (f * 64))
+    sc.gates.fill_(float("nan"))
+    y = decode_split_launch(x, wg, wd.T.contiguous(), wu if gated else None, None, None, scratch=sc)[0]
+    ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double()) if gated else R.mlp(x.double(), wg.double(), wd.double())
+    assert rel_err(y, ref) < 1e-5
+    assert int(sc.fires()) == int(((x @ wg.T) > 0).sum())
+    small = SplitScratch.for_one_call(M - 1, d, f, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="scratch must be"):
+        ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=small)
+    assert rel_err(ffn_decode_split(x[:M - 1], wg, wd.T.contiguous(), w_up=wu, scratch=small),
+                   R.gated_mlp(x[:M - 1].double(), wg.double(), wu.double(), wd.double())) < 1e-5
+    with pytest.raises(ValueError, match="capacity"):
+        SplitScratch.for_one_call(M, d, f, torch.float32, "cpu", capacity=0)
+    assert handed and all(bool(untouched(g).all()) for h in handed for g in h.guards)
 
 
 def test_decode_split_validation():

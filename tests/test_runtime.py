@@ -1286,6 +1286,35 @@ def test_decode_buffers_per_layer_when_not_shared(monkeypatch):
     assert layers[0]._twell_layer.split_scratch is not layers[1]._twell_layer.split_scratch
 
 
+def test_decode_keeps_no_buffers_when_asked(monkeypatch):
+    """DECODE_SCRATCH off: decode calls make their own buffers and keep none (no accumulator,
+    no list, nothing in the shared table), yet take the same kernels as with kept buffers (the
+    split kernels from SPLIT_MIN_M tokens, also in a capture's choice, and the fused one below)
+    and give the dense answer, call after call, for several layers in turn, gated or not."""
+    from twell import dispatch
+
+    monkeypatch.setattr(dispatch, "DECODE_SCRATCH", False)
+    before = set(dispatch._SCRATCH.keys())
+    torch.manual_seed(9)
+    layers = [SparseGatedMLP(40, 100).eval(), SparseGatedMLP(40, 100).eval(), SparseMLP(40, 100).eval()]
+    with torch.no_grad():
+        for M, kernels in ((8, "split"), (2, "fused"), (64, "split"), (8, "split")):
+            for m in layers:
+                m.kernel_mode = "decode"
+                x = torch.randn(M, 40)
+                want = (_dense(m, x) if isinstance(m, SparseGatedMLP) else
+                        R.mlp(x.double(), m.up_proj.weight.double(), m.down_proj.weight.double()))
+                assert rel_err(m(x), want) < 1e-5, (M, type(m).__name__)
+                state = m._twell_layer
+                assert state.last_decode_kernels == kernels, M
+                assert state.scratch is None and state.split_scratch is None
+    assert set(dispatch._SCRATCH.keys()) == before
+    state = layers[0]._twell_layer
+    state.k_est, state.union_rate = 0.5, None  # 64 tokens: 32 fires, 27% of the units
+    assert state.choose(64, 100, "auto", None, True, torch.randn(64, 40)) == "decode"
+    assert state._split_for(torch.randn(64, 40), 64, 100).acc.shape == (64, 40)
+
+
 def test_per_layer_compile_shares_one_graph():
     """Regional compilation (each decoder layer compiled on its own) must not compile once per
     layer: past dynamo's recompile limit (8) the other layers would silently run eager."""
@@ -1393,6 +1422,38 @@ def test_cuda_graph_replay_with_split_decode(M, monkeypatch):
         torch.cuda.synchronize()
         out = captured["y"]
         assert m.last_path == "decode" and m._twell_layer.last_decode_kernels == "split"
+        assert rel_err(out, eager) < 1e-2
+        x.copy_(xs[M:2 * M])
+        g.replay()
+        torch.cuda.synchronize()
+        assert rel_err(out, m(xs[M:2 * M].clone())) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M,kernels", [(1, "fused"), (16, "split")])
+def test_cuda_graph_decode_with_buffers_of_each_call(M, kernels, monkeypatch):
+    """DECODE_SCRATCH off: inside a capture the decode kernels take each call's own buffers
+    (from the graph's pool) and the layer keeps none; replays equal eager within bf16 rounding,
+    also after new inputs were copied in."""
+    from twell import dispatch
+    from twell.bench.timing import capture
+
+    monkeypatch.setattr(dispatch, "DECODE_SCRATCH", False)
+    stack, xs = _gpu_stack(layers=1)
+    m = stack[0]
+    x = xs[:M].clone()
+    with torch.no_grad():
+        for _ in range(3):
+            m(x)
+            torch.cuda.synchronize()
+        eager = m(x)
+        captured = {}
+        g = capture(lambda: captured.__setitem__("y", m(x)), warmup=1)
+        g.replay()
+        torch.cuda.synchronize()
+        out = captured["y"]
+        assert m.last_path == "decode" and m._twell_layer.last_decode_kernels == kernels
+        assert m._twell_layer.scratch is None and m._twell_layer.split_scratch is None
         assert rel_err(out, eager) < 1e-2
         x.copy_(xs[M:2 * M])
         g.replay()

@@ -119,6 +119,12 @@ FUSED_WIDE_M_BY_D: dict[int, int] = {4096: 16}
 # take the decode kernels from two streams at once (two CUDA graphs replayed concurrently on one
 # device, two models served from threads with their own streams) would mix their sums: set
 # SHARE_DECODE_BUFFERS = False before their first calls to give each layer its own set again.
+# DECODE_SCRATCH False (set it before a layer's first call): nothing is kept between calls;
+# every decode call takes its buffers from PyTorch's allocator (inside a CUDA graph, from the
+# graph's pool, reused after the call) and zero-fills them, one more launch per call. The shared
+# set (560 KiB at d 2048: a 512 KiB accumulator and a 48 KiB list) is what puts a sparsified
+# model's decoding peak above dense's, whose MLPs keep nothing; calls from several streams at
+# once are then safe too.
 DECODE_SCRATCH = True
 SHARE_DECODE_BUFFERS = True
 # The split decode kernels (twell.kernels.decode_split) instead of the fused kernel, from
@@ -481,7 +487,7 @@ class LayerState:
                 u = self.union_share(M, f)
                 if u is None:
                     return "decode" if M <= DECODE_BLIND_M else "dense"
-                split = self._split_pays(M, f) if x is None else self._split_for(x, M, f) is not None
+                split = self._split_pays(M, f) if x is None else self._split_ok(x, M, f)
                 if split:  # (without its buffers the fused kernel would run: the union rule below)
                     return "decode"
                 wide_m = _for_width(FUSED_WIDE_M_BY_D, None if x is None else x.shape[-1], FUSED_WIDE_M)
@@ -584,8 +590,8 @@ class LayerState:
             capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         path = self.choose(M, f, mode, m.kernel_max_density, capturing, x)
         trial, self._trial = self._trial, None
-        if (self.scratch is None or (DECODE_SPLIT and self.split_scratch is None)) and make_scratch and not capturing \
-                and not m.training and M <= _fused_max_m():
+        if DECODE_SCRATCH and (self.scratch is None or (DECODE_SPLIT and self.split_scratch is None)) and make_scratch \
+                and not capturing and not m.training and M <= _fused_max_m():
             # before a capture needs them: a buffer made inside one is the graph's. Not from the
             # compiled op (make_scratch False): cudagraph trees run their warm-up in the graphs'
             # memory pool, and a buffer from there must not outlive it
@@ -640,7 +646,7 @@ class LayerState:
             y = decode_split_launch(x, w_first, w_down_t, w_up, uc, nnz, scratch=split)[0]
             self.last_decode_kernels = "split"
         elif M <= FUSED_MAX_M:
-            sc = self.scratch
+            sc = self.scratch if DECODE_SCRATCH else None
             if sc is not None and (sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1]):
                 sc = None
             y = decode_fused_launch(x, w_first, w_down_t, w_up, uc, nnz, config=fused_config(M), scratch=sc)[0]
@@ -669,15 +675,30 @@ class LayerState:
         max_mean, max_rms = _for_width(SPLIT_MAX_FIRES_BY_D, d, (SPLIT_MAX_FIRES, SPLIT_MAX_FIRES))
         return M * mean <= max_mean and M * rms <= max_rms and rms <= SPLIT_MAX_ROW_FIRES
 
+    def _split_ok(self, x: torch.Tensor, M: int, f: int) -> bool:
+        """Whether this decode call of ``M`` tokens takes the split kernels: they pay (see
+        :meth:`_split_pays`) and there are buffers for it (the layer's, made for x's d, dtype and
+        device and ``f``; with DECODE_SCRATCH off, the call makes its own on CUDA or in the
+        interpreter)."""
+        if DECODE_SCRATCH:
+            sc = self.split_scratch
+            if sc is None or sc.gates.dtype != x.dtype or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1] \
+                    or sc.f != f:
+                return False
+        elif not (x.is_cuda or triton_interpreting()):
+            return False
+        return self._split_pays(M, f, x.shape[-1])
+
     def _split_for(self, x: torch.Tensor, M: int, f: int):
-        """The layer's SplitScratch when this decode call of ``M`` tokens takes the split kernels
-        (see :meth:`_split_pays`; buffers made for x's d, dtype and device and ``f``), else None."""
-        sc = self.split_scratch
-        if sc is None or not self._split_pays(M, f, x.shape[-1]):
+        """The split kernels' buffers for this call when it takes them (:meth:`_split_ok`): the
+        layer's SplitScratch, or with DECODE_SCRATCH off one of the call's own; else None."""
+        if not self._split_ok(x, M, f):
             return None
-        if sc.gates.dtype != x.dtype or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1] or sc.f != f:
-            return None
-        return sc
+        if DECODE_SCRATCH:
+            return self.split_scratch
+        from .kernels.decode_split import SplitScratch
+
+        return SplitScratch.for_one_call(M, x.shape[1], f, x.dtype, x.device)
 
     def _owner(self) -> Optional[int]:
         # whose decode buffers: every layer's (None) or, with SHARE_DECODE_BUFFERS off, this one's
@@ -690,8 +711,10 @@ class LayerState:
         # interpreter for tests). A layer takes them once and never replaces them: a graph
         # captured with them keeps their addresses (a layer whose device or dtype changes later
         # runs the fused kernel, without its accumulator: one memset more per call).
+        if not DECODE_SCRATCH:
+            return
         d = x.shape[1]
-        if self.scratch is None and DECODE_SCRATCH and x.is_cuda:
+        if self.scratch is None and x.is_cuda:
             from .kernels.decode_fused import SCRATCH_ROWS, DecodeScratch
 
             rows = _split_max_m() if DECODE_SPLIT else SCRATCH_ROWS

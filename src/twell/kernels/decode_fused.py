@@ -11,9 +11,9 @@ Here one program per block of ``BU`` units does all of it::
     acc[m]  += sum over active u of h[m, u] w_down_t[u]  fp32 atomic adds into a zeroed buffer
                                                           (rows m with an active unit in the block)
 
-and ``y = acc`` rounded to x's dtype after the kernel: with a kept accumulator (a
-:class:`DecodeScratch`, up to 16 tokens) by ``_write_out_kernel``, which also zeroes it for the
-next call (two launches per call), else by PyTorch's cast of a fresh zeroed buffer (three). Only
+and ``y = acc`` rounded to x's dtype after the kernel by ``_write_out_kernel``, which also
+zeroes the accumulator for the next call: with a kept one (a :class:`DecodeScratch`, up to 16
+tokens) two launches per call, else three (a fresh buffer's zero fill first). Only
 the first kernel reads weights. The adds are ordered before the write-out by the kernel
 boundary: on Hopper the write-out is a programmatic dependent launch that starts early and waits
 (``griddepcontrol.wait``) until the kernel has completed and its writes are visible. A first
@@ -315,8 +315,8 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
     Returns ``(y, counts, M)``: ``counts [NB]`` int32, the active units of each block of units
     (the batch is one chunk of M tokens). ``unit_counts [f]`` is overwritten, ``row_nnz [M]``
     added to (pass zeros). With a ``scratch`` (for x's d and device) the call is two launches
-    (the fused kernel, then one that writes y and zeroes the scratch); without, three (a zeroed
-    buffer, the kernel, PyTorch's cast)."""
+    (the fused kernel, then one that writes y and zeroes the scratch); without, three (a zero
+    fill of a fresh buffer, the fused kernel, the same write-out)."""
     M, d = x.shape
     f = w_first.shape[0]
     if M == 0 or d == 0 or f == 0:
@@ -329,9 +329,8 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
     track = unit_counts is not None
     w_up_ = w_up if w_up is not None else w_first
-    # the write-out as a programmatic dependent launch of the kernel (only with a scratch: else
-    # PyTorch's cast follows)
-    gdc = scratch is not None and pdl_ok(x)
+    # the write-out as a programmatic dependent launch of the kernel
+    gdc = pdl_ok(x)
     args = (x, x.stride(0), w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0),
             acc, counts, unit_counts if track else counts, row_nnz if track else counts, M, d, f)
     with on_device_of(x):
@@ -351,14 +350,13 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
                 GATED=w_up is not None, TRACK=track, PREC=dot_precision(x), GDC=gdc,
                 num_warps=nw, num_stages=ns,
             )
-        if scratch is not None:
-            try:
-                y = launch_write_out(acc, M, x.dtype, gdc)
-            except BaseException:
+        try:
+            y = launch_write_out(acc, M, x.dtype, gdc)
+        except BaseException:
+            if scratch is not None:
                 acc.zero_()  # the kept accumulator holds this call's sums: never hand them to the next call
-                raise
-            return y, counts, M
-    return acc[:M].to(x.dtype), counts, M
+            raise
+    return y, counts, M
 
 
 def ffn_decode_fused(

@@ -231,6 +231,26 @@ class SplitScratch:
             self.gates = torch.zeros(capacity, dtype=dtype, device=device)
             self.count = torch.zeros(2, dtype=torch.int32, device=device)
 
+    @classmethod
+    def for_one_call(cls, M: int, d: int, f: int, dtype: torch.dtype, device,
+                     capacity: int = SPLIT_CAPACITY) -> "SplitScratch":
+        """Buffers for one call of ``M`` tokens, from PyTorch's allocator, dropped with the call
+        (what :data:`twell.dispatch.DECODE_SCRATCH` off asks for): ``acc [M, d]`` and ``count``
+        share one zero-filled allocation (one fill launch per call), ``entries`` and ``gates`` are
+        left unfilled (the gate writes each slot before it is read). Inside a CUDA graph capture
+        they come from the graph's pool and are reused by whatever runs after the call."""
+        if capacity < 1:
+            raise ValueError(f"capacity must be at least 1, got {capacity}")
+        self = cls.__new__(cls)
+        self.f, self.capacity = f, capacity
+        # count [2] int32 in the last two fp32 slots: all-zero bits are 0 in both types
+        flat = torch.zeros(M * d + 2, dtype=torch.float32, device=device)
+        self.acc = flat[:M * d].view(M, d)
+        self.count = flat[M * d:].view(torch.int32)
+        self.entries = torch.empty(capacity, dtype=torch.int32, device=device)
+        self.gates = torch.empty(capacity, dtype=dtype, device=device)
+        return self
+
     def fires(self) -> torch.Tensor:
         """The last call's number of fires, of whichever layer sharing the buffers ran last (``[]``
         int32 on the scratch's device; reading it on the host waits for the GPU). Those past the
@@ -388,11 +408,12 @@ def decode_split_launch(x, w_first, w_down_t, w_up, unit_counts, row_nnz, *, scr
 
 def check_split_scratch(scratch, x: torch.Tensor, f: int) -> None:
     """A clear error unless ``scratch`` is a :class:`SplitScratch` for x's d, dtype and device and
-    ``f`` units."""
-    d = x.shape[1]
-    if not isinstance(scratch, SplitScratch) or scratch.acc.shape != (SPLIT_MAX_M, d) or scratch.f != f \
-            or scratch.gates.dtype != x.dtype or scratch.acc.device != x.device:
-        raise ValueError(f"scratch must be a SplitScratch(d={d}, f={f}, dtype={x.dtype}, device={x.device})")
+    ``f`` units, with an accumulator row for each of x's tokens."""
+    M, d = x.shape
+    if not isinstance(scratch, SplitScratch) or scratch.acc.shape[1] != d or scratch.acc.shape[0] < M \
+            or scratch.f != f or scratch.gates.dtype != x.dtype or scratch.acc.device != x.device:
+        raise ValueError(f"scratch must be a SplitScratch(d={d}, f={f}, dtype={x.dtype}, device={x.device}), or "
+                         f"SplitScratch.for_one_call of at least {M} tokens")
 
 
 def ffn_decode_split(
@@ -413,7 +434,8 @@ def ffn_decode_split(
         w_first: ``[f, d]`` gate (gated) or up (non-gated) rows, ``f < 2**25``; w_down_t:
             ``[f, d]``, row ``j`` = ``w_down[:, j]``; w_up: ``[f, d]`` for the gated MLP, None for
             the non-gated one.
-        scratch: a :class:`SplitScratch` for x's d, dtype and device and f units.
+        scratch: a :class:`SplitScratch` for x's d, dtype and device and f units (kept between
+            calls, or :meth:`SplitScratch.for_one_call` of at least M tokens).
         unit_counts: optional ``[f]`` int32, overwritten with the tokens each unit fired for;
             row_nnz: optional ``[M]`` int32 zeros, given the active units of each token (both
             or neither).
