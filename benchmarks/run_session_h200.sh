@@ -3,7 +3,7 @@
 # call of at most 10 minutes checks and measures what a session changed.
 # Usage (on the GPU machine, repository root):
 #   bash benchmarks/run_session_h200.sh OUTDIR STEP...
-# Steps: tests (every GPU test; TESTS=paths to narrow), coldprobe (benchmarks/cold_weights_probe.py, COLDPROBE_M tokens), splitprobe
+# Steps: tests (every GPU test; TESTS=paths or node ids to narrow, split on spaces; TESTS_K=a -k expression), coldprobe (benchmarks/cold_weights_probe.py, COLDPROBE_M tokens), splitprobe
 # (benchmarks/split_chain_probe.py), memprobe (benchmarks/decode_memory_probe.py),
 # gemvprobe (benchmarks/decode_gemv_probe.py), gateprobe (benchmarks/decode_gate_probe.py), hostprobe (benchmarks/host_probe.py at HOST_M tokens, default 1 16 4096), smallm
 # (benchmarks/prefill_small_m_probe.py), decode, decodefused (decode with DECODE_SPLIT off), splitsmallm
@@ -52,7 +52,7 @@ for step in "$@"; do
   dir="$OUTDIR/$step"
   mkdir -p "$dir"
   case "$step" in
-    tests)    cmd=(timeout "${TESTS_S:-150}" $PY -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/}) ;;
+    tests)    cmd=(timeout "${TESTS_S:-150}" $PY -m pytest -q -m gpu -p no:cacheprovider ${TESTS:-tests/} ${TESTS_K:+-k "$TESTS_K"}) ;;
     hostprobe) cmd=(timeout "${HOSTPROBE_S:-90}" $PY benchmarks/host_probe.py "$dir" ${HOST_M:-1 16 4096}) ;;
     memprobe) cmd=(timeout "${MEMPROBE_S:-120}" $PY benchmarks/decode_memory_probe.py "$dir") ;;
     gemvprobe) cmd=(timeout "${GEMVPROBE_S:-240}" $PY benchmarks/decode_gemv_probe.py "$dir" ${GEMVPROBE_ARGS:-}) ;;
