@@ -31,7 +31,7 @@
 # splitfires (benchmarks/decode_split_fires_probe.py: the split decode kernels past 4096 fires, d 4096 and 2048),
 # densebranch (benchmarks/dense_branch_small_m_probe.py: the module's dense branch against dense at 128 to 512 tokens),
 # decodenokeep (decode with twell.dispatch.DECODE_SCRATCH off), model05 / model05nokeep (twell bench model
-# --preset 0.5b --no-lean, default / DECODE_SCRATCH off),
+# --preset 0.5b --no-lean, default / DECODE_SCRATCH off), model05bare (the same, eager graphs off too),
 # overhead (benchmarks/module_overhead_probe.py: the module against its own branches at 16384 and
 # 65536 tokens; OVERHEAD_CASES for its CASES).
 # Each writes STEP.log and its results under OUTDIR/STEP/; OUTDIR/results.tar.gz holds them all
@@ -44,6 +44,8 @@ export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
 PY=python3
 # a benchmark with twell.dispatch.DECODE_SCRATCH off (decode calls keep no buffers)
 NOKEEP='import sys, twell.dispatch as d; d.DECODE_SCRATCH = False; from twell.bench.cli import bench_main; bench_main(sys.argv[1:])'
+# ...and with twell's eager graphs off too
+BARE='import sys, twell.dispatch as d, twell.eager_graphs as g; d.DECODE_SCRATCH = False; g.ENABLED = False; from twell.bench.cli import bench_main; bench_main(sys.argv[1:])'
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,temperature.gpu --format=csv
   $PY -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)"
 } > "$OUTDIR/machine.log" 2>&1
@@ -87,6 +89,7 @@ for step in "$@"; do
     batchd4096) cmd=(timeout "${BATCH_S:-240}" $PY -m twell.bench.cli batch --out "$dir" --shape 4096x11008 --M ${BATCHD_M:-1 4 16 64 256 1024 4096 16384}) ;;
     decodenokeep) cmd=(timeout "${DECODE_S:-150}" $PY -c "$NOKEEP" decode --out "$dir") ;;
     model05) cmd=(timeout "${MODEL_S:-300}" $PY -m twell.bench.cli model --preset 0.5b --no-lean --out "$dir") ;;
+    model05bare) cmd=(timeout "${MODEL_S:-300}" $PY -c "$BARE" model --preset 0.5b --no-lean --out "$dir") ;;
     model05nokeep) cmd=(timeout "${MODEL_S:-300}" $PY -c "$NOKEEP" model --preset 0.5b --no-lean --out "$dir") ;;
     decoded4096) cmd=(timeout "${DECODE_S:-150}" $PY -m twell.bench.cli decode --out "$dir" --shape 4096x11008) ;;
     grid)     cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60) ;;
