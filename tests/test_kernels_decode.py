@@ -541,19 +541,21 @@ def test_decode_split_fp16_no_active_unit_and_a_failed_call():
         assert torch.equal(ffn_decode_split(x, wg, wd.T.contiguous(), w_up=wu, scratch=scratch, config=cfg), y), name
 
 
-@pytest.mark.parametrize("M,gated", [(5, True), (37, False), (64, True)])
-def test_decode_split_with_buffers_of_one_call(M, gated, monkeypatch):
+@pytest.mark.parametrize("M,gated,capacity", [(5, True, 8192), (37, False, 8192), (64, True, 8192), (37, True, 9)])
+def test_decode_split_with_buffers_of_one_call(M, gated, capacity, monkeypatch):
     """SplitScratch.for_one_call (twell.dispatch.DECODE_SCRATCH off): an accumulator of exactly
     M rows and the list's length zeroed in one allocation, the list itself left as the allocator
     gave it (here: entries that point at real units, NaN gate values, which must never be read;
     every torch.empty NaN- or I16-filled with guard rows after it, y's included); the dense
-    answer and the number of fires; the launcher's check takes it for at most M tokens."""
+    answer and the number of fires (with a list of 9 entries, most fires past it: the gate's own
+    exact path adds them into the M-row accumulator); the launcher's check takes it for at most
+    M tokens."""
     from twell.kernels.decode_split import SplitScratch, decode_split_launch, ffn_decode_split
 
     d, f = 24, 37
     x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + 11)
     handed = guard_empty(monkeypatch)
-    sc = SplitScratch.for_one_call(M, d, f, torch.float32, "cpu")
+    sc = SplitScratch.for_one_call(M, d, f, torch.float32, "cpu", capacity=capacity)
     assert sc.acc.shape == (M, d) and sc.count.dtype == torch.int32 and torch.all(sc.count == 0)
     sc.entries.copy_(torch.arange(sc.capacity, dtype=torch.int32) % (f * 64))
     sc.gates.fill_(float("nan"))

@@ -1309,7 +1309,16 @@ def test_decode_keeps_no_buffers_when_asked(monkeypatch):
                 assert state.last_decode_kernels == kernels, M
                 assert state.scratch is None and state.split_scratch is None
     assert set(dispatch._SCRATCH.keys()) == before
+    # a kept accumulator from before the flag went off is not used (NaN-filled here)
+    from twell.kernels.decode_fused import DecodeScratch
+
     state = layers[0]._twell_layer
+    state.scratch = DecodeScratch(40, "cpu")
+    state.scratch.acc.fill_(float("nan"))
+    x = torch.randn(2, 40)
+    with torch.no_grad():
+        assert rel_err(layers[0](x), _dense(layers[0], x)) < 1e-5 and state.last_decode_kernels == "fused"
+    state.scratch = None
     state.k_est, state.union_rate = 0.5, None  # 64 tokens: 32 fires, 27% of the units
     assert state.choose(64, 100, "auto", None, True, torch.randn(64, 40)) == "decode"
     assert state._split_for(torch.randn(64, 40), 64, 100).acc.shape == (64, 40)

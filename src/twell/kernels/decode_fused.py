@@ -12,8 +12,9 @@ Here one program per block of ``BU`` units does all of it::
                                                           (rows m with an active unit in the block)
 
 and ``y = acc`` rounded to x's dtype after the kernel by ``_write_out_kernel``, which also
-zeroes the accumulator for the next call: with a kept one (a :class:`DecodeScratch`, up to 16
-tokens) two launches per call, else three (a fresh buffer's zero fill first). Only
+zeroes the accumulator for the next call: with a kept one (a :class:`DecodeScratch`: 16 rows,
+or 64 where :mod:`twell.dispatch` shares it with the split kernels) two launches per call, else
+three (a fresh buffer's zero fill first). Only
 the first kernel reads weights. The adds are ordered before the write-out by the kernel
 boundary: on Hopper the write-out is a programmatic dependent launch that starts early and waits
 (``griddepcontrol.wait``) until the kernel has completed and its writes are visible. A first

@@ -29,7 +29,8 @@ writes are visible.
 
 The buffers live in a :class:`SplitScratch` that the caller keeps (:mod:`twell.dispatch` shares
 one among a device's layers of one shape; one stream at a time); every call leaves it zeroed and
-its list empty. The down sums run in fp32 in whatever
+its list empty. Or they are the call's own (:meth:`SplitScratch.for_one_call`, what
+``twell.dispatch.DECODE_SCRATCH = False`` takes): then a zero fill comes first, four launches. The down sums run in fp32 in whatever
 order the programs finish: exact up to rounding, not bit-reproducible.
 
 Measured (H200, bf16, d 2048, f 5632, CUDA graphs, L2 flushed; benchmarks/NOTES_decode.md, tenth
@@ -207,12 +208,12 @@ class SplitScratch:
     accumulator) and empty (the list) by every call.
 
     Attributes: ``acc [64, d]`` fp32 (shared with a :class:`twell.kernels.decode_fused.DecodeScratch`
-    of 64 rows when given); ``entries [capacity]`` int32, the list (``u * 64 + m``);
+    of 64 rows when given; ``[M, d]`` from :meth:`for_one_call`); ``entries [capacity]`` int32, the list (``u * 64 + m``);
     ``gates [capacity]`` relu(a) of each entry in the inputs' dtype; ``count [2]`` int32: the
     list's length during a call (``count[0]``) and the last call's number of fires
     (``count[1]``). About ``6 capacity`` bytes besides the accumulator: 48 KB at the default
-    capacity, bf16. Make it outside a CUDA graph capture: a buffer from a capture's memory pool
-    is the graph's."""
+    capacity, bf16. Make a kept one outside a CUDA graph capture: a buffer from a capture's
+    memory pool is the graph's (one for a single call, :meth:`for_one_call`, may come from it)."""
 
     def __init__(self, d: int, f: int, dtype: torch.dtype, device, capacity: int = SPLIT_CAPACITY,
                  acc: Optional[torch.Tensor] = None) -> None:
@@ -427,7 +428,7 @@ def ffn_decode_split(
     row_nnz: Optional[torch.Tensor] = None,
     config: Optional[SplitConfig] = None,
 ) -> torch.Tensor:
-    """The whole FFN of at most 64 tokens in three launches (see the module's text).
+    """The whole FFN of at most 64 tokens in three launches, four with buffers of its own (see the module's text).
 
     Args:
         x: ``[M, d]`` tokens, ``M <= 64`` (fp16, bf16 or fp32; unit-stride rows).
