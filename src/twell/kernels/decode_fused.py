@@ -317,7 +317,8 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
     (the batch is one chunk of M tokens). ``unit_counts [f]`` is overwritten, ``row_nnz [M]``
     added to (pass zeros). With a ``scratch`` (for x's d and device) the call is two launches
     (the fused kernel, then one that writes y and zeroes the scratch); without, three (a zero
-    fill of a fresh buffer, the fused kernel, the same write-out)."""
+    fill of a fresh buffer, the fused kernel, the same write-out), or two for fp32 (the fresh
+    buffer is y)."""
     M, d = x.shape
     f = w_first.shape[0]
     if M == 0 or d == 0 or f == 0:
@@ -351,6 +352,8 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
                 GATED=w_up is not None, TRACK=track, PREC=dot_precision(x), GDC=gdc,
                 num_warps=nw, num_stages=ns,
             )
+        if scratch is None and x.dtype == torch.float32:
+            return acc, counts, M  # a fresh fp32 accumulator is y already
         try:
             y = launch_write_out(acc, M, x.dtype, gdc)
         except BaseException:
