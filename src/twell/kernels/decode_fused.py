@@ -331,8 +331,10 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
     track = unit_counts is not None
     w_up_ = w_up if w_up is not None else w_first
-    # the write-out as a programmatic dependent launch of the kernel
-    gdc = pdl_ok(x)
+    # the write-out (none for a fresh fp32 accumulator: it is y) as a programmatic dependent
+    # launch of the kernel
+    write_out = scratch is not None or x.dtype != torch.float32
+    gdc = write_out and pdl_ok(x)
     args = (x, x.stride(0), w_first, w_first.stride(0), w_up_, w_up_.stride(0), w_down_t, w_down_t.stride(0),
             acc, counts, unit_counts if track else counts, row_nnz if track else counts, M, d, f)
     with on_device_of(x):
@@ -352,8 +354,8 @@ def decode_fused_launch(x, w_first, w_down_t, w_up=None, unit_counts=None, row_n
                 GATED=w_up is not None, TRACK=track, PREC=dot_precision(x), GDC=gdc,
                 num_warps=nw, num_stages=ns,
             )
-        if scratch is None and x.dtype == torch.float32:
-            return acc, counts, M  # a fresh fp32 accumulator is y already
+        if not write_out:
+            return acc, counts, M
         try:
             y = launch_write_out(acc, M, x.dtype, gdc)
         except BaseException:

@@ -30,8 +30,9 @@ writes are visible.
 The buffers live in a :class:`SplitScratch` that the caller keeps (:mod:`twell.dispatch` shares
 one among a device's layers of one shape; one stream at a time); every call leaves it zeroed and
 its list empty. Or they are the call's own (:meth:`SplitScratch.for_one_call`, what
-``twell.dispatch.DECODE_SCRATCH = False`` takes): then a zero fill comes first, four launches. The down sums run in fp32 in whatever
-order the programs finish: exact up to rounding, not bit-reproducible.
+``twell.dispatch.DECODE_SCRATCH = False`` takes): then a zero fill comes first, four launches.
+The down sums run in fp32 in whatever order the programs finish: exact up to rounding, not
+bit-reproducible.
 
 Measured (H200, bf16, d 2048, f 5632, CUDA graphs, L2 flushed; benchmarks/NOTES_decode.md, tenth
 session): 18 to 20 us at 8 and 16 tokens for k 8 to 56 (dense 40 to 41 us, the fused kernel 28.5
@@ -208,7 +209,8 @@ class SplitScratch:
     accumulator) and empty (the list) by every call.
 
     Attributes: ``acc [64, d]`` fp32 (shared with a :class:`twell.kernels.decode_fused.DecodeScratch`
-    of 64 rows when given; ``[M, d]`` from :meth:`for_one_call`); ``entries [capacity]`` int32, the list (``u * 64 + m``);
+    of 64 rows when given; ``[M, d]`` from :meth:`for_one_call`); ``entries [capacity]`` int32,
+    the list (``u * 64 + m``);
     ``gates [capacity]`` relu(a) of each entry in the inputs' dtype; ``count [2]`` int32: the
     list's length during a call (``count[0]``) and the last call's number of fires
     (``count[1]``). About ``6 capacity`` bytes besides the accumulator: 48 KB at the default
