@@ -973,7 +973,7 @@ def test_prefill_probe_publishes_rows_and_overflowed_tiles(track, monkeypatch):
         for lin, w in ((m.gate_proj, wg), (m.up_proj, wu), (m.down_proj, wd)):
             lin.weight.copy_(w)
     published = []
-    monkeypatch.setattr(LayerState, "_publish_rows", lambda self, per_row, over, *a: published.append((per_row, over)))
+    monkeypatch.setattr(LayerState, "_publish_rows", lambda self, per_row, over, *a, **k: published.append((per_row, over)))
     pre = x @ wg.T
     g = pack_twell(torch.relu(pre), 32, ops.DEFAULT_COMPRESSION)
     over_tiles = int(g.overflowed().sum())

@@ -127,6 +127,25 @@ FUSED_WIDE_M_BY_D: dict[int, int] = {4096: 16}
 # once are then safe too.
 DECODE_SCRATCH = True
 SHARE_DECODE_BUFFERS = True
+# Hot units (twell.kernels.hot_units): on the prefill path, eager calls of at least HOT_MIN_M
+# tokens compute the layer's most frequently active units as one dense block, the rest through
+# TwELL. Each probe counts how often every unit fires over HOT_SAMPLE rows of the call's gate;
+# the units firing for at least HOT_MIN_RATE of them (the most frequent HOT_MAX_UNITS, rounded
+# down to a multiple of HOT_UNIT_STEP) become the layer's hot set once the count reaches the
+# host, if there are at least HOT_MIN_UNITS. A
+# dense column costs about 4 d flops per token, an entry about 1 ns of gathers; HOT_UNIT_COST
+# is a hot unit's time in active units per token (H100, d 2048, f 5632, 131072 tokens: 256 hot
+# units took 0.9 ms, about 7 units' gathers; benchmarks/hot_units_probe.py, NOTES_inference
+# fifty-fourth session). Not inside CUDA graph captures: a replay would keep the set it was
+# captured with while the layer's set moves on.
+HOT_UNITS = True
+HOT_MIN_M = 16384
+HOT_SAMPLE = 2048
+HOT_MIN_RATE = 0.012
+HOT_MAX_UNITS = 512
+HOT_MIN_UNITS = 64
+HOT_UNIT_STEP = 64
+HOT_UNIT_COST = 0.03
 # The split decode kernels (twell.kernels.decode_split) instead of the fused kernel, from
 # SPLIT_MIN_M to their SPLIT_MAX_M (64) tokens while the batch's expected fires (its tokens times
 # the root mean square of the layer's active units per token) are at most SPLIT_MAX_FIRES. In
@@ -383,6 +402,10 @@ class LayerState:
         # the trial choose() gave this call (run() takes it at once)
         self.timer = None
         self._trial = None
+        # the prefill path's hot units (twell.kernels.hot_units.HotUnits, HOT_UNITS), and the unit
+        # counts of the probe in flight that the next set is taken from
+        self.hot = None
+        self._unit_freq = None
 
     @property
     def module(self):
@@ -404,6 +427,11 @@ class LayerState:
             vals = [float(v) for v in self._host.tolist()]
             a, b, c, e = vals[:4]
             dense, la, lb, lc = vals[4:8] if len(vals) >= 8 else (0.0, a, b, c)
+            # a prefill probe's hot units: its row counts are the cold units' (the pack left the
+            # hot ones out), and the hot block's time adds to the call's; then the count of units
+            # firing at HOT_MIN_RATE or more, for the next hot set
+            n_used, n_fit = (vals[8], vals[9]) if len(vals) >= 10 else (0.0, -1.0)
+            la += HOT_UNIT_COST * n_used
             if self._union_m:  # a small dense call: e is the share of units active in its batch
                 self._fit_union(e, self._union_m)
                 e = 0.0
@@ -412,6 +440,24 @@ class LayerState:
             self.estimate = (la + self.RMS_WEIGHT * max(0.0, lb - la) + max(dense, e) * self._dense_row_cost(), lc)
             self.k_est, self.k_rms = a, b
             self._event = None
+            if n_fit >= 0:
+                self._set_hot(int(n_fit))
+
+    def _set_hot(self, n: int) -> None:
+        """The hot set from the last prefill probe's unit counts: its ``min(n, HOT_MAX_UNITS)``
+        most frequent units, rounded down to a multiple of ``HOT_UNIT_STEP`` (device ops only),
+        or none below ``HOT_MIN_UNITS``."""
+        freq, self._unit_freq = self._unit_freq, None
+        # a multiple of HOT_UNIT_STEP: cuBLAS's fast products want rows of 16-byte multiples (on
+        # the H100, 317 and 403 hot units made the module 0.3 ms slower at 16384 and 8192 tokens
+        # than without hot units, where 256 were 0.1 ms faster)
+        n = min(n, HOT_MAX_UNITS) // HOT_UNIT_STEP * HOT_UNIT_STEP
+        if freq is None or n < HOT_MIN_UNITS:
+            self.hot = None
+            return
+        from .kernels.hot_units import hot_units
+
+        self.hot = hot_units(torch.topk(freq, n, sorted=False).indices, freq.shape[0])
 
     def _fit_union(self, share: float, m: int) -> None:
         """Fit :attr:`union_rate` to ``share`` measured over a batch of ``m`` tokens, unless the
@@ -530,8 +576,8 @@ class LayerState:
         return self._calls % every == 1 or self.k_est is None or self._union_fit_m < M <= _fused_max_m()
 
     def _publish(self, values: torch.Tensor, no_overflow: bool = False) -> None:
-        """Copy ``values`` (:func:`row_stats`' [8] float32 on the GPU) to pinned host memory
-        without blocking."""
+        """Copy ``values`` (:func:`row_stats`' [8] float32 on the GPU, and a prefill probe's two
+        hot-unit figures) to pinned host memory without blocking."""
         if not values.is_cuda:
             return
         self._no_overflow = no_overflow
@@ -543,15 +589,17 @@ class LayerState:
         self._event.record(torch.cuda.current_stream(values.device))
 
     def _publish_rows(self, per_row: torch.Tensor, over_per_token: Optional[torch.Tensor],
-                      union: Optional[torch.Tensor] = None, union_m: int = 0) -> None:
+                      union: Optional[torch.Tensor] = None, union_m: int = 0,
+                      hot: Optional[torch.Tensor] = None) -> None:
         """per_row: ``[n]`` active units of (a sample of) the call's rows, float32;
         over_per_token: overflowed tiles per token (None: no overflow on this path); union: the
         share of units active for some token of the call's ``union_m`` tokens (small dense calls;
-        it takes the overflow slot)."""
+        it takes the overflow slot); hot: ``[2]`` float32, the hot units the call used and the
+        units firing at ``HOT_MIN_RATE`` or more (prefill probes)."""
         if per_row.numel():
             self._union_m = union_m if union is not None else 0
-            self._publish(row_stats(per_row, over_per_token if union is None else union),
-                          no_overflow=over_per_token is None)
+            values = row_stats(per_row, over_per_token if union is None else union)
+            self._publish(values if hot is None else torch.cat([values, hot]), no_overflow=over_per_token is None)
 
     # -- the paths ------------------------------------------------------------------------------
 
@@ -625,7 +673,7 @@ class LayerState:
         probe = M > 0 and self._want_probe(mode, capturing, M)
         timing = self.timer.start(trial, path, x.device) if trial is not None else None
         if path == "prefill":
-            y = self._prefill(m, x, w_first, w_down_t, w_up, track, probe, out)
+            y = self._prefill(m, x, w_first, w_down_t, w_up, track, probe, out, capturing)
         else:
             y = self._dense(m, x, w_first, w_down, w_up, track, probe, capturing, out)
         if timing is not None:
@@ -728,8 +776,20 @@ class LayerState:
             key = ("list", x.device, d, f, x.dtype, None if acc is None else acc.data_ptr(), self._owner())
             self.split_scratch = _shared_scratch(key, lambda: SplitScratch(d, f, x.dtype, x.device, acc=acc))
 
-    def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe, out=None):
+    def _hot_for(self, x, w_down_t, w_up, M: int, f: int, capturing: bool):
+        """The hot set this prefill call takes (HOT_UNITS), or None."""
+        from .kernels import updown
+        from .kernels.heavy_rows import weights_addressable
+
+        hot = self.hot
+        if (hot is None or not HOT_UNITS or capturing or M < max(HOT_MIN_M, updown.TWO_PASS_MIN_M) or hot.f != f
+                or hot.units.device != x.device or not weights_addressable(w_down_t, w_up)):
+            return None
+        return hot
+
+    def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe, out=None, capturing=False):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu
+        from .kernels.gate_pack import pack_relu_hot
         from .kernels.updown import default_config, splits
         from .ops import DEFAULT_COMPRESSION, default_tile
 
@@ -738,18 +798,33 @@ class LayerState:
             self.counters = OverflowCounters.zeros(x.device)
         before = self.counters.tiles.clone() if probe else None
         pre = torch.mm(x, w_first.t())  # cuBLAS gate (measured faster than a fused Triton gate)
+        hot_fit = None
+        if probe and HOT_UNITS and x.is_cuda:
+            # how often each unit fires, before the rows computed whole overwrite theirs of pre
+            self._unit_freq = (pre[:HOT_SAMPLE] > 0).sum(dim=0, dtype=torch.float32)
+            hot_fit = (self._unit_freq >= HOT_MIN_RATE * min(M, HOT_SAMPLE)).sum(dtype=torch.float32)
         tile = default_tile(f)
-        g = pack_relu(pre, tile, DEFAULT_COMPRESSION)
+        hot = self._hot_for(x, w_down_t, w_up, M, f, capturing)
+        if hot is None:
+            g, hot_args = pack_relu(pre, tile, DEFAULT_COMPRESSION), None
+        else:
+            g, g_hot = pack_relu_hot(pre, hot, tile, DEFAULT_COMPRESSION)
+            hot_args = (g_hot, hot)
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
         be, nw = default_config(x.shape[1], self.k_est, split=splits(M, w_up is not None, d=x.shape[1]), rms_k=self.k_rms)
         y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz,
-                           block_e=be, num_warps=nw, out=out, pre_writable=True)  # pre is ours: dense overflowed rows
+                           block_e=be, num_warps=nw, out=out, pre_writable=True,  # pre is ours: dense overflowed rows
+                           hot=hot_args)
         if track:
             m._record_counts(nnz, uc)
         if probe:
-            per_row = nnz if track else g.counts.sum(dim=1)
-            self._publish_rows(per_row.float(), (self.counters.tiles - before).float() / M)
+            # the cold units' counts where a hot block ran (the estimate prices it apart)
+            per_row = nnz if track and hot is None else g.counts.sum(dim=1)
+            extra = None
+            if hot_fit is not None:
+                extra = torch.stack([hot_fit.new_full((), 0.0 if hot is None else float(hot.n)), hot_fit])  # (no host copy)
+            self._publish_rows(per_row.float(), (self.counters.tiles - before).float() / M, hot=extra)
         return y
 
     def _dense(self, m, x, w_first, w_down, w_up, track, probe, capturing=False, out=None):

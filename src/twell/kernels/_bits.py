@@ -80,3 +80,21 @@ def write_step_entries(words, before, c0, a_row, val_row, col_row, limit, WPB: t
         rest = rest ^ low
         slot += 1
     return tl.sum(bits, axis=1)
+
+
+@triton.jit
+def write_hot_entries(words, c0, a_row, hot_row, pos_tile, WPB: tl.constexpr):
+    """The hot units' entries of one step (:mod:`twell.kernels.hot_units`): ``words [BM, WPB]``
+    are the step's bit words masked to the hot columns; each set bit's value (read back from
+    ``a_row[r]``) goes to ``hot_row[r] + pos_tile[col]``, its unit's place in the hot set. The
+    same rounds as :func:`write_step_entries`, one per bit of the fullest word."""
+    wib = tl.arange(0, WPB)
+    rest = words
+    for _ in range(0, tl.max(tl.max(popcount(words), axis=1), axis=0)):
+        low = rest & (-rest)
+        col = c0 + wib[None, :] * 32 + bit_position(low)
+        ok = rest != 0
+        v = tl.load(a_row[:, None] + col, mask=ok, other=0.0)
+        p = tl.load(pos_tile + col, mask=ok, other=0)
+        tl.store(hot_row[:, None] + p, v, mask=ok)
+        rest = rest ^ low

@@ -45,10 +45,11 @@ from ..checks import KERNEL_DTYPES, check_config, check_launchable, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
 from ._activity import fires
 from ._dot import dot_operand, dot_precision
-from ._bits import step_bit_words, write_step_entries
+from ._bits import step_bit_words, write_hot_entries, write_step_entries
 from ._launch import on_device_of
+from .hot_units import HotUnits
 
-__all__ = ["pack_relu", "gate_pack_fused", "gate_pack_persistent", "empty_twell"]
+__all__ = ["pack_relu", "pack_relu_hot", "gate_pack_fused", "gate_pack_persistent", "empty_twell"]
 
 
 def empty_twell(M: int, f: int, tile: int, compression: int, dtype, device) -> TwELL:
@@ -111,12 +112,16 @@ def _pack_relu_kernel(
 def _pack_relu_bits_kernel(
     a_ptr, stride_am,
     val_ptr, col_ptr, cnt_ptr,
+    hw_ptr, hpos_ptr, hot_ptr, n_hot,
     M, f, SLOTS, N_TILES,
-    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HOT: tl.constexpr,
 ):
     # One pass over (BM rows, tile) in steps of BN columns: each step's bit words, then its
     # entries written at once (twell.kernels._bits). Slots past SLOTS belong to a tile that
     # overflows: its count says so and consumers recompute it without reading its slots.
+    # HOT: the hot units' bits (hw_ptr, twell.kernels.hot_units) are taken out of the words, so
+    # the TwELL and its counts hold the cold units only, and their firing values go to row r's
+    # place in hot_ptr ([M, n_hot], zero-filled by the caller).
     pid_m = tl.program_id(0)
     t = tl.program_id(1)
     rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -127,6 +132,11 @@ def _pack_relu_bits_kernel(
     run = tl.zeros([BM], dtype=tl.int32)  # entries of the row so far in this tile
     for c0 in range(0, width, BN):
         words = step_bit_words(a_row, c0, width, rmask, BN // 32)
+        if HOT:
+            w_idx = (t * TILE + c0) // 32 + tl.arange(0, BN // 32)
+            hw = tl.load(hw_ptr + w_idx, mask=w_idx < (f + 31) // 32, other=0)
+            write_hot_entries(words & hw[None, :], c0, a_row, hot_ptr + rows * n_hot, hpos_ptr + t * TILE, BN // 32)
+            words = words & ~hw[None, :]
         run += write_step_entries(words, run, c0, a_row, val_ptr + out_row, col_ptr + out_row, SLOTS, BN // 32)
     tl.store(cnt_ptr + rows * N_TILES + t, run, mask=rmask)
 
@@ -156,7 +166,8 @@ def bits_config(M: int) -> tuple[int, int, int]:
 
 
 def pack_relu(
-    a: torch.Tensor, tile: int = 256, compression: int = 4, method: str = "auto", config: Optional[tuple[int, int, int]] = None
+    a: torch.Tensor, tile: int = 256, compression: int = 4, method: str = "auto", config: Optional[tuple[int, int, int]] = None,
+    _hot: Optional[tuple[HotUnits, torch.Tensor]] = None,
 ) -> TwELL:
     """Pack ``relu(a)`` into TwELL with one pass over ``a``.
 
@@ -188,6 +199,7 @@ def pack_relu(
     if a.stride(1) != 1:
         a = a.contiguous()
     M, f = a.shape
+    hot, hot_out = _hot if _hot is not None else (None, None)  # (pack_relu_hot's, checked there)
     out = empty_twell(M, f, tile, compression, a.dtype, a.device)
     if M == 0 or f == 0:
         return out
@@ -209,10 +221,35 @@ def pack_relu(
     else:
         with on_device_of(a):
             _pack_relu_bits_kernel[grid](
-                a, a.stride(0), out.values, out.cols, out.counts, M, f, out.slots, out.n_tiles,
-                TILE=tile, BM=BM, BN=BN, num_warps=nw,
+                a, a.stride(0), out.values, out.cols, out.counts,
+                *((hot.words, hot.pos, hot_out, hot.n) if hot is not None else (out.counts, out.counts, a, 0)),
+                M, f, out.slots, out.n_tiles,
+                TILE=tile, BM=BM, BN=BN, HOT=hot is not None, num_warps=nw,
             )
     return out
+
+
+def pack_relu_hot(a: torch.Tensor, hot: HotUnits, tile: int = 256, compression: int = 4,
+                  config: Optional[tuple[int, int, int]] = None) -> tuple[TwELL, torch.Tensor]:
+    """:func:`pack_relu` (bit-word pack) of the cold units only, and the hot units' ``relu``.
+
+    Args:
+        a: ``[M, f]`` pre-activation; hot: the hot set (:func:`twell.kernels.hot_units.hot_units`,
+            for ``f`` units, on a's device); tile, compression, config: as :func:`pack_relu`.
+
+    Returns:
+        ``(g, g_hot)``: g the TwELL of ``relu(a)`` with the hot units' columns left out (counts
+        too); ``g_hot [M, nh]`` (a's dtype) ``relu(a[:, hot.units])``, from the same pass.
+    """
+    _check_pre(a, "a")
+    if not isinstance(hot, HotUnits):
+        raise TypeError(f"hot must be a twell.kernels.hot_units.HotUnits, got {type(hot).__name__}")
+    hot.check(a.shape[1], a.device)
+    if tile < 32:
+        raise ValueError(f"pack_relu_hot takes the bit-word pack, which needs tile >= 32, got {tile}")
+    g_hot = torch.zeros(a.shape[0], hot.n, dtype=a.dtype, device=a.device)
+    g = pack_relu(a, tile, compression, "bits", config, _hot=(hot, g_hot))
+    return g, g_hot
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from ._activity import fires
 from ._dot import dot_operand, dot_precision
 from ._launch import on_device_of
 from .heavy_rows import launch_heavy_rows, weights_addressable
+from .hot_units import HotUnits, hot_block
 
 __all__ = ["ffn_from_twell", "OverflowCounters"]
 
@@ -497,6 +498,18 @@ def _shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
+def _count_hot(g: TwELL, g_hot: torch.Tensor, hot: HotUnits, row_limit: int, unit_counts: torch.Tensor,
+               row_nnz: torch.Tensor) -> None:
+    """The statistics of the hot units, which the TwELL ``g`` leaves out: every row's count, and
+    each unit's tokens over the rows not computed whole (those count all their units
+    themselves, :func:`twell.kernels.heavy_rows.launch_heavy_rows`)."""
+    fire = g_hot != 0  # the pack stored the units that fire (NaN too), zeros elsewhere
+    row_nnz += fire.sum(dim=1, dtype=torch.int32)
+    over = g.counts > g.slots
+    whole = over.any(dim=1) | (g.counts.sum(dim=1) > row_limit)  # as _dense_row lists them
+    unit_counts.index_add_(0, hot.units, (fire & ~whole[:, None]).sum(dim=0, dtype=torch.int32))
+
+
 def ffn_from_twell(
     x: torch.Tensor,
     g: TwELL,
@@ -513,6 +526,7 @@ def ffn_from_twell(
     num_warps: Optional[int] = None,
     kernel: str = "auto",
     pre_writable: bool = False,
+    hot: Optional[tuple[torch.Tensor, HotUnits]] = None,
 ) -> torch.Tensor:
     """``y [M, d]`` from a TwELL: gated up/down when ``w_up`` is given, else the down projection.
 
@@ -547,6 +561,14 @@ def ffn_from_twell(
             ``"rows"``: token blocks on tensor cores (needs a one-tile TwELL, ``tile >= f``),
             then the exact path for overflowed rows. ``"rows"`` measured 2.5 to 3 times slower
             than ``"token"`` on the H200 (benchmarks/NOTES_inference.md) and is kept for study.
+
+        hot: ``(g_hot, units)`` from :func:`twell.kernels.gate_pack.pack_relu_hot`: ``g`` holds
+            the cold units only and ``g_hot [M, nh]`` the hot units' ``relu`` of the first
+            projection, added as one dense block (:func:`twell.kernels.hot_units.hot_block`)
+            before the rows computed whole are written over. Needs the dense-rows path
+            (``pre`` given, ``pre_writable``, at least ``TWO_PASS_MIN_M`` tokens, any kernel but
+            ``"rows"``): there every overflowed tile's row is computed whole from ``pre``, whose
+            hot columns the pack left as they were.
 
     Returns:
         ``y [M, d]``.
@@ -632,6 +654,19 @@ def ffn_from_twell(
     # overflowed and long rows whole, on tensor cores (see DENSE_ROWS_CONFIG; x's rows at any stride)
     dense_rows = (pre is not None and pre_writable and not rows_kernel and M >= TWO_PASS_MIN_M
                   and weights_addressable(w_down_t, w_up))  # (else the exact launch below, as without pre_writable)
+    if hot is not None:
+        g_hot, hot_set = hot
+        if not isinstance(hot_set, HotUnits):
+            raise TypeError(f"hot must be (g_hot, HotUnits), got a {type(hot_set).__name__} for its units")
+        hot_set.check(f, x.device)
+        check_tensor(g_hot, "g_hot", dim=2, dtypes=KERNEL_DTYPES)
+        if tuple(g_hot.shape) != (M, hot_set.n) or g_hot.dtype != x.dtype or not g_hot.is_contiguous() or g_hot.device != x.device:
+            raise ValueError(f"g_hot must be a contiguous [{M}, {hot_set.n}] {x.dtype} tensor on {x.device}, "
+                             f"got {list(g_hot.shape)} {g_hot.dtype} on {g_hot.device}")
+        if not dense_rows:
+            # the per-token exact launch would add the hot units of an overflowed tile again
+            raise ValueError(f"hot units need the dense-rows path: pre given, pre_writable=True, at least "
+                             f"TWO_PASS_MIN_M = {TWO_PASS_MIN_M} tokens (got {M}), kernel other than 'rows'")
     row_limit = DENSE_ROW_MIN
     D = triton.next_power_of_2(max(d, 1))
     gated = w_up is not None
@@ -676,6 +711,11 @@ def ffn_from_twell(
             )
 
         def exact_launch():
+            if hot is not None:
+                # before the rows computed whole are written over: theirs include the hot units
+                hot_block(x, hot[0], hot[1], w_down_t, out, w_up)
+                if unit_counts is not None:
+                    _count_hot(g, hot[0], hot[1], row_limit, unit_counts, row_nnz)
             if not dense_rows:
                 token_kernel(True, False, *EXACT_CONFIG)  # the overflowed tiles, added to y
                 return
