@@ -184,9 +184,15 @@ def test_poll_takes_the_hot_set_from_a_prefill_probe(monkeypatch):
     per_row = torch.tensor([10.0, 10.0, 10.0, 10.0])
     freq = torch.arange(200, dtype=torch.float32).flip(0)  # unit j fires 199 - j times
     freq[[150, 160]] = 500.0  # two frequent units far from the others
+    def poll():
+        s._poll()
+        if s._hot_pending is not None:  # what the next eager prefill call does first
+            s._set_hot(s._hot_pending)
+            s._hot_pending = None
+
     s._unit_freq = freq.clone()
     s._host, s._event, s._no_overflow = torch.cat([row_stats(per_row, torch.tensor(0.0)), torch.tensor([64.0, 127.0])]), _Done(), False
-    s._poll()
+    poll()
     assert s.estimate == pytest.approx((10.0 + 64 * dispatch.HOT_UNIT_COST, 10.0))
     # 127 units at the rate: the 64 most frequent (a multiple of HOT_UNIT_STEP)
     assert s.hot is not None and s.hot.units.tolist() == sorted([150, 160, *range(62)]) and s._unit_freq is None
@@ -195,15 +201,15 @@ def test_poll_takes_the_hot_set_from_a_prefill_probe(monkeypatch):
     monkeypatch.setattr(dispatch, "HOT_MAX_UNITS", 33)
     s._unit_freq = freq.clone()
     s._host, s._event = torch.cat([row_stats(per_row, torch.tensor(0.0)), torch.tensor([40.0, 40.0])]), _Done()
-    s._poll()
+    poll()
     assert s.hot.units.tolist() == sorted([150, 160, *range(31)])
     s._unit_freq = freq.clone()
     s._host, s._event = torch.cat([row_stats(per_row, torch.tensor(0.0)), torch.tensor([0.0, 31.0])]), _Done()
-    s._poll()
+    poll()
     assert s.hot is None and s.estimate == pytest.approx((10.0, 10.0))
     s.hot = hot_units(torch.tensor([1, 2]), 200)
     s._host, s._event, s._no_overflow = row_stats(per_row), _Done(), True  # a dense probe
-    s._poll()
+    poll()
     assert s.hot is not None and s.hot.n == 2
 
 
@@ -245,15 +251,25 @@ def test_module_prefill_with_hot_units(monkeypatch):
     assert s._hot_for(x, w_down_t, wu, M, f, True) is None  # capturing
     assert s._hot_for(x, w_down_t, wu, 9, f, False) is None  # below HOT_MIN_M
     assert s._hot_for(x, w_down_t, wu, M, f + 1, False) is None
+    # a new set waits for an eager call: the compiled op's calls (keep False) leave it pending
+    s._hot_pending, s._unit_freq = 64, torch.zeros(f)
+    before = s.hot
+    with torch.no_grad():
+        s._prefill(mods["prefill"], x, wg, w_down_t, wu, False, False, keep=False)
+    assert s._hot_pending == 64 and s.hot is before and len(calls) == 2
+    with torch.no_grad():
+        s._prefill(mods["prefill"], x, wg, w_down_t, wu, False, False)
+    assert s._hot_pending is None and s.hot is not before and s.hot.n == 64
     monkeypatch.setattr(dispatch, "HOT_UNITS", False)
+    s.hot = before
     assert s._hot_for(x, w_down_t, wu, M, f, False) is None
     with torch.no_grad():
         mods["prefill"](x)
-    assert len(calls) == 1
+    assert len(calls) == 3
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [16384, 65536])
+@pytest.mark.parametrize("M", [65536, 131072])
 def test_gpu_module_takes_hot_units_on_a_skewed_layer(M):
     """Real shape, bf16, skewed units (with a fully dense row and an all-zero row): after its
     first prefill probe the layer holds a hot set of HOT_MIN_UNITS to HOT_MAX_UNITS units and its calls

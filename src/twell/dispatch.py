@@ -137,9 +137,11 @@ SHARE_DECODE_BUFFERS = True
 # is a hot unit's time in active units per token (H100, d 2048, f 5632, 131072 tokens: 256 hot
 # units took 0.9 ms, about 7 units' gathers; benchmarks/hot_units_probe.py, NOTES_inference
 # fifty-fourth session). Not inside CUDA graph captures: a replay would keep the set it was
-# captured with while the layer's set moves on.
+# captured with while the layer's set moves on. HOT_MIN_M: the hot block's seven launches cost
+# the host about 0.1 ms; at 16384 tokens, where an eager call's host time is close to its GPU
+# time, it read +10% on one H100 machine and -10% on another (8192: -20%).
 HOT_UNITS = True
-HOT_MIN_M = 16384
+HOT_MIN_M = 65536
 HOT_SAMPLE = 2048
 HOT_MIN_RATE = 0.012
 HOT_MAX_UNITS = 512
@@ -406,6 +408,7 @@ class LayerState:
         # counts of the probe in flight that the next set is taken from
         self.hot = None
         self._unit_freq = None
+        self._hot_pending: Optional[int] = None
 
     @property
     def module(self):
@@ -441,7 +444,7 @@ class LayerState:
             self.k_est, self.k_rms = a, b
             self._event = None
             if n_fit >= 0:
-                self._set_hot(int(n_fit))
+                self._hot_pending = int(n_fit)  # made by the next eager prefill call (_prefill)
 
     def _set_hot(self, n: int) -> None:
         """The hot set from the last prefill probe's unit counts: its ``min(n, HOT_MAX_UNITS)``
@@ -673,7 +676,7 @@ class LayerState:
         probe = M > 0 and self._want_probe(mode, capturing, M)
         timing = self.timer.start(trial, path, x.device) if trial is not None else None
         if path == "prefill":
-            y = self._prefill(m, x, w_first, w_down_t, w_up, track, probe, out, capturing)
+            y = self._prefill(m, x, w_first, w_down_t, w_up, track, probe, out, capturing, keep=make_scratch)
         else:
             y = self._dense(m, x, w_first, w_down, w_up, track, probe, capturing, out)
         if timing is not None:
@@ -787,7 +790,7 @@ class LayerState:
             return None
         return hot
 
-    def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe, out=None, capturing=False):
+    def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe, out=None, capturing=False, keep=True):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu
         from .kernels.gate_pack import pack_relu_hot
         from .kernels.updown import default_config, splits
@@ -799,7 +802,12 @@ class LayerState:
         before = self.counters.tiles.clone() if probe else None
         pre = torch.mm(x, w_first.t())  # cuBLAS gate (measured faster than a fused Triton gate)
         hot_fit = None
-        if probe and HOT_UNITS and x.is_cuda:
+        if keep and not capturing and self._hot_pending is not None:
+            # the hot set's tensors are made here, in an eager call: a poll may run inside a
+            # compiled call, whose warm-up allocates from a CUDA graph pool (run's make_scratch)
+            self._set_hot(self._hot_pending)
+            self._hot_pending = None
+        if probe and keep and HOT_UNITS and x.is_cuda:
             # how often each unit fires, before the rows computed whole overwrite theirs of pre
             self._unit_freq = (pre[:HOT_SAMPLE] > 0).sum(dim=0, dtype=torch.float32)
             hot_fit = (self._unit_freq >= HOT_MIN_RATE * min(M, HOT_SAMPLE)).sum(dtype=torch.float32)
