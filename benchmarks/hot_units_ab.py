@@ -25,8 +25,6 @@ for Ms, ks, dists in CASES:
         dispatch.HOT_UNITS = flag
         for r in run_grid([(2048, 5632)], Ms, ks, dists, kernel_k_limit=no_kernels, rep=60, log=lambda s: None):
             r["hot_flag"] = flag
-            if r["M"] < dispatch.HOT_MIN_M:
-                r["hot_units"] = 0  # (a set is kept, but calls below HOT_MIN_M do not take it)
             records.append(r)
             print(f"[hot {flag}] M {r['M']} k {r['k']} {r['distribution']}: dense {r['dense_ms']:.3f} twell {r['twell_ms']:.3f} ms "
                   f"({r['speedup']:.3f}x, {r['twell_path']}, hot {r['hot_units']}) rel_err {r['rel_err']:.1e} "

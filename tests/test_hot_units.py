@@ -177,7 +177,7 @@ def test_poll_takes_the_hot_set_from_a_prefill_probe(monkeypatch):
     HOT_MIN_RATE or more sets the next hot set, the most frequent ones, at most HOT_MAX_UNITS, none
     below HOT_MIN_UNITS; a probe without the figures (the dense path's) leaves the set alone."""
     from twell import dispatch
-    from twell.dispatch import row_stats
+    from twell.dispatch import LayerState, row_stats
 
     m = twell.SparseGatedMLP(8, 200)
     s = m._twell_layer
@@ -207,6 +207,12 @@ def test_poll_takes_the_hot_set_from_a_prefill_probe(monkeypatch):
     s._host, s._event = torch.cat([row_stats(per_row, torch.tensor(0.0)), torch.tensor([0.0, 31.0])]), _Done()
     poll()
     assert s.hot is None and s.estimate == pytest.approx((10.0, 10.0))
+    # the hot block's price adds to the cold rows' cost, and leaves their rms term as it is
+    uneven = torch.tensor([10.0, 10.0, 10.0, 50.0])
+    rms = float(uneven.square().mean().sqrt())
+    s._host, s._event = torch.cat([row_stats(uneven, torch.tensor(0.0)), torch.tensor([128.0, 0.0])]), _Done()
+    poll()
+    assert s.estimate == pytest.approx((20.0 + LayerState.RMS_WEIGHT * (rms - 20.0) + 128 * dispatch.HOT_UNIT_COST, 50.0))
     s.hot = hot_units(torch.tensor([1, 2]), 200)
     s._host, s._event, s._no_overflow = row_stats(per_row), _Done(), True  # a dense probe
     poll()
@@ -242,7 +248,7 @@ def test_module_prefill_with_hot_units(monkeypatch):
     with torch.no_grad():
         y = mods["prefill"](x)
         y_dense = mods["dense"](x)
-    assert calls and mods["prefill"].last_path == "prefill"
+    assert calls and mods["prefill"].last_path == "prefill" and s.last_hot_units == 3
     assert rel_err(y, y_dense) < 1e-5
     st, sd = mods["prefill"].stats, mods["dense"].stats
     assert torch.equal(st.unit_counts, sd.unit_counts) and int(st.active_max) == int(sd.active_max)
@@ -265,7 +271,7 @@ def test_module_prefill_with_hot_units(monkeypatch):
     assert s._hot_for(x, w_down_t, wu, M, f, False) is None
     with torch.no_grad():
         mods["prefill"](x)
-    assert len(calls) == 3
+    assert len(calls) == 3 and s.last_hot_units == 0
 
 
 @pytest.mark.gpu
@@ -303,7 +309,7 @@ def test_gpu_module_takes_hot_units_on_a_skewed_layer(M):
                 y = m(s.x)
             finally:
                 torch.cuda.set_sync_debug_mode(0)
-            assert m.last_path == "prefill"
+            assert m.last_path == "prefill" and lay.last_hot_units == lay.hot.n
             ref = reference_fp32(s.x, s.w_gate, s.w_up, s.w_down)
             _, dense_row = errors(torch.relu(s.x @ s.w_gate.T) * (s.x @ s.w_up.T) @ s.w_down.T, ref)
             rel, row = errors(y, ref)

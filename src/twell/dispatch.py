@@ -409,6 +409,7 @@ class LayerState:
         self.hot = None
         self._unit_freq = None
         self._hot_pending: Optional[int] = None
+        self.last_hot_units = 0  # hot units the last call computed as a dense block (0: none)
 
     @property
     def module(self):
@@ -434,13 +435,13 @@ class LayerState:
             # hot ones out), and the hot block's time adds to the call's; then the count of units
             # firing at HOT_MIN_RATE or more, for the next hot set
             n_used, n_fit = (vals[8], vals[9]) if len(vals) >= 10 else (0.0, -1.0)
-            la += HOT_UNIT_COST * n_used
             if self._union_m:  # a small dense call: e is the share of units active in its batch
                 self._fit_union(e, self._union_m)
                 e = 0.0
             if self._no_overflow:
                 e = 0.0
-            self.estimate = (la + self.RMS_WEIGHT * max(0.0, lb - la) + max(dense, e) * self._dense_row_cost(), lc)
+            self.estimate = (la + self.RMS_WEIGHT * max(0.0, lb - la) + max(dense, e) * self._dense_row_cost()
+                             + HOT_UNIT_COST * n_used, lc)
             self.k_est, self.k_rms = a, b
             self._event = None
             if n_fit >= 0:
@@ -669,6 +670,7 @@ class LayerState:
 
             check_decode_args(x, w_first, w_down_t, w_up)
         self.last_path = path
+        self.last_hot_units = 0  # (the prefill path sets it)
         track = m._tracking()
         if path == "decode":
             # no probe: "auto" decodes only inside a capture, where nothing is probed
@@ -807,7 +809,7 @@ class LayerState:
             # compiled call, whose warm-up allocates from a CUDA graph pool (run's make_scratch)
             self._set_hot(self._hot_pending)
             self._hot_pending = None
-        if probe and keep and HOT_UNITS and x.is_cuda:
+        if probe and keep and HOT_UNITS and x.is_cuda and M >= HOT_MIN_M:  # (calls that may use a set)
             # how often each unit fires, before the rows computed whole overwrite theirs of pre
             self._unit_freq = (pre[:HOT_SAMPLE] > 0).sum(dim=0, dtype=torch.float32)
             hot_fit = (self._unit_freq >= HOT_MIN_RATE * min(M, HOT_SAMPLE)).sum(dtype=torch.float32)
@@ -818,6 +820,7 @@ class LayerState:
         else:
             g, g_hot = pack_relu_hot(pre, hot, tile, DEFAULT_COMPRESSION)
             hot_args = (g_hot, hot)
+            self.last_hot_units = hot.n
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
         be, nw = default_config(x.shape[1], self.k_est, split=splits(M, w_up is not None, d=x.shape[1]), rms_k=self.k_rms)

@@ -199,8 +199,7 @@ def run_grid(
                             rec[f"{name}_ms"] = statistics.median(ms)
                             rec[f"{name}_ms_rounds"] = ms
                         rec["twell_path"] = mod.last_path  # the path of the last timed call
-                        hot = mod._twell_layer.hot  # the hot units its prefill calls took (dispatch.HOT_UNITS)
-                        rec["hot_units"] = hot.n if hot is not None and mod.last_path == "prefill" else 0
+                        rec["hot_units"] = mod._twell_layer.last_hot_units  # (dispatch.HOT_UNITS)
                         rec["twell_cost"] = mod._twell_layer.cost(M)
                         # the up/down shape the module's prefill calls took (it follows the estimate)
                         split = updown.splits(M, True, d=d)
