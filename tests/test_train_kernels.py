@@ -27,7 +27,7 @@ from twell.train_ops import choose_width, saved_bytes, sparse_ffn, sparse_gated_
 SMALL = dict(
     PACK_CONFIG=dict(block_m=2, block_f=32, num_warps=1),
     ROWS_CONFIG=dict(block_e=4, block_d=32, num_warps=1),
-    GRADS_CONFIG=dict(block_t=4, block_d=32, num_warps=1),
+    GRADS_CONFIG=dict(block_t=4, block_d=32, num_warps=1, split=True),  # as shipped: two launches
     HEAVY_CONFIG=dict(block_m=16, block_n=16, block_k=16, num_warps=1, num_stages=1),
 )
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
@@ -984,6 +984,37 @@ def test_weight_grads_dtype_and_base():
         ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=(low[0].clone(), None, low[2].clone()))
 
 
+@pytest.mark.parametrize("gated", [True, False])
+def test_weight_grads_split_is_the_one_launch_bit_for_bit(gated):
+    """``split=True`` (one launch gathering x rows, one gathering dy rows) writes the one
+    launch's bits, with and without a base to add to; each part writes only its own outputs
+    (kills a part that skips its base, stores the other's accumulator, or runs both parts)."""
+    from twell.kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads
+    from twell.kernels.train_index import unit_index
+
+    x, wg, wu, wd = (t.bfloat16() for t in make_case(11, 40, 75, seed=5, adversarial=True))
+    dy = torch.randn(11, 40, generator=torch.Generator().manual_seed(1)).to(DEV, torch.bfloat16)
+    cols, g, counts = pack_rows(x @ wg.T, 8)
+    wdt = wd.t().contiguous()
+    if gated:
+        _, u, _ = ffn_rows_forward(x, cols, g, counts, wdt, wu)
+        _, du, da = ffn_rows_backward(dy, cols, g, u, counts, wdt, wu, wg, torch.tensor([0.1], device=DEV))
+    else:
+        u = da = None
+        _, du, _ = ffn_rows_backward(dy, cols, g, None, counts, wdt, wu, None, torch.tensor([0.1], device=DEV))
+    order, offsets = unit_index(cols, counts, 75)
+    gen = torch.Generator().manual_seed(2)
+    base = tuple(None if (i == 1 and not gated) else torch.randn(75, 40, generator=gen).to(DEV, torch.bfloat16) for i in range(3))
+    for b in (None, base):
+        args = dict(block_t=4, block_d=32, num_warps=1)
+        one = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=None if b is None else tuple(t if t is None else t.clone() for t in b), **args)
+        two = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=None if b is None else tuple(t if t is None else t.clone() for t in b), split=True, **args)
+        for o, t in zip(one, two):
+            assert (o is None) == (t is None)
+            if o is not None:
+                assert torch.equal(o, t) and bool(o.ne(0).any())
+
+
 # --- a fourth mutation round (the row and weight-gradient kernels themselves): these had survived
 
 
@@ -1015,9 +1046,9 @@ def _ell_case(gated, d=33, f=29, W=6, seed=0):
     return a.to(DEV)[:, :f], x, dy, w_up, (w_gate if gated else None), w_down_t, W
 
 
-@pytest.mark.parametrize("block_d", [None, 32])
+@pytest.mark.parametrize("block_d,split", [(None, False), (32, False), (None, True), (32, True)])
 @pytest.mark.parametrize("gated", [True, False])
-def test_row_and_weight_grad_kernels_on_every_kind_of_row(gated, block_d, monkeypatch):
+def test_row_and_weight_grad_kernels_on_every_kind_of_row(gated, block_d, split, monkeypatch):
     """The three training kernels called directly (gated or not, whole-row or blocked over d)
     against float64 sums over the light rows' used slots: y, u, the |h| sums, dx, du and da at
     used slots, and the three weight gradients; and no kernel writes past its outputs. Kills
@@ -1041,7 +1072,8 @@ def test_row_and_weight_grad_kernels_on_every_kind_of_row(gated, block_d, monkey
         handed = guard_empty(mp, lambda size, kw: size in {(M, d), (M, W), (M,), (f, d)})
         y, u, l1_rows = ffn_rows_forward(x, cols, g, counts, w_down_t, w_up if gated else None, **rows)
         dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, w_down_t, w_up, w_gate, c, **rows)
-        dwu, dwg, dwdt = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, block_t=4, block_d=block_d, num_warps=1)
+        dwu, dwg, dwdt = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, block_t=4, block_d=block_d, num_warps=1,
+                                          split=split)
     assert len(handed) == (9 if gated else 6)
     for h in handed:
         assert untouched(h.guards[1]).all()

@@ -77,7 +77,10 @@ __all__ = [
 # previous kernel; the fastest of seven shapes in four of five cases, within 5% in the fifth).
 PACK_CONFIG: dict = dict(block_m=2, block_f=512, num_warps=1)
 ROWS_CONFIG: dict = dict(block_e=2, block_d=None, num_warps=4)
-GRADS_CONFIG: dict = dict(block_t=2, block_d=None, num_warps=8)
+# The weight gradients in two launches (split: one gathering x rows, one dy rows; each gathers from
+# 64 MB at M 16384 instead of 128, and L2 holds 50 MB), four warps: 0.75 against 1.08 ms at M
+# 16384, k 29 on an H100 (benchmarks/train_wgrad_split_probe.py, fifty-fifth session).
+GRADS_CONFIG: dict = dict(block_t=2, block_d=None, num_warps=4, split=True)
 # The heavy rows' tiles (twell.kernels.heavy_rows): rows, columns, reduction step. Not tuned: on
 # the sparse path heavy rows are a small share of a call (a layer with many trains dense, see
 # twell.train_path).

@@ -404,8 +404,8 @@ def tune_configs(M: int = 16384, k: float = 29, d: int = 2048, f: int = 5632, re
         cfg = dict(block_e=be, block_d=bd, num_warps=nw)
         trial("forward_rows", cfg, lambda cfg=cfg: K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **cfg))
         trial("backward_rows", cfg, lambda cfg=cfg: K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **cfg))
-    for bt, bd, nw in itertools.product((2, 4, 8, 32), (None, 256), (4, 8)):
-        cfg = dict(block_t=bt, block_d=bd, num_warps=nw)
+    for bt, bd, nw, split in itertools.product((2, 4, 8, 32), (None, 256), (4, 8), (False, True)):
+        cfg = dict(block_t=bt, block_d=bd, num_warps=nw, split=split)
         trial("weight_grads", cfg, lambda cfg=cfg: K.ffn_weight_grads(order, offsets, x, dy, g, u, du, da, dtype=wu.dtype, **cfg))
     for kind, (cfg, ms) in best.items():
         log(f"  best {kind}: {cfg} {ms:.3f} ms (default {stage_ms.get(kind, float('nan')):.3f})")

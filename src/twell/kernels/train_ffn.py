@@ -652,10 +652,14 @@ def _weight_grads_kernel(
     dwu_ptr, dwg_ptr, dwdt_ptr,
     d, W,
     BT: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr, HAS_BASE: tl.constexpr,
+    X_PART: tl.constexpr, DY_PART: tl.constexpr,
 ):
     # Unit j, columns [d0, d0 + BD): BT of its (token, slot) pairs at a time, each gathering a
     # contiguous piece of x[m] and dy[m]:
-    #   dw_up[j] += du x[m],  dw_gate[j] += da x[m],  dw_down^T[j] += h dy[m].
+    #   dw_up[j] += du x[m],  dw_gate[j] += da x[m]          (X_PART)
+    #   dw_down^T[j] += h dy[m]                               (DY_PART)
+    # One launch may do both parts, or one each: then each launch gathers from one [M, d]
+    # matrix, a working set half as large for L2.
     # A unit with no light slot still stores (zeros, or the base): the output is always written.
     j = tl.program_id(0).to(tl.int64)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
@@ -672,26 +676,32 @@ def _weight_grads_kernel(
         flat = tl.load(order_ptr + p, mask=pm, other=0)
         m = flat // W
         mask = pm[:, None] & dm[None, :]
-        xr = tl.load(x_ptr + m[:, None] * stride_xm + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-        dyr = tl.load(dy_ptr + m[:, None] * stride_dym + dd[None, :], mask=mask, other=0.0).to(tl.float32)
-        du = tl.load(du_ptr + flat, mask=pm, other=0.0)
-        h = tl.load(g_ptr + flat, mask=pm, other=0.0).to(tl.float32)
-        acc_u += tl.sum(du[:, None] * xr, axis=0)
-        if GATED:
-            da = tl.load(da_ptr + flat, mask=pm, other=0.0)
-            acc_g += tl.sum(da[:, None] * xr, axis=0)
-            h = h * tl.load(u_ptr + flat, mask=pm, other=0.0).to(tl.float32)
-        acc_d += tl.sum(h[:, None] * dyr, axis=0)
+        if X_PART:
+            xr = tl.load(x_ptr + m[:, None] * stride_xm + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+            du = tl.load(du_ptr + flat, mask=pm, other=0.0)
+            acc_u += tl.sum(du[:, None] * xr, axis=0)
+            if GATED:
+                da = tl.load(da_ptr + flat, mask=pm, other=0.0)
+                acc_g += tl.sum(da[:, None] * xr, axis=0)
+        if DY_PART:
+            dyr = tl.load(dy_ptr + m[:, None] * stride_dym + dd[None, :], mask=mask, other=0.0).to(tl.float32)
+            h = tl.load(g_ptr + flat, mask=pm, other=0.0).to(tl.float32)
+            if GATED:
+                h = h * tl.load(u_ptr + flat, mask=pm, other=0.0).to(tl.float32)
+            acc_d += tl.sum(h[:, None] * dyr, axis=0)
     out = j * d + dd
-    if HAS_BASE:  # the heavy rows' dense contribution, already in the output buffers
-        acc_u += tl.load(dwu_ptr + out, mask=dm, other=0.0).to(tl.float32)
-        acc_d += tl.load(dwdt_ptr + out, mask=dm, other=0.0).to(tl.float32)
+    if X_PART:
+        if HAS_BASE:  # the heavy rows' dense contribution, already in the output buffers
+            acc_u += tl.load(dwu_ptr + out, mask=dm, other=0.0).to(tl.float32)
+            if GATED:
+                acc_g += tl.load(dwg_ptr + out, mask=dm, other=0.0).to(tl.float32)
+        tl.store(dwu_ptr + out, acc_u.to(dwu_ptr.dtype.element_ty), mask=dm)
         if GATED:
-            acc_g += tl.load(dwg_ptr + out, mask=dm, other=0.0).to(tl.float32)
-    tl.store(dwu_ptr + out, acc_u.to(dwu_ptr.dtype.element_ty), mask=dm)
-    tl.store(dwdt_ptr + out, acc_d.to(dwdt_ptr.dtype.element_ty), mask=dm)
-    if GATED:
-        tl.store(dwg_ptr + out, acc_g.to(dwg_ptr.dtype.element_ty), mask=dm)
+            tl.store(dwg_ptr + out, acc_g.to(dwg_ptr.dtype.element_ty), mask=dm)
+    if DY_PART:
+        if HAS_BASE:
+            acc_d += tl.load(dwdt_ptr + out, mask=dm, other=0.0).to(tl.float32)
+        tl.store(dwdt_ptr + out, acc_d.to(dwdt_ptr.dtype.element_ty), mask=dm)
 
 
 def ffn_weight_grads(
@@ -709,6 +719,7 @@ def ffn_weight_grads(
     block_t: int = 16,
     block_d: Optional[int] = None,
     num_warps: int = 4,
+    split: bool = False,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Weight gradients from the light rows' slots, unit by unit.
 
@@ -721,6 +732,9 @@ def ffn_weight_grads(
             place and returned.
         dtype: dtype of the outputs (default x.dtype).
         block_t, block_d, num_warps: tuning knobs (pairs per step, d columns per program, warps).
+        split: two launches, one gathering x rows (dw_up, dw_gate), one gathering dy rows
+            (dw_down^T), instead of one gathering both: the same sums in the same order, each
+            launch's gathers from half the memory (which L2 holds better).
 
     Returns:
         ``(dw_up [f, d], dw_gate [f, d] or None (non-gated), dw_down_t [f, d])`` where
@@ -769,12 +783,15 @@ def ffn_weight_grads(
     # the whole row of d in one step where it fits (one program per unit: x[m] and dy[m] are
     # gathered once for all of d), else blocks of d
     BD = _full_d(d, block_d) or BD
+    parts = ((True, False), (False, True)) if split else ((True, True),)
     with on_device_of(x):
-        _weight_grads_kernel[(f, triton.cdiv(d, BD))](
-            order, offsets, x, x.stride(0), dy, dy.stride(0),
-            du, da if gated else du, values, u if gated else values,
-            dwu, dwg if gated else dwu, dwdt,
-            d, W,
-            BT=block_t, BD=BD, GATED=gated, HAS_BASE=base is not None, num_warps=num_warps,
-        )
+        for x_part, dy_part in parts:
+            _weight_grads_kernel[(f, triton.cdiv(d, BD))](
+                order, offsets, x, x.stride(0), dy, dy.stride(0),
+                du, da if gated else du, values, u if gated else values,
+                dwu, dwg if gated else dwu, dwdt,
+                d, W,
+                BT=block_t, BD=BD, GATED=gated, HAS_BASE=base is not None,
+                X_PART=x_part, DY_PART=dy_part, num_warps=num_warps,
+            )
     return dwu, dwg, dwdt
