@@ -66,7 +66,7 @@ def breakdown(M: int) -> dict:
     a = torch.mm(xd, wgd.t())
     cols, g, counts = pack_rows(a, W, **T.PACK_CONFIG)
     per_unit = light_unit_counts(cols, counts, f)
-    heavy, n_heavy, hot_mask, info = T._heavy_and_hot(counts, W, per_unit, f)
+    heavy, n_heavy, hot_mask, info, schedule = T._heavy_and_hot(counts, W, per_unit, f)
     wdt = T._rows_of(wdd)
     y, u, l1_rows = ffn_rows_forward(xd, cols, g, counts, wdt, wud, **T.ROWS_CONFIG)
     c = T._l1_scale(lam, M, x.device)

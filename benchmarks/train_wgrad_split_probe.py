@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import os
 import sys
 
@@ -25,6 +24,7 @@ import torch
 from train_auto_rule_probe import case, synthetic  # (benchmarks/ is on the path)
 from twell import train_ops
 from twell.bench.inference import bench_ms, machine_info
+from twell.bench.training import stage_tensors
 from twell.kernels import train_ffn as K
 from twell.kernels.train_index import unit_index
 
@@ -35,16 +35,8 @@ MODULE_CASES = [(16384, 29, "even"), (16384, 56, "even"), (16384, 29, "skewed"),
 
 
 def kernel_case(M: int, k: float, dist: str) -> dict:
-    x, wg, wu, wd = synthetic(M, k, dist)
-    dy = torch.randn(M, D, device="cuda", dtype=torch.bfloat16) / math.sqrt(D)
-    with torch.no_grad():
-        a = torch.mm(x, wg.t())
-    W = train_ops.choose_width(float((a > 0).sum(1).float().mean()), None, F)
-    wdt = wd.t().contiguous()
-    cols, g, cnt = K.pack_rows(a, W, **train_ops.PACK_CONFIG)
-    y, u, _ = K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **train_ops.ROWS_CONFIG)
-    c = torch.zeros(1, device="cuda")
-    dx, du, da = K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **train_ops.ROWS_CONFIG)
+    t = stage_tensors(M, k, dist, D, F)
+    x, wu, dy, W, cols, g, cnt, u, du, da = t.x, t.wu, t.dy, t.W, t.cols, t.g, t.cnt, t.u, t.du, t.da
     order, offsets = unit_index(cols, cnt, F)
     rec = dict(M=M, k=k, dist=dist, width=W, unit_index_ms=bench_ms(lambda: unit_index(cols, cnt, F)), configs=[])
     ref = K.ffn_weight_grads(order, offsets, x, dy, g, u, du, da, dtype=wu.dtype, **train_ops.GRADS_CONFIG)
@@ -55,8 +47,9 @@ def kernel_case(M: int, k: float, dist: str) -> dict:
         same = all(torch.equal(o, r) for o, r in zip(out, ref)) if bt == train_ops.GRADS_CONFIG["block_t"] else None
         rec["configs"].append(dict(cfg, ms=bench_ms(fn), same_bits=same))
     best = {s: min((r for r in rec["configs"] if r["split"] == s), key=lambda r: r["ms"]) for s in (False, True)}
-    shipped = next(r for r in rec["configs"] if not r["split"] and r["block_t"] == train_ops.GRADS_CONFIG["block_t"]
-                   and r["num_warps"] == train_ops.GRADS_CONFIG["num_warps"])
+    cfg = train_ops.GRADS_CONFIG
+    shipped = next(r for r in rec["configs"] if r["split"] == cfg.get("split", False) and r["block_t"] == cfg["block_t"]
+                   and r["num_warps"] == cfg["num_warps"])
     print(f"M {M} k {k} {dist} W {W}: unit index {rec['unit_index_ms']:.3f} ms; weight grads shipped {shipped['ms']:.3f}, "
           f"best one launch {best[False]['ms']:.3f} (bt {best[False]['block_t']} w {best[False]['num_warps']}), "
           f"best split {best[True]['ms']:.3f} (bt {best[True]['block_t']} w {best[True]['num_warps']}); same bits "

@@ -113,17 +113,54 @@ def test_heavy_and_hot(blocks, M, W, f, share):
     per_unit = torch.randint(0, 40, (f,), generator=g, dtype=torch.int64)
     per_unit[f // 3] = 400  # hot at factor 3 and min 16, unless f is tiny
     for hot_min, hot_factor in ((16.0, 3.0), (0.0, 1.0), (1e9, 8.0)):
-        heavy, n_heavy, hot, info = TI.heavy_and_hot(counts.to(DEV), W, per_unit.to(DEV), hot_min, hot_factor)
+        heavy, n_heavy, hot, info, _ = TI.heavy_and_hot(counts.to(DEV), W, per_unit.to(DEV), hot_min, hot_factor)
         want_heavy, want_hot, want_info = reference_heavy_and_hot(counts, W, per_unit, hot_min, hot_factor)
         assert torch.equal(heavy.cpu(), want_heavy) and torch.equal(hot.cpu(), want_hot)
         assert torch.equal(info.cpu(), want_info) and int(n_heavy) == int(want_info[0]) and n_heavy.dim() == 0
+
+
+def reference_schedule_bins(per_unit, hot, M):
+    """Each unit's class in the weight gradients' schedule: half octaves of its light slots s
+    (s as fp32: s in [2^e, 2^(e+1)), the upper half from s^2 >= 2^(2e+1)), the most first;
+    units with none next; hot units last. Classes above what M tokens allow (2 bit_length(M)
+    half octaves) are merged into the top one."""
+    _, e = torch.frexp(per_unit.float())  # s = m 2^e with m in [0.5, 1)
+    e = (e.long() - 1).clamp(min=0)
+    upper = per_unit * per_unit >= (torch.full_like(e, 2) << (2 * e))
+    half = torch.where(per_unit > 0, 2 * e + 1 + upper.long(), 0)
+    return torch.where(hot, 64, 63 - half.clamp(max=63)).clamp(min=63 - min(2 * max(M, 1).bit_length(), 63))
+
+
+@pytest.mark.parametrize("f", [1, 7, 75, 300])
+def test_schedule_is_a_permutation_longest_first(blocks, request, f):
+    """The schedule lists every unit once, by class (the most light slots first by half octaves,
+    then units with no slot, then hot units), in unit order within a class: PyTorch's stable sort
+    of the classes. One program per class that M tokens allow: at M 2^20 (shipped blocks; counts
+    cover 0, exact powers of two and their neighbours, and a unit with every token) 42 classes
+    apart; at M 3 (small blocks, 16 units per step: f 75 and 300 take several) the counts above
+    what 3 tokens allow, as no pack would give, are merged into the top class."""
+    M = 3 if request.node.callspec.params["blocks"] == "small" else 1 << 20
+    g = torch.Generator().manual_seed(f)
+    per_unit = torch.randint(0, 300, (f,), generator=g, dtype=torch.int64)
+    per_unit[torch.randperm(f, generator=g)[: f // 5]] = 0
+    special = torch.tensor([1, 2, 3, 4, 7, 8, 63, 64, 65, 90, 91, 1 << 19, 1 << 20], dtype=torch.int64)
+    per_unit[: min(f, special.numel())] = special[: min(f, special.numel())]
+    for hot_min, hot_factor in ((1e12, 0.0), (200.0, 0.0), (16.0, 3.0)):
+        counts = torch.zeros(M, dtype=torch.int32, device=DEV)
+        _, _, hot, _, schedule = TI.heavy_and_hot(counts, 4, per_unit.to(DEV), hot_min, hot_factor)
+        schedule = schedule.cpu()
+        assert schedule.dtype == torch.int64 and schedule.shape == (f,)
+        want = torch.sort(reference_schedule_bins(per_unit, hot.cpu(), M), stable=True).indices
+        assert torch.equal(schedule, want)
+        if hot_min == 200.0 and f > 13:  # (the hot units last)
+            assert bool((per_unit[schedule[-int(hot.sum()):]] > 200).all())
 
 
 def test_hot_limit_is_strict():
     """At exactly the limit a unit is not hot (here the limit is hot_min)."""
     per_unit = torch.zeros(4, dtype=torch.int64)
     per_unit[0], per_unit[1] = 256, 257
-    _, _, hot, info = TI.heavy_and_hot(torch.zeros(3, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), 256.0, 0.0)
+    _, _, hot, info, _ = TI.heavy_and_hot(torch.zeros(3, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), 256.0, 0.0)
     assert hot.cpu().tolist() == [False, True, False, False] and info.cpu().tolist() == [0, 1, 257]
 
 
@@ -131,10 +168,10 @@ def test_empty_and_bad_input():
     cols = torch.zeros(0, 4, dtype=torch.int16, device=DEV)
     counts = torch.zeros(0, dtype=torch.int32, device=DEV)
     assert torch.equal(TI.light_unit_counts(cols, counts, 5).cpu(), torch.zeros(5, dtype=torch.int64))
-    heavy, n, hot, info = TI.heavy_and_hot(counts, 4, torch.zeros(5, dtype=torch.int64, device=DEV), 1.0, 1.0)
+    heavy, n, hot, info, _ = TI.heavy_and_hot(counts, 4, torch.zeros(5, dtype=torch.int64, device=DEV), 1.0, 1.0)
     assert heavy.numel() == 0 and int(n) == 0 and not bool(hot.any()) and info.cpu().tolist() == [0, 0, 0]
     per_unit = torch.tensor([1000, 0, 3, 0, 0], dtype=torch.int64)  # no row, yet a hot unit: as PyTorch says
-    heavy, n, hot, info = TI.heavy_and_hot(counts, 4, per_unit.to(DEV), 16.0, 2.0)
+    heavy, n, hot, info, _ = TI.heavy_and_hot(counts, 4, per_unit.to(DEV), 16.0, 2.0)
     want = reference_heavy_and_hot(counts.cpu(), 4, per_unit, 16.0, 2.0)
     assert heavy.numel() == 0 and torch.equal(hot.cpu(), want[1]) and torch.equal(info.cpu(), want[2]) and bool(want[1][0])
     with pytest.raises(ValueError, match="counts must be"):
@@ -154,13 +191,13 @@ def test_heavy_row_in_the_last_step(blocks):
     for M in (1, 17, 4097):
         counts = torch.zeros(M, dtype=torch.int32)
         counts[-1] = 5
-        heavy, n, hot, info = TI.heavy_and_hot(counts.to(DEV), 4, torch.zeros(3, dtype=torch.int64, device=DEV), 16.0, 3.0)
+        heavy, n, hot, info, _ = TI.heavy_and_hot(counts.to(DEV), 4, torch.zeros(3, dtype=torch.int64, device=DEV), 16.0, 3.0)
         assert int(n) == 1 and heavy.cpu().tolist() == [M - 1] + [0] * (M - 1) and info.cpu().tolist() == [1, 0, 0]
 
 
 def test_no_units():
     """f = 0 (no unit): no row is heavy, no unit hot, and no division by f."""
-    heavy, n, hot, info = TI.heavy_and_hot(torch.zeros(5, dtype=torch.int32, device=DEV), 16,
+    heavy, n, hot, info, _ = TI.heavy_and_hot(torch.zeros(5, dtype=torch.int32, device=DEV), 16,
                                            torch.zeros(0, dtype=torch.int64, device=DEV), 16.0, 3.0)
     assert heavy.cpu().tolist() == [0] * 5 and int(n) == 0 and hot.numel() == 0 and info.cpu().tolist() == [0, 0, 0]
 
@@ -173,9 +210,10 @@ def test_bookkeeping_at_a_real_shape():
     used = used_slots(cols.cpu(), counts.cpu())
     per = TI.light_unit_counts(cols, counts, 5632)
     assert torch.equal(per.cpu(), torch.bincount(cols.cpu()[used].long(), minlength=5632))
-    heavy, n, hot, info = TI.heavy_and_hot(counts, 64, per, 256.0, 8.0)
+    heavy, n, hot, info, schedule = TI.heavy_and_hot(counts, 64, per, 256.0, 8.0)
     want = reference_heavy_and_hot(counts, 64, per, 256.0, 8.0)
     assert torch.equal(heavy, want[0]) and torch.equal(hot, want[1]) and torch.equal(info, want[2])
+    assert torch.equal(schedule, torch.sort(reference_schedule_bins(per, hot, 16384), stable=True).indices)
 
 
 def test_slot_keys_refuse_an_exclude_mask_that_is_not_bool():

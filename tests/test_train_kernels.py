@@ -656,7 +656,7 @@ def test_hot_units_take_the_dense_columns(gated, monkeypatch):
     cols, _, cnt = pack_rows(a, 12)
     from twell.kernels.train_index import light_unit_counts
 
-    _, _, hot_mask, info = T._heavy_and_hot(cnt, 12, light_unit_counts(cols, cnt, 75), 75)
+    _, _, hot_mask, info, _ = T._heavy_and_hot(cnt, 12, light_unit_counts(cols, cnt, 75), 75)
     hot = torch.nonzero(hot_mask).flatten()
     assert HOT in hot.tolist() and 0 < hot.numel() < 75 and int(info[1]) == hot.numel()
     compare((x, wg, wu, wd) if gated else (x, wg, wd), 12, torch.float32, gated=gated)
@@ -670,9 +670,24 @@ def test_hot_unit_cutoff_is_strict():
     f = 100
     per_unit = torch.zeros(f, dtype=torch.int64)
     per_unit[0], per_unit[1] = T.HOT_MIN, T.HOT_MIN + 1  # the limit is HOT_MIN here
-    _, _, hot, info = T._heavy_and_hot(torch.zeros(4, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), f)
+    _, _, hot, info, _ = T._heavy_and_hot(torch.zeros(4, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), f)
     assert hot.nonzero().flatten().tolist() == [1]
     assert info.tolist() == [0, 1, T.HOT_MIN + 1]
+
+
+def test_hot_limit_grows_with_the_call():
+    """From ``HOT_MIN / HOT_SHARE`` tokens on, the limit is ``HOT_SHARE`` of them: at 20000
+    tokens a unit needs more than 400 slots, and one with 400 stays on the per-unit kernel; the
+    mean's multiple still binds where it is larger."""
+    assert T.hot_limit(1000) == T.HOT_MIN and T.hot_limit(20000) == pytest.approx(T.HOT_SHARE * 20000) == pytest.approx(400.0)
+    f = 100
+    per_unit = torch.zeros(f, dtype=torch.int64)
+    per_unit[0], per_unit[1], per_unit[2] = 300, 400, 401
+    _, _, hot, info, _ = T._heavy_and_hot(torch.zeros(20000, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), f)
+    assert hot.nonzero().flatten().tolist() == [2] and info.tolist() == [0, 1, 401]
+    per_unit[3:] = 250  # mean 253.5: HOT_FACTOR x mean = 507 binds
+    _, _, hot, _, _ = T._heavy_and_hot(torch.zeros(20000, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), f)
+    assert hot.nonzero().flatten().tolist() == []
 
 
 @pytest.mark.parametrize("block_d", [None, 32])
@@ -987,10 +1002,12 @@ def test_weight_grads_dtype_and_base():
 @pytest.mark.parametrize("gated", [True, False])
 def test_weight_grads_split_is_the_one_launch_bit_for_bit(gated):
     """``split=True`` (one launch gathering x rows, one gathering dy rows) writes the one
-    launch's bits, with and without a base to add to; each part writes only its own outputs
-    (kills a part that skips its base, stores the other's accumulator, or runs both parts)."""
+    launch's bits, with and without a base to add to, and so does the longest-first schedule
+    (``units``); each part writes only its own outputs (kills a part that skips its base,
+    stores the other's accumulator, or runs both parts; a program that sums one unit's slots
+    into another's row, as an output row taken from the program instead of ``units``)."""
     from twell.kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads
-    from twell.kernels.train_index import unit_index
+    from twell.kernels.train_index import heavy_and_hot, light_unit_counts, unit_index
 
     x, wg, wu, wd = (t.bfloat16() for t in make_case(11, 40, 75, seed=5, adversarial=True))
     dy = torch.randn(11, 40, generator=torch.Generator().manual_seed(1)).to(DEV, torch.bfloat16)
@@ -1009,10 +1026,16 @@ def test_weight_grads_split_is_the_one_launch_bit_for_bit(gated):
         args = dict(block_t=4, block_d=32, num_warps=1)
         one = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=None if b is None else tuple(t if t is None else t.clone() for t in b), **args)
         two = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=None if b is None else tuple(t if t is None else t.clone() for t in b), split=True, **args)
-        for o, t in zip(one, two):
-            assert (o is None) == (t is None)
+        units = heavy_and_hot(counts, 8, light_unit_counts(cols, counts, 75), 1e9, 0.0)[4]
+        assert sorted(units.tolist()) == list(range(75)) and units.tolist() != list(range(75))
+        three = ffn_weight_grads(order, offsets, x, dy, g, u, du, da, base=None if b is None else tuple(t if t is None else t.clone() for t in b), split=True, units=units, **args)
+        for o, t, r in zip(one, two, three):
+            assert (o is None) == (t is None) == (r is None)
             if o is not None:
-                assert torch.equal(o, t) and bool(o.ne(0).any())
+                assert torch.equal(o, t) and torch.equal(o, r) and bool(o.ne(0).any())
+    with pytest.raises(ValueError, match="units must be"):
+        ffn_weight_grads(order, offsets, x, dy, g, u, du, da, units=units[:-1].contiguous())
+
 
 
 # --- a fourth mutation round (the row and weight-gradient kernels themselves): these had survived

@@ -27,8 +27,8 @@ is returned beside y, so that ``loss = task_loss(y) + lam * l1`` back-propagates
 
 Saved for backward (no ``[M, f]`` tensor): x, the weights (held by the model anyway), the ELL
 rows ``cols [M, W]`` (int16 when f <= 32768), ``g [M, W]``, ``u [M, W]`` (gated), ``counts [M]``
-int32, the heavy rows' list ``[M]`` int64, the hot units' mask ``[f]`` and three counts (on the
-host).
+int32, the heavy rows' list ``[M]`` int64, the hot units' mask ``[f]``, the weight gradients'
+schedule ``[f]`` int64 and three counts (on the host).
 :func:`saved_bytes` measures it.
 
 The results equal dense autograd up to rounding, for every input: any M, d, f, any pattern.
@@ -81,6 +81,11 @@ ROWS_CONFIG: dict = dict(block_e=2, block_d=None, num_warps=4)
 # 64 MB at M 16384 instead of 128, and L2 holds 50 MB), four warps: 0.75 against 1.08 ms at M
 # 16384, k 29 on an H100 (benchmarks/train_wgrad_split_probe.py, fifty-fifth session).
 GRADS_CONFIG: dict = dict(block_t=2, block_d=None, num_warps=4, split=True)
+# The weight gradients' programs take the units longest first (the schedule of
+# twell.kernels.train_index.heavy_and_hot): on an H100 at M 16384 the kernel went from 0.74 to
+# 0.64 ms on even k 29 and from 0.72 to 0.49 ms on skewed k 29 (benchmarks/train_wgrad_order_probe.py,
+# a sort standing in for the schedule, fifty-fifth session).
+GRADS_LONGEST_FIRST: bool = True
 # The heavy rows' tiles (twell.kernels.heavy_rows): rows, columns, reduction step. Not tuned: on
 # the sparse path heavy rows are a small share of a call (a layer with many trains dense, see
 # twell.train_path).
@@ -157,13 +162,19 @@ def _refuse_capture(x: torch.Tensor) -> None:
 
 
 def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int):
-    """On the device, no host sync: ``(heavy, n_heavy, hot_mask, info)``. ``heavy [M]`` int64
+    """On the device, no host sync: ``(heavy, n_heavy, hot_mask, info, schedule)``. ``heavy [M]`` int64
     lists the rows with more than W active units first (the rest is padding), ``n_heavy`` (int64
     scalar) counts them; ``hot_mask [f]`` marks the hot units (see HOT_MIN) of the light rows
     (``per_unit``: their slots per unit); ``info [3]`` int64 = (n_heavy, hot units, light slots
     at hot units), what the backward needs on the host (:func:`_to_host`). One launch
     (:func:`twell.kernels.train_index.heavy_and_hot`)."""
-    return heavy_and_hot(counts, W, per_unit, HOT_MIN, HOT_FACTOR)
+    return heavy_and_hot(counts, W, per_unit, hot_limit(counts.shape[0]), HOT_FACTOR)
+
+
+def hot_limit(M: int) -> float:
+    """The fewest light-row slots above which a unit may be hot in a call of ``M`` tokens
+    (besides ``HOT_FACTOR`` x the mean): ``max(HOT_MIN, HOT_SHARE M)``."""
+    return max(float(HOT_MIN), HOT_SHARE * M)
 
 
 def _to_host(values: torch.Tensor) -> torch.Tensor:
@@ -210,12 +221,19 @@ def _host_counts(saved: torch.Tensor, own: torch.Tensor, device: torch.device, l
     return values
 
 
-# Hot units: a unit held by more than max(HOT_MIN, HOT_FACTOR x the mean) light-row slots gets
-# its weight gradients from cuBLAS over a dense [M, n_hot] block instead of the per-unit kernel,
-# whose one program per unit would otherwise walk thousands of tokens serially (skewed layers:
-# a few units fire for a large share of the tokens). The column counterpart of the heavy rows.
+# Hot units: a unit held by more than max(HOT_MIN, HOT_SHARE x M, HOT_FACTOR x the mean)
+# light-row slots gets its weight gradients from cuBLAS over a dense [M, n_hot] block instead of
+# the per-unit kernel, whose one program per unit would otherwise walk thousands of tokens
+# serially (skewed layers: a few units fire for a large share of the tokens). The column
+# counterpart of the heavy rows. A unit's share of the dense block costs about the same at any
+# fill (M d flops and a column of M values), its gathers about 1.6 ns per slot (M 16384, k 29 on
+# an H100): the block pays from about 2% of the tokens. On the H100 (benchmarks/train_skewed_ab.py,
+# fifty-fifth session; forward + backward, forced sparse, against dense PyTorch) the limit
+# max(256, 2% M, 2 x mean) against the earlier max(256, 8 x mean) took skewed k 56 at M 16384
+# from 0.89x to 1.18x and skewed k 29 at M 65536 from 1.47x to about 1.75x.
 HOT_MIN = 256
-HOT_FACTOR = 8.0
+HOT_SHARE = 0.02
+HOT_FACTOR = 2.0
 
 
 def _hot_dense(cols, counts, hot, n_slots, f, *slot_values):
@@ -245,19 +263,19 @@ def _light_forward(x, a, W, w_down, w_up=None):
     light rows' kernel (gated when ``w_up`` is given), the heavy rows and hot units found on the
     device, and the heavy rows' forward (:func:`twell.kernels.heavy_rows.heavy_rows_forward`,
     which writes their h over ``a``). Returns ``(cols, values, counts, y, u, l1, unit_counts,
-    heavy, n_heavy, hot_mask, host)`` (values: g gated, h non-gated; u None non-gated; l1 the
+    heavy, n_heavy, hot_mask, schedule, host)`` (values: g gated, h non-gated; u None non-gated; l1 the
     fp32 scalar L1 term; the rest as :func:`_heavy_and_hot` returns them, ``host`` its ``info``
     on its way to the host, :func:`_to_host`)."""
     M, f = a.shape
     cols, values, counts = pack_rows(a, W, **PACK_CONFIG)
     per_unit = light_unit_counts(cols, counts, f)
-    heavy, n_heavy, hot_mask, info = _heavy_and_hot(counts, W, per_unit, f)
+    heavy, n_heavy, hot_mask, info, schedule = _heavy_and_hot(counts, W, per_unit, f)
     host = _to_host(info)  # before the row kernels: the backward waits at most for this point
     y, u, l1_rows = ffn_rows_forward(x, cols, values, counts, _rows_of(w_down), w_up, **ROWS_CONFIG)
     # the heavy rows' unit counts are added to the light rows' (read above, in stream order)
     l1_heavy, unit_counts = heavy_rows_forward(x, a, heavy, n_heavy, y, w_down, w_up, unit_counts=per_unit, **HEAVY_CONFIG)
     l1 = (l1_rows + l1_heavy).sum() / max(M, 1)
-    return cols, values, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, host
+    return cols, values, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, schedule, host
 
 
 def kernel_layout(w: torch.Tensor) -> bool:
@@ -272,13 +290,16 @@ def _rows_of(w_down):
     return w_down.t().contiguous()
 
 
-def _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot_mask, n_hot, n_hot_slots, base, f, dtype):
+def _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot_mask, schedule, n_hot, n_hot_slots, base, f, dtype):
     """``(dw_up, dw_gate or None, dw_down_t)``: the light rows' share added to ``base`` (the heavy
-    rows'), by the per-unit kernel over the slots sorted by unit, except the ``n_hot`` hot units
-    (``hot_mask``, holding ``n_hot_slots`` light slots), whose share is one cuBLAS product over
-    their dense columns. Gated: values g, with u and da; non-gated: values h, u and da None."""
+    rows'), by the per-unit kernel over the slots sorted by unit (its programs taking the units in
+    the order of ``schedule``, the longest first, while ``GRADS_LONGEST_FIRST``), except the
+    ``n_hot`` hot units (``hot_mask``, holding ``n_hot_slots`` light slots), whose share is one
+    cuBLAS product over their dense columns. Gated: values g, with u and da; non-gated: values
+    h, u and da None."""
     order, offsets = unit_index(cols, counts, f, hot_mask if n_hot else None)
-    grads = ffn_weight_grads(order, offsets, x, dy, values, u, du, da, base=base, dtype=dtype, **GRADS_CONFIG)
+    units = schedule if GRADS_LONGEST_FIRST else None
+    grads = ffn_weight_grads(order, offsets, x, dy, values, u, du, da, base=base, dtype=dtype, units=units, **GRADS_CONFIG)
     if n_hot:
         hot = torch.nonzero_static(hot_mask, size=n_hot).flatten()
         h = values if u is None else values.float() * u.float()
@@ -364,17 +385,17 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         W = _check_args(x, w_up, w_down, w_gate, width)
         _refuse_capture(x)
         a = torch.mm(x, w_gate.t())
-        cols, g, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, host = _light_forward(x, a, W, w_down, w_up)
+        cols, g, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, schedule, host = _light_forward(x, a, W, w_down, w_up)
         del a
         ctx.host = host
-        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, host)
+        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, schedule, host)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, host = ctx.saved_tensors
+        x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, schedule, host = ctx.saved_tensors
         _refuse_capture(x)
         M, d = x.shape
         f = w_up.shape[0]
@@ -385,8 +406,8 @@ class SparseGatedFFNFunction(torch.autograd.Function):
         base = None
         if n_heavy:
             dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_gate, w_up, w_down)
-        dw_up, dw_gate, dw_down_t = _unit_weight_grads(x, dy, cols, counts, g, u, du, da, hot_mask, n_hot, n_hot_slots,
-                                                       base, f, w_up.dtype)
+        dw_up, dw_gate, dw_down_t = _unit_weight_grads(x, dy, cols, counts, g, u, du, da, hot_mask, schedule, n_hot,
+                                                       n_hot_slots, base, f, w_up.dtype)
         # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
         return dx, dw_gate, dw_up, dw_down_t.t(), None
 
@@ -403,17 +424,17 @@ class SparseFFNFunction(torch.autograd.Function):
         W = _check_args(x, w_up, w_down, None, width)
         _refuse_capture(x)
         a = torch.mm(x, w_up.t())
-        cols, h, counts, y, _, l1, unit_counts, heavy, n_heavy, hot_mask, host = _light_forward(x, a, W, w_down)
+        cols, h, counts, y, _, l1, unit_counts, heavy, n_heavy, hot_mask, schedule, host = _light_forward(x, a, W, w_down)
         del a
         ctx.host = host
-        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy, hot_mask, host)
+        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy, hot_mask, schedule, host)
         ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
         return y, l1, counts, unit_counts, n_heavy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy, dl1, *_):
-        x, w_up, w_down, cols, h, counts, heavy, hot_mask, host = ctx.saved_tensors
+        x, w_up, w_down, cols, h, counts, heavy, hot_mask, schedule, host = ctx.saved_tensors
         _refuse_capture(x)
         M, d = x.shape
         f = w_up.shape[0]
@@ -424,8 +445,8 @@ class SparseFFNFunction(torch.autograd.Function):
         base = None
         if n_heavy:
             dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_up, None, w_down)
-        dw_up, _, dw_down_t = _unit_weight_grads(x, dy, cols, counts, h, None, dh, None, hot_mask, n_hot, n_hot_slots,
-                                                 base, f, w_up.dtype)
+        dw_up, _, dw_down_t = _unit_weight_grads(x, dy, cols, counts, h, None, dh, None, hot_mask, schedule, n_hot,
+                                                 n_hot_slots, base, f, w_up.dtype)
         return dx, dw_up, dw_down_t.t(), None
 
 
@@ -526,7 +547,7 @@ def saved_bytes(fn: Callable[..., object], *inputs: torch.Tensor) -> int:
     Runs ``fn`` once (inputs that are floating tensors are detached and made to require grad)
     and sums, over the distinct tensors saved for backward, those that share no storage with an
     input: for :func:`sparse_gated_ffn` with inputs (x, w_gate, w_up, w_down) that is the ELL
-    rows, counts, the heavy rows' list and the hot units' mask; for the dense FFN, its
+    rows, counts, the heavy rows' list, the hot units' mask and the schedule; for the dense FFN, its
     ``[M, f]`` intermediates. x
     and the weights, which both keep, are not counted.
 

@@ -344,6 +344,30 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
     return out
 
 
+def stage_tensors(M: int, k: float, distribution: str = "even", d: int = 2048, f: int = 5632, seed: int = 1):
+    """The inputs and intermediates of one sparse forward + backward at the width "auto" gives,
+    for timing its stages one by one: a ``SimpleNamespace`` with x, wg, wu, wd (synthetic, bf16,
+    CUDA), dy, the pre-activation a, W, wdt (``w_down^T`` contiguous), the ELL rows cols, g, cnt,
+    the forward's u, the L1 scale c (zero) and the backward's du, da."""
+    from types import SimpleNamespace
+
+    from .. import train_ops
+    from ..kernels import train_ffn as K
+
+    ffn = make_ffn(M, d, f, k, distribution, torch.bfloat16, "cuda", seed=seed)
+    t = SimpleNamespace(x=ffn.x, wg=ffn.w_gate, wu=ffn.w_up, wd=ffn.w_down)
+    t.dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16) / math.sqrt(d)
+    with torch.no_grad():
+        t.a = torch.mm(t.x, t.wg.t())
+    t.W = train_ops.choose_width(float((t.a > 0).sum(1).float().mean()), None, f)
+    t.wdt = t.wd.t().contiguous()
+    t.cols, t.g, t.cnt = K.pack_rows(t.a, t.W, **train_ops.PACK_CONFIG)
+    _, t.u, _ = K.ffn_rows_forward(t.x, t.cols, t.g, t.cnt, t.wdt, t.wu, **train_ops.ROWS_CONFIG)
+    t.c = torch.zeros(1, device="cuda")
+    _, t.du, t.da = K.ffn_rows_backward(t.dy, t.cols, t.g, t.u, t.cnt, t.wdt, t.wu, t.wg, t.c, **train_ops.ROWS_CONFIG)
+    return t
+
+
 def tune_configs(M: int = 16384, k: float = 29, d: int = 2048, f: int = 5632, rep: int = 50,
                  log: Callable[[str], None] = print) -> dict:
     """Time each stage of the sparse forward + backward at one shape, and each kernel over a few
@@ -357,18 +381,9 @@ def tune_configs(M: int = 16384, k: float = 29, d: int = 2048, f: int = 5632, re
     from ..kernels import train_ffn as K
     from ..kernels.train_index import heavy_and_hot, light_unit_counts, unit_index
 
-    ffn = make_ffn(M, d, f, k, "even", torch.bfloat16, "cuda", seed=1)
-    x, wg, wu, wd = ffn.x, ffn.w_gate, ffn.w_up, ffn.w_down
-    dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16) / math.sqrt(d)
-    with torch.no_grad():
-        a = torch.mm(x, wg.t())
-    counts = (a > 0).sum(1)
-    W = train_ops.choose_width(float(counts.float().mean()), None, f)
-    wdt = wd.t().contiguous()
-    cols, g, cnt = K.pack_rows(a, W, **train_ops.PACK_CONFIG)
-    y, u, _ = K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **train_ops.ROWS_CONFIG)
-    c = torch.zeros(1, device="cuda")
-    dx, du, da = K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **train_ops.ROWS_CONFIG)
+    t = stage_tensors(M, k, "even", d, f)
+    x, wg, wu, wd, dy, a, W, wdt = t.x, t.wg, t.wu, t.wd, t.dy, t.a, t.W, t.wdt
+    cols, g, cnt, u, c, du, da = t.cols, t.g, t.cnt, t.u, t.c, t.du, t.da
     order, offsets = unit_index(cols, cnt, f)
     per = light_unit_counts(cols, cnt, f)
     stages = {
@@ -376,7 +391,7 @@ def tune_configs(M: int = 16384, k: float = 29, d: int = 2048, f: int = 5632, re
         "w_down_t": lambda: wd.t().contiguous(),
         "pack": lambda: K.pack_rows(a, W, **train_ops.PACK_CONFIG),
         "unit_counts": lambda: light_unit_counts(cols, cnt, f),
-        "heavy_and_hot": lambda: heavy_and_hot(cnt, W, per, train_ops.HOT_MIN, train_ops.HOT_FACTOR),
+        "heavy_and_hot": lambda: heavy_and_hot(cnt, W, per, train_ops.hot_limit(M), train_ops.HOT_FACTOR),
         "forward_rows": lambda: K.ffn_rows_forward(x, cols, g, cnt, wdt, wu, **train_ops.ROWS_CONFIG),
         "backward_rows": lambda: K.ffn_rows_backward(dy, cols, g, u, cnt, wdt, wu, wg, c, **train_ops.ROWS_CONFIG),
         "unit_index": lambda: unit_index(cols, cnt, f),

@@ -646,13 +646,13 @@ def ffn_rows_backward(
 
 @triton.jit
 def _weight_grads_kernel(
-    order_ptr, off_ptr,
+    order_ptr, off_ptr, units_ptr,
     x_ptr, stride_xm, dy_ptr, stride_dym,
     du_ptr, da_ptr, g_ptr, u_ptr,
     dwu_ptr, dwg_ptr, dwdt_ptr,
     d, W,
     BT: tl.constexpr, BD: tl.constexpr, GATED: tl.constexpr, HAS_BASE: tl.constexpr,
-    X_PART: tl.constexpr, DY_PART: tl.constexpr,
+    X_PART: tl.constexpr, DY_PART: tl.constexpr, BY_LIST: tl.constexpr,
 ):
     # Unit j, columns [d0, d0 + BD): BT of its (token, slot) pairs at a time, each gathering a
     # contiguous piece of x[m] and dy[m]:
@@ -661,7 +661,12 @@ def _weight_grads_kernel(
     # One launch may do both parts, or one each: then each launch gathers from one [M, d]
     # matrix, a working set half as large for L2.
     # A unit with no light slot still stores (zeros, or the base): the output is always written.
-    j = tl.program_id(0).to(tl.int64)
+    # BY_LIST: program i takes unit units[i] (the caller's order: longest first, so that no long
+    # unit starts last and runs alone at the end of the launch).
+    if BY_LIST:
+        j = tl.load(units_ptr + tl.program_id(0)).to(tl.int64)
+    else:
+        j = tl.program_id(0).to(tl.int64)
     dd = tl.program_id(1) * BD + tl.arange(0, BD)
     dm = dd < d
     start = tl.load(off_ptr + j)
@@ -720,6 +725,7 @@ def ffn_weight_grads(
     block_d: Optional[int] = None,
     num_warps: int = 4,
     split: bool = False,
+    units: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
     """Weight gradients from the light rows' slots, unit by unit.
 
@@ -735,6 +741,9 @@ def ffn_weight_grads(
         split: two launches, one gathering x rows (dw_up, dw_gate), one gathering dy rows
             (dw_down^T), instead of one gathering both: the same sums in the same order, each
             launch's gathers from half the memory (which L2 holds better).
+        units: optional ``[f]`` int64, a permutation of the units: the order in which the
+            programs take them (the schedule of :func:`twell.kernels.train_index.heavy_and_hot`,
+            longest first). Only which program takes which unit changes, not the sums.
 
     Returns:
         ``(dw_up [f, d], dw_gate [f, d] or None (non-gated), dw_down_t [f, d])`` where
@@ -775,6 +784,10 @@ def ffn_weight_grads(
         dwu = torch.empty(f, d, dtype=dtype, device=x.device)
         dwg = torch.empty(f, d, dtype=dtype, device=x.device) if gated else None
         dwdt = torch.empty(f, d, dtype=dtype, device=x.device)
+    if units is not None:
+        check_tensor(units, "units", dim=1, dtypes=(torch.int64,))
+        if units.numel() != f or not units.is_contiguous() or units.device != x.device:
+            raise ValueError(f"units must be a contiguous [f] = [{f}] int64 permutation on {x.device}, got {list(units.shape)} on {units.device}")
     check_launchable(x, "x")
     check_pow2(block_t, "block_t", 1, 256)
     BD = _block_d(d, block_d, 256)
@@ -787,11 +800,12 @@ def ffn_weight_grads(
     with on_device_of(x):
         for x_part, dy_part in parts:
             _weight_grads_kernel[(f, triton.cdiv(d, BD))](
-                order, offsets, x, x.stride(0), dy, dy.stride(0),
+                order, offsets, offsets if units is None else units, x, x.stride(0), dy, dy.stride(0),
                 du, da if gated else du, values, u if gated else values,
                 dwu, dwg if gated else dwu, dwdt,
                 d, W,
                 BT=block_t, BD=BD, GATED=gated, HAS_BASE=base is not None,
-                X_PART=x_part, DY_PART=dy_part, num_warps=num_warps,
+                X_PART=x_part, DY_PART=dy_part, BY_LIST=units is not None, num_warps=num_warps,
             )
     return dwu, dwg, dwdt
+

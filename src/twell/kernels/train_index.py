@@ -13,6 +13,8 @@ The sparse training op (:mod:`twell.train_ops`) needs, after the pack (``cols [M
                         hot      units with more than max(hot_min, hot_factor x mean) light slots
                         info     (n_heavy, hot units, light slots at hot units): the backward's
                                  sizes, copied to the host
+                        schedule the units, the most light slots first (the weight gradients'
+                                 programs take them in this order)
     unit_index          the used light slots grouped by unit (hot units left out): slot keys,
                         one stable sort, a binary search per unit
 
@@ -82,39 +84,80 @@ def _slot_keys_kernel(col_ptr, cnt_ptr, ex_ptr, key_ptr, n, W, f, HAS_EX: tl.con
 
 
 @triton.jit
-def _heavy_hot_kernel(cnt_ptr, per_ptr, heavy_ptr, hot_ptr, info_ptr, M, W, f, factor, hot_min,
-                      BLOCK: tl.constexpr):
-    # One program: M and f are a few thousand to a few hundred thousand, a few loads per
-    # thread, and one program keeps the list in row order without a second launch.
+def _hot_limit(per_ptr, f, factor, hot_min, BLOCK: tl.constexpr):
+    # in fp32, as PyTorch computes (int64 tensor) * (Python float) and its compare with that
     ar = tl.arange(0, BLOCK)
-    n_heavy = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
-    for m0 in range(0, M, BLOCK):
-        m = m0 + ar
-        heavy = (m < M) & (tl.load(cnt_ptr + m, mask=m < M, other=0) > W)
-        flag = heavy.to(tl.int64)
-        tl.store(heavy_ptr + n_heavy + tl.cumsum(flag, axis=0) - 1, m.to(tl.int64), mask=heavy)
-        n_heavy += tl.sum(flag, axis=0)
-    for m0 in range(0, M, BLOCK):
-        m = m0 + ar
-        tl.store(heavy_ptr + m, tl.zeros([BLOCK], dtype=tl.int64), mask=(m < M) & (m >= n_heavy))
     total = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
     for j0 in range(0, f, BLOCK):
         j = j0 + ar
         total += tl.sum(tl.load(per_ptr + j, mask=j < f, other=0), axis=0)
-    # in fp32, as PyTorch computes (int64 tensor) * (Python float) and its compare with that
-    limit = tl.maximum(total.to(tl.float32) * factor, hot_min)
-    n_hot = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
-    hot_slots = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
-    for j0 in range(0, f, BLOCK):
-        j = j0 + ar
-        per = tl.load(per_ptr + j, mask=j < f, other=0)
-        hot = (j < f) & (per.to(tl.float32) > limit)
-        tl.store(hot_ptr + j, hot.to(tl.int8), mask=j < f)
-        n_hot += tl.sum(hot.to(tl.int64), axis=0)
-        hot_slots += tl.sum(tl.where(hot, per, 0), axis=0)
-    tl.store(info_ptr, n_heavy)
-    tl.store(info_ptr + 1, n_hot)
-    tl.store(info_ptr + 2, hot_slots)
+    return tl.maximum(total.to(tl.float32) * factor, hot_min)
+
+
+@triton.jit
+def _schedule_bin(per, hot, first_bin):
+    # The weight gradients' schedule, by bins: a unit with s light slots, s in [2^e, 2^(e+1))
+    # (e read exactly from s's fp32 exponent), is in half octave h = 2 e + 1, or 2 e + 2 from
+    # s^2 >= 2^(2e+1) (s >= 2^e sqrt 2) on: bin 63 - h, so the most slots come first; units
+    # with none in bin 63, after every other; hot units (left to cuBLAS: no slot on the per-unit
+    # kernel) in bin 64, last. Bins below first_bin (more slots than the call's M: not from a
+    # pack) are merged into it, so that the schedule stays a permutation.
+    e = ((per.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.maximum(e, 0)
+    upper = (per * per) >= (tl.full(per.shape, 2, tl.int64) << (2 * e).to(tl.int64))
+    half_octave = tl.where(per > 0, 2 * e + 1 + upper.to(tl.int32), 0)
+    return tl.maximum(tl.where(hot, 64, 63 - tl.minimum(half_octave, 63)), first_bin)
+
+
+@triton.jit
+def _heavy_hot_kernel(cnt_ptr, per_ptr, heavy_ptr, hot_ptr, info_ptr, sched_ptr, M, W, f, factor, hot_min, first_bin,
+                      BLOCK: tl.constexpr):
+    # Program 0: the heavy rows and the hot units. M and f are a few thousand to a few hundred
+    # thousand, a few loads per thread, and one program keeps the list in row order without a
+    # second launch. Programs 1 on: bin first_bin + pid - 1 of the schedule each (_schedule_bin;
+    # bins below first_bin hold no unit, as no unit has more than M slots), in unit order,
+    # after the units of every lower bin: a counting sort with no communication between
+    # programs (each recomputes the hot limit as program 0 does, the same fp32 value).
+    ar = tl.arange(0, BLOCK)
+    pid = tl.program_id(0)
+    limit = _hot_limit(per_ptr, f, factor, hot_min, BLOCK)
+    if pid == 0:
+        n_heavy = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+        for m0 in range(0, M, BLOCK):
+            m = m0 + ar
+            heavy = (m < M) & (tl.load(cnt_ptr + m, mask=m < M, other=0) > W)
+            flag = heavy.to(tl.int64)
+            tl.store(heavy_ptr + n_heavy + tl.cumsum(flag, axis=0) - 1, m.to(tl.int64), mask=heavy)
+            n_heavy += tl.sum(flag, axis=0)
+        for m0 in range(0, M, BLOCK):
+            m = m0 + ar
+            tl.store(heavy_ptr + m, tl.zeros([BLOCK], dtype=tl.int64), mask=(m < M) & (m >= n_heavy))
+        n_hot = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+        hot_slots = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+        for j0 in range(0, f, BLOCK):
+            j = j0 + ar
+            per = tl.load(per_ptr + j, mask=j < f, other=0)
+            hot = (j < f) & (per.to(tl.float32) > limit)
+            tl.store(hot_ptr + j, hot.to(tl.int8), mask=j < f)
+            n_hot += tl.sum(hot.to(tl.int64), axis=0)
+            hot_slots += tl.sum(tl.where(hot, per, 0), axis=0)
+        tl.store(info_ptr, n_heavy)
+        tl.store(info_ptr + 1, n_hot)
+        tl.store(info_ptr + 2, hot_slots)
+    else:
+        mine = first_bin + pid - 1
+        place = tl.sum(tl.zeros([BLOCK], dtype=tl.int64), axis=0)
+        for j0 in range(0, f, BLOCK):  # the units of lower bins come first
+            j = j0 + ar
+            per = tl.load(per_ptr + j, mask=j < f, other=0)
+            b = _schedule_bin(per, per.to(tl.float32) > limit, first_bin)
+            place += tl.sum(((j < f) & (b < mine)).to(tl.int64), axis=0)
+        for j0 in range(0, f, BLOCK):
+            j = j0 + ar
+            per = tl.load(per_ptr + j, mask=j < f, other=0)
+            flag = ((j < f) & (_schedule_bin(per, per.to(tl.float32) > limit, first_bin) == mine)).to(tl.int64)
+            tl.store(sched_ptr + place + tl.cumsum(flag, axis=0) - 1, j.to(tl.int64), mask=flag != 0)
+            place += tl.sum(flag, axis=0)
 
 
 def _check_ell(cols: torch.Tensor, counts: torch.Tensor) -> None:
@@ -182,7 +225,7 @@ def unit_index(cols: torch.Tensor, counts: torch.Tensor, f: int,
 
 
 def heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, hot_min: float, hot_factor: float):
-    """``(heavy, n_heavy, hot, info)``, one launch, no host sync.
+    """``(heavy, n_heavy, hot, info, schedule)``, one launch, no host sync.
 
     Args:
         counts: ``[M]`` int32 active units per row; W: the ELL width.
@@ -193,7 +236,12 @@ def heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, hot_min:
     Returns:
         ``heavy [M]`` int64, the rows with ``counts > W`` in ascending order, then zeros;
         ``n_heavy`` int64 scalar tensor, how many; ``hot [f]`` bool; ``info [3]`` int64 =
-        (n_heavy, hot units, light slots at hot units).
+        (n_heavy, hot units, light slots at hot units); ``schedule [f]`` int64, a permutation
+        of the units, the most light slots first by half octaves (``floor(2 log2(slots))``, with
+        slots as fp32), then units with none, then the hot units, in unit order within each
+        group: the order in which :func:`twell.kernels.train_ffn.ffn_weight_grads` takes them
+        (``units``), so that a long unit does not start last and run alone at the end of the
+        launch.
     """
     M, f = counts.shape[0], per_unit.shape[0]
     if counts.dtype != torch.int32 or per_unit.dtype != torch.int64 or per_unit.device != counts.device \
@@ -204,10 +252,13 @@ def heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, hot_min:
     heavy = torch.empty(max(M, 1), dtype=torch.int64, device=dev)[:M]  # (a valid pointer at M = 0)
     hot = torch.empty(f, dtype=torch.bool, device=dev)
     info = torch.empty(3, dtype=torch.int64, device=dev)
+    sched = torch.empty(f, dtype=torch.int64, device=dev)
     if f == 0:  # no unit: no count exceeds W >= 1, no row is heavy, no unit hot
         heavy.zero_(), info.zero_()
     else:
+        # a unit has at most M light slots: half octave at most 2 floor(log2 M) + 2
+        top = min(2 * max(M, 1).bit_length(), 63)
         with on_device_of(counts):
-            _heavy_hot_kernel[(1,)](counts, per_unit, heavy, hot.view(torch.int8), info, M, W, f,
-                                    float(hot_factor) / f, float(hot_min), BLOCK=_STEP, num_warps=8)
-    return heavy, info[0], hot, info
+            _heavy_hot_kernel[(1 + top + 2,)](counts, per_unit, heavy, hot.view(torch.int8), info, sched, M, W, f,
+                                             float(hot_factor) / f, float(hot_min), 63 - top, BLOCK=_STEP, num_warps=8)
+    return heavy, info[0], hot, info, sched
