@@ -664,7 +664,7 @@ def test_hot_units_take_the_dense_columns(gated, monkeypatch):
 
 
 def test_hot_unit_cutoff_is_strict():
-    """A unit is hot when it holds *more than* max(HOT_MIN, HOT_FACTOR x mean) slots: one at
+    """A unit is hot when it holds *more than* max(HOT_MIN, HOT_SHARE M, HOT_FACTOR x mean) slots: one at
     exactly the limit stays on the per-unit kernel (a mutant with >= survived every other test,
     twelfth session: both paths give the same gradients)."""
     f = 100
@@ -676,17 +676,17 @@ def test_hot_unit_cutoff_is_strict():
 
 
 def test_hot_limit_grows_with_the_call():
-    """From ``HOT_MIN / HOT_SHARE`` tokens on, the limit is ``HOT_SHARE`` of them: at 20000
-    tokens a unit needs more than 400 slots, and one with 400 stays on the per-unit kernel; the
-    mean's multiple still binds where it is larger."""
-    assert T.hot_limit(1000) == T.HOT_MIN and T.hot_limit(20000) == pytest.approx(T.HOT_SHARE * 20000) == pytest.approx(400.0)
+    """From ``HOT_MIN / HOT_SHARE`` tokens on, the limit is ``HOT_SHARE`` of them: at 25600
+    tokens (1/64 of them, 400) a unit needs more than 400 slots, and one with 400 stays on the
+    per-unit kernel; the mean's multiple still binds where it is larger."""
+    assert T.hot_limit(1000) == T.HOT_MIN and T.hot_limit(25600) == pytest.approx(T.HOT_SHARE * 25600) == pytest.approx(400.0)
     f = 100
     per_unit = torch.zeros(f, dtype=torch.int64)
     per_unit[0], per_unit[1], per_unit[2] = 300, 400, 401
-    _, _, hot, info, _ = T._heavy_and_hot(torch.zeros(20000, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), f)
+    _, _, hot, info, _ = T._heavy_and_hot(torch.zeros(25600, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), f)
     assert hot.nonzero().flatten().tolist() == [2] and info.tolist() == [0, 1, 401]
     per_unit[3:] = 250  # mean 253.5: HOT_FACTOR x mean = 507 binds
-    _, _, hot, _, _ = T._heavy_and_hot(torch.zeros(20000, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), f)
+    _, _, hot, _, _ = T._heavy_and_hot(torch.zeros(25600, dtype=torch.int32, device=DEV), 16, per_unit.to(DEV), f)
     assert hot.nonzero().flatten().tolist() == []
 
 

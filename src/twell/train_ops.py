@@ -227,12 +227,19 @@ def _host_counts(saved: torch.Tensor, own: torch.Tensor, device: torch.device, l
 # serially (skewed layers: a few units fire for a large share of the tokens). The column
 # counterpart of the heavy rows. A unit's share of the dense block costs about the same at any
 # fill (M d flops and a column of M values), its gathers about 1.6 ns per slot (M 16384, k 29 on
-# an H100): the block pays from about 2% of the tokens. On the H100 (benchmarks/train_skewed_ab.py,
-# fifty-fifth session; forward + backward, forced sparse, against dense PyTorch) the limit
-# max(256, 2% M, 2 x mean) against the earlier max(256, 8 x mean) took skewed k 56 at M 16384
-# from 0.89x to 1.18x and skewed k 29 at M 65536 from 1.47x to about 1.75x.
+# an H100): the block pays from 1% to 2% of the tokens. On the H100 (benchmarks/train_skewed_ab.py,
+# fifty-fifth session; forward + backward, forced sparse, against dense PyTorch; skewed layers,
+# with the longest-first schedule below):
+# - max(256, 2% M, 2 x mean) against the earlier max(256, 8 x mean): k 29 at M 16384 1.64x
+#   against 1.48x (both in unit order), k 56 0.97x against 0.88x, k 29 at M 65536 1.69x
+#   against 1.45x;
+# - then HOT_SHARE 1/64 against 2%: k 8 2.23x against 2.21x, k 29 1.86x against 1.76x, k 56
+#   1.19x against 1.04x, k 29 at M 65536 1.88x against 1.82x. (Part of that may be the count
+#   of hot units, not the limit: cuBLAS is slow on [M, n] bf16 blocks whose rows are not
+#   16-byte aligned, as the inference hot units found; a block padded to a multiple of 8
+#   columns was not measured.)
 HOT_MIN = 256
-HOT_SHARE = 0.02
+HOT_SHARE = 1 / 64
 HOT_FACTOR = 2.0
 
 
