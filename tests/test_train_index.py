@@ -124,9 +124,10 @@ def reference_schedule_bins(per_unit, hot, M):
     (s as fp32: s in [2^e, 2^(e+1)), the upper half from s^2 >= 2^(2e+1)), the most first;
     units with none next; hot units last. Classes above what M tokens allow (2 bit_length(M)
     half octaves) are merged into the top one."""
-    _, e = torch.frexp(per_unit.float())  # s = m 2^e with m in [0.5, 1)
-    e = (e.long() - 1).clamp(min=0)
-    upper = per_unit * per_unit >= (torch.full_like(e, 2) << (2 * e))
+    s = per_unit.clamp(max=2**31 - 1)
+    _, e = torch.frexp(s.float())  # s = m 2^e with m in [0.5, 1)
+    e = (e.long() - 1).clamp(min=0, max=30)
+    upper = s * s >= (torch.full_like(e, 2) << (2 * e))
     half = torch.where(per_unit > 0, 2 * e + 1 + upper.long(), 0)
     return torch.where(hot, 64, 63 - half.clamp(max=63)).clamp(min=63 - min(2 * max(M, 1).bit_length(), 63))
 

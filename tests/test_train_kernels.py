@@ -1033,8 +1033,46 @@ def test_weight_grads_split_is_the_one_launch_bit_for_bit(gated):
             assert (o is None) == (t is None) == (r is None)
             if o is not None:
                 assert torch.equal(o, t) and torch.equal(o, r) and bool(o.ne(0).any())
-    with pytest.raises(ValueError, match="units must be"):
-        ffn_weight_grads(order, offsets, x, dy, g, u, du, da, units=units[:-1].contiguous())
+    for bad in (units[:-1].contiguous(), units.repeat(2)[::2], units.view(1, -1)):
+        with pytest.raises(ValueError, match="units must be"):
+            ffn_weight_grads(order, offsets, x, dy, g, u, du, da, units=bad)
+    with pytest.raises(TypeError, match="units"):
+        ffn_weight_grads(order, offsets, x, dy, g, u, du, da, units=units.int())
+
+
+@pytest.mark.parametrize("gated", [True, False])
+def test_the_backward_gives_the_weight_gradients_the_forwards_schedule(gated, monkeypatch):
+    """The op's backward hands ffn_weight_grads the schedule its forward's heavy_and_hot wrote
+    (the order only changes speed, so no gradient would show it missing), and none while
+    GRADS_LONGEST_FIRST is off."""
+    from twell.kernels import train_index as TI
+
+    x, wg, wu, wd = (t.float() for t in make_case(9, 40, 75, seed=3, adversarial=True))
+    schedules, handed = [], []
+    real_hh, real_wg = T.heavy_and_hot, T.ffn_weight_grads
+
+    def spy_hh(*a, **k):
+        out = real_hh(*a, **k)
+        schedules.append(out[4])
+        return out
+
+    def spy_wg(*a, units=None, **k):
+        handed.append(units)
+        return real_wg(*a, units=units, **k)
+
+    monkeypatch.setattr(T, "heavy_and_hot", spy_hh)
+    monkeypatch.setattr(T, "ffn_weight_grads", spy_wg)
+    for on in (True, False):
+        monkeypatch.setattr(T, "GRADS_LONGEST_FIRST", on)
+        leaves = [t.clone().requires_grad_() for t in ((x, wg, wu, wd) if gated else (x, wu, wd))]
+        out = sparse_gated_ffn(*leaves, 12) if gated else sparse_ffn(*leaves, 12)
+        (out.y.sum() + out.l1).backward()
+        if on:
+            assert handed[-1] is not None and torch.equal(handed[-1], schedules[-1])
+            assert sorted(handed[-1].tolist()) == list(range(75))
+        else:
+            assert handed[-1] is None
+    assert TI.heavy_and_hot is real_hh  # (patched in train_ops only)
 
 
 

@@ -21,7 +21,8 @@ preset, removing it took the sparse kernels from 1.14x to 1.16x dense's tokens/s
 (benchmarks/NOTES_training.md).
 
 In the backward, the weight gradients of the light rows go unit by unit (a per-unit kernel over
-the slots sorted by unit), except for hot units (far more tokens than the mean: see ``HOT_MIN``),
+the slots sorted by unit, its programs taking the longest units first), except for hot units
+(more light slots than max(HOT_MIN, HOT_SHARE M, HOT_FACTOR x the mean): :func:`hot_limit`),
 whose share is one cuBLAS product over a dense ``[M, n_hot]`` block. The L1 term ``l1 = mean over tokens of sum over units |h|`` (:func:`twell.reference.l1_penalty`)
 is returned beside y, so that ``loss = task_loss(y) + lam * l1`` back-propagates through both.
 
@@ -164,10 +165,11 @@ def _refuse_capture(x: torch.Tensor) -> None:
 def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int):
     """On the device, no host sync: ``(heavy, n_heavy, hot_mask, info, schedule)``. ``heavy [M]`` int64
     lists the rows with more than W active units first (the rest is padding), ``n_heavy`` (int64
-    scalar) counts them; ``hot_mask [f]`` marks the hot units (see HOT_MIN) of the light rows
+    scalar) counts them; ``hot_mask [f]`` marks the hot units (see HOT_SHARE) of the light rows
     (``per_unit``: their slots per unit); ``info [3]`` int64 = (n_heavy, hot units, light slots
-    at hot units), what the backward needs on the host (:func:`_to_host`). One launch
-    (:func:`twell.kernels.train_index.heavy_and_hot`)."""
+    at hot units), what the backward needs on the host (:func:`_to_host`); ``schedule [f]``
+    int64, the units longest first, the order the weight gradients' programs take them. One
+    launch (:func:`twell.kernels.train_index.heavy_and_hot`)."""
     return heavy_and_hot(counts, W, per_unit, hot_limit(counts.shape[0]), HOT_FACTOR)
 
 

@@ -660,7 +660,8 @@ def _weight_grads_kernel(
     #   dw_down^T[j] += h dy[m]                               (DY_PART)
     # One launch may do both parts, or one each: then each launch gathers from one [M, d]
     # matrix, a working set half as large for L2.
-    # A unit with no light slot still stores (zeros, or the base): the output is always written.
+    # A unit with no light slot still stores (zeros, or the base): every output row is written
+    # (with BY_LIST, when units is a permutation).
     # BY_LIST: program i takes unit units[i] (the caller's order: longest first, so that no long
     # unit starts last and runs alone at the end of the launch).
     if BY_LIST:
@@ -743,7 +744,10 @@ def ffn_weight_grads(
             launch's gathers from half the memory (which L2 holds better).
         units: optional ``[f]`` int64, a permutation of the units: the order in which the
             programs take them (the schedule of :func:`twell.kernels.train_index.heavy_and_hot`,
-            longest first). Only which program takes which unit changes, not the sums.
+            longest first). Only which program takes which unit changes, not the sums. Its
+            dtype, shape and device are checked, not that it is a permutation (that would cost
+            a launch and a sync): a unit missing from it leaves its rows unwritten, one listed
+            twice is written by two programs at once.
 
     Returns:
         ``(dw_up [f, d], dw_gate [f, d] or None (non-gated), dw_down_t [f, d])`` where

@@ -96,15 +96,18 @@ def _hot_limit(per_ptr, f, factor, hot_min, BLOCK: tl.constexpr):
 
 @triton.jit
 def _schedule_bin(per, hot, first_bin):
-    # The weight gradients' schedule, by bins: a unit with s light slots, s in [2^e, 2^(e+1))
-    # (e read exactly from s's fp32 exponent), is in half octave h = 2 e + 1, or 2 e + 2 from
-    # s^2 >= 2^(2e+1) (s >= 2^e sqrt 2) on: bin 63 - h, so the most slots come first; units
-    # with none in bin 63, after every other; hot units (left to cuBLAS: no slot on the per-unit
-    # kernel) in bin 64, last. Bins below first_bin (more slots than the call's M: not from a
-    # pack) are merged into it, so that the schedule stays a permutation.
-    e = ((per.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-    e = tl.maximum(e, 0)
-    upper = (per * per) >= (tl.full(per.shape, 2, tl.int64) << (2 * e).to(tl.int64))
+    # The weight gradients' schedule, by bins: a unit with s light slots (s taken at most
+    # 2^31 - 1, so that nothing below overflows), s in [2^e, 2^(e+1)) (e from s's fp32
+    # exponent: exact up to 2^24, where the conversion can round s up to the next power of 2),
+    # is in half octave h = 2 e + 1, or 2 e + 2 from s^2 >= 2^(2e+1) (s >= 2^e sqrt 2) on: bin
+    # 63 - h, so the most slots come first; units with none in bin 63, after every other; hot
+    # units (left to cuBLAS: no slot on the per-unit kernel) in bin 64, last. Bins below
+    # first_bin (more slots than the call's M: not from a pack) are merged into it, so that the
+    # schedule stays a permutation.
+    s = tl.minimum(per, 2147483647)
+    e = ((s.to(tl.float32).to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    e = tl.minimum(tl.maximum(e, 0), 30)
+    upper = (s * s) >= (tl.full(per.shape, 2, tl.int64) << (2 * e).to(tl.int64))
     half_octave = tl.where(per > 0, 2 * e + 1 + upper.to(tl.int32), 0)
     return tl.maximum(tl.where(hot, 64, 63 - tl.minimum(half_octave, 63)), first_bin)
 
@@ -237,8 +240,8 @@ def heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, hot_min:
         ``heavy [M]`` int64, the rows with ``counts > W`` in ascending order, then zeros;
         ``n_heavy`` int64 scalar tensor, how many; ``hot [f]`` bool; ``info [3]`` int64 =
         (n_heavy, hot units, light slots at hot units); ``schedule [f]`` int64, a permutation
-        of the units, the most light slots first by half octaves (``floor(2 log2(slots))``, with
-        slots as fp32), then units with none, then the hot units, in unit order within each
+        of the units, the most light slots first by half octaves (of the slot count as fp32),
+        then units with none, then the hot units, in unit order within each
         group: the order in which :func:`twell.kernels.train_ffn.ffn_weight_grads` takes them
         (``units``), so that a long unit does not start last and run alone at the end of the
         launch.
