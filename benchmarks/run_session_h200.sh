@@ -14,6 +14,9 @@
 # gridM (twell bench inference --M $GRID_M, default 4096 16384),
 # grid (twell bench inference, no variants), model (twell bench model: 2b, calibrated k 29),
 # training (twell bench training: the training grid and the 0.5b train steps; TRAINING_ARGS),
+# hotab (benchmarks/hot_units_ab.py: the inference hot units off and on),
+# skewedab (benchmarks/train_skewed_ab.py: the training weight gradients' schedule and hot-unit
+# limit; AB_CASES, AB_SETTINGS),
 # stageprobe (benchmarks/split_stage_probe.py: the split kernels' times, profiled in a chain),
 # spreadprobe (benchmarks/split_spread_probe.py: the inference split path's shapes by the rows' spread),
 # exactprobe (benchmarks/exact_launch_probe.py: overflowed rows, per-row launch against dense rows),
@@ -95,6 +98,8 @@ for step in "$@"; do
     grid)     cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60) ;;
     model)    cmd=(timeout "${MODEL_S:-300}" $PY -m twell.bench.cli model --out "$dir") ;;
     training) cmd=(timeout "${TRAINING_S:-330}" $PY -m twell.bench.cli training --out "$dir" ${TRAINING_ARGS:-}) ;;
+    hotab)    cmd=(timeout "${HOTAB_S:-300}" $PY benchmarks/hot_units_ab.py "$dir") ;;
+    skewedab) cmd=(timeout "${SKEWEDAB_S:-240}" $PY benchmarks/train_skewed_ab.py "$dir") ;;
     *) echo "unknown step $step"; continue ;;
   esac
   "${cmd[@]}" > "$OUTDIR/$step.log" 2>&1
