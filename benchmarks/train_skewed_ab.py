@@ -40,23 +40,28 @@ if os.environ.get("AB_CASES"):  # e.g. "16384:29:skewed,65536:29:even"
 # (name, longest first, HOT_SHARE, HOT_FACTOR)
 SETTINGS = [("old: unit order, 8 x mean", False, 0.0, 8.0), ("unit order, 2% M, 2 x mean", False, 0.02, 2.0),
             ("new: schedule, 2% M, 2 x mean", True, 0.02, 2.0)]
+if os.environ.get("AB_SETTINGS"):
+    # e.g. "a:1:0.015625:2:1;b:1:0.015625:2:8" (name, longest first 0/1, HOT_SHARE, HOT_FACTOR, HOT_ALIGN optional)
+    SETTINGS = [(n, bool(int(lf)), float(sh), float(fa), *[int(v) for v in al])
+                for n, lf, sh, fa, *al in (c.split(":") for c in os.environ["AB_SETTINGS"].split(";"))]
 ROUNDS = 3
 
 
 def main() -> None:
     records = []
-    shipped = (train_ops.GRADS_LONGEST_FIRST, train_ops.HOT_SHARE, train_ops.HOT_FACTOR)
+    shipped = (train_ops.GRADS_LONGEST_FIRST, train_ops.HOT_SHARE, train_ops.HOT_FACTOR, train_ops.HOT_ALIGN)
     for M, k, dist in CASES:
         s = make_ffn(M, 2048, 5632, k, dist, device="cuda")
         x, wg, wu, wd = (t.detach().requires_grad_(True) for t in (s.x, s.w_gate, s.w_up, s.w_down))
         dy = torch.randn_like(x) / math.sqrt(2048)
         dense = _dense_fn(x, wg, wu, wd, dy)
         for rnd in range(ROUNDS):
-            for name, lf, share, hot in SETTINGS:
-                train_ops.GRADS_LONGEST_FIRST, train_ops.HOT_SHARE, train_ops.HOT_FACTOR = lf, share, hot
+            for name, lf, share, hot, *align in SETTINGS:  # an optional fifth field: HOT_ALIGN
+                align = align[0] if align else shipped[3]
+                train_ops.GRADS_LONGEST_FIRST, train_ops.HOT_SHARE, train_ops.HOT_FACTOR, train_ops.HOT_ALIGN = lf, share, hot, align
                 module, m = _module_fn(x, wg, wu, wd, dy, kernels="sparse")
                 d_ms, m_ms = interleaved_ms([dense, module], calls=20, warmup=3)
-                rec = dict(M=M, k=k, dist=dist, setting=name, longest_first=lf, hot_share=share, hot_factor=hot, round=rnd,
+                rec = dict(M=M, k=k, dist=dist, setting=name, longest_first=lf, hot_share=share, hot_factor=hot, hot_align=align, round=rnd,
                            dense_ms=d_ms, module_ms=m_ms, speedup=d_ms / m_ms, path=m.last_train_path)
                 records.append(rec)
                 print(f"M {M:6d} k {k:3g} {dist:7s} {name:36s} round {rnd}: dense {d_ms:.3f} module {m_ms:.3f} ms "
@@ -64,7 +69,7 @@ def main() -> None:
                 del module, m
         del s, x, wg, wu, wd, dy, dense
         torch.cuda.empty_cache()
-    train_ops.GRADS_LONGEST_FIRST, train_ops.HOT_SHARE, train_ops.HOT_FACTOR = shipped
+    train_ops.GRADS_LONGEST_FIRST, train_ops.HOT_SHARE, train_ops.HOT_FACTOR, train_ops.HOT_ALIGN = shipped
     with open(os.path.join(OUT, "train_skewed_ab.json"), "w") as fh:
         json.dump(dict(machine=machine_info(), records=records), fh, indent=1)
 

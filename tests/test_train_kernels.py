@@ -642,14 +642,17 @@ def test_checkpoint_recomputation_uses_its_own_counts(small_blocks):
         assert rel_err(got, want) < TOL[torch.float32]
 
 
+@pytest.mark.parametrize("align", [1, 8])
 @pytest.mark.parametrize("gated", [True, False])
-def test_hot_units_take_the_dense_columns(gated, monkeypatch):
+def test_hot_units_take_the_dense_columns(gated, align, monkeypatch):
     """Units held by far more slots than the mean (HOT fires in every ordinary row) get their
-    weight gradients from the dense [M, n_hot] block: the same gradients."""
+    weight gradients from the dense [M, n_hot] block: the same gradients, with the block's
+    columns padded to a multiple of HOT_ALIGN or not."""
     for name, cfg in SMALL_FULL.items():
         monkeypatch.setattr(T, name, cfg)
     monkeypatch.setattr(T, "HOT_MIN", 4)
     monkeypatch.setattr(T, "HOT_FACTOR", 2.0)
+    monkeypatch.setattr(T, "HOT_ALIGN", align)
     x, wg, wu, wd = (t.float() for t in make_case(37, 40, 75, seed=5))
     a = x @ wg.T
     counts = (a > 0).sum(1).int()
@@ -659,6 +662,11 @@ def test_hot_units_take_the_dense_columns(gated, monkeypatch):
     _, _, hot_mask, info, _ = T._heavy_and_hot(cnt, 12, light_unit_counts(cols, cnt, 75), 75)
     hot = torch.nonzero(hot_mask).flatten()
     assert HOT in hot.tolist() and 0 < hot.numel() < 75 and int(info[1]) == hot.numel()
+    n = -(-hot.numel() // align) * align
+    assert align == 1 or n > hot.numel()  # (padding columns present)
+    block, none = T._hot_dense(cols, cnt, hot, int(info[2]), 75, torch.ones(cols.shape, device=DEV), None)
+    assert none is None and block.shape == (37, n) and not bool(block[:, hot.numel():].any())
+    assert int(block.sum()) == int(info[2])  # every hot slot, once
     compare((x, wg, wu, wd) if gated else (x, wg, wd), 12, torch.float32, gated=gated)
     assert int((counts > 12).sum()) > 0  # heavy rows too: both dense contributions meet
 

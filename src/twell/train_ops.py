@@ -243,12 +243,18 @@ def _host_counts(saved: torch.Tensor, own: torch.Tensor, device: torch.device, l
 HOT_MIN = 256
 HOT_SHARE = 1 / 64
 HOT_FACTOR = 2.0
+# The hot units' dense blocks are [M, n] with n = n_hot rounded up to a multiple of HOT_ALIGN
+# (zero columns past the hot units). 8 would give bf16 rows cuBLAS's 16-byte alignment, which
+# the inference hot units needed (NOTES_inference, fifty-fourth session); not yet measured in
+# training, so 1 (no padding) ships: benchmarks/train_skewed_ab.py takes it as a setting.
+HOT_ALIGN = 1
 
 
 def _hot_dense(cols, counts, hot, n_slots, f, *slot_values):
-    """Dense ``[M, n_hot]`` fp32 blocks of per-slot values (``[M, W]`` each, or None: None out) at
-    the hot units' slots of the light rows (``n_slots`` of them, known on the host); zero
-    elsewhere. No host sync."""
+    """Dense ``[M, n]`` fp32 blocks of per-slot values (``[M, W]`` each, or None: None out) at
+    the hot units' slots of the light rows (``n_slots`` of them, known on the host), column i
+    for the unit ``hot[i]``; zero elsewhere, and in the columns past ``n_hot`` (``n`` is n_hot
+    rounded up to a multiple of ``HOT_ALIGN``). No host sync."""
     M, W = cols.shape
     pos = torch.full((f,), -1, dtype=torch.int64, device=cols.device)
     pos[hot] = torch.arange(hot.numel(), device=cols.device)
@@ -261,7 +267,7 @@ def _hot_dense(cols, counts, hot, n_slots, f, *slot_values):
         if v is None:
             out.append(None)
             continue
-        block = torch.zeros(M, hot.numel(), dtype=torch.float32, device=cols.device)
+        block = torch.zeros(M, -(-hot.numel() // HOT_ALIGN) * HOT_ALIGN, dtype=torch.float32, device=cols.device)
         block[r, c] = v[r, s].float()
         out.append(block)
     return out
@@ -317,10 +323,12 @@ def _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot_mask, schedul
 
 
 def _add_hot(grads, hot, blocks, sources):
-    """``grads[i][hot] += blocks[i]^T sources[i]`` (cuBLAS in the sources' dtype; None skipped)."""
+    """``grads[i][hot] += blocks[i]^T sources[i]`` (cuBLAS in the sources' dtype; None skipped;
+    the blocks' columns past ``hot.numel()``, zero padding, dropped)."""
+    n = hot.numel()
     for g, b, src in zip(grads, blocks, sources):
         if g is not None and b is not None:
-            g[hot] += torch.mm(b.to(src.dtype).t(), src).to(g.dtype)
+            g[hot] += torch.mm(b.to(src.dtype).t(), src)[:n].to(g.dtype)
 
 
 def _dense_rows(x_r, a_r, w_up, w_down):
