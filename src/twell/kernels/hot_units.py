@@ -77,7 +77,7 @@ def hot_units(units: torch.Tensor, f: int) -> HotUnits:
     made on ``units``' device without a host synchronisation."""
     check_tensor(units, "units", dim=1, dtypes=(torch.int64, torch.int32))
     units = torch.sort(units.to(torch.int64)).values
-    if units.numel() and (int(units.numel()) > f):
+    if units.numel() > f:
         raise ValueError(f"{units.numel()} hot units out of f = {f}")
     pos = torch.full((f,), -1, dtype=torch.int32, device=units.device)
     pos[units] = torch.arange(units.numel(), dtype=torch.int32, device=units.device)
