@@ -15,6 +15,7 @@
 # grid (twell bench inference, no variants), model (twell bench model: 2b, calibrated k 29),
 # training (twell bench training: the training grid and the 0.5b train steps; TRAINING_ARGS),
 # hotab (benchmarks/hot_units_ab.py: the inference hot units off and on),
+# prefillstage (benchmarks/prefill_stage_probe.py: one prefill call's kernels and gaps, profiled; STAGE_CASES),
 # skewedab (benchmarks/train_skewed_ab.py: the training weight gradients' schedule and hot-unit
 # limit; AB_CASES, AB_SETTINGS),
 # stageprobe (benchmarks/split_stage_probe.py: the split kernels' times, profiled in a chain),
@@ -98,6 +99,7 @@ for step in "$@"; do
     grid)     cmd=(timeout "${GRID_S:-300}" $PY -m twell.bench.cli inference --out "$dir" --rep 60) ;;
     model)    cmd=(timeout "${MODEL_S:-300}" $PY -m twell.bench.cli model --out "$dir") ;;
     training) cmd=(timeout "${TRAINING_S:-330}" $PY -m twell.bench.cli training --out "$dir" ${TRAINING_ARGS:-}) ;;
+    prefillstage) cmd=(env ${STAGE_CASES:+CASES=$STAGE_CASES} timeout "${PREFILLSTAGE_S:-240}" $PY benchmarks/prefill_stage_probe.py "$dir") ;;
     hotab)    cmd=(timeout "${HOTAB_S:-300}" $PY benchmarks/hot_units_ab.py "$dir") ;;
     skewedab) cmd=(timeout "${SKEWEDAB_S:-240}" $PY benchmarks/train_skewed_ab.py "$dir") ;;
     *) echo "unknown step $step"; continue ;;
