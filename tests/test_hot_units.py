@@ -30,24 +30,25 @@ def _skewed_pre(M, d, f, dtype, seed, hot_cols):
 
 
 def test_hot_set_forms():
-    """units sorted, pos the inverse map, words the bit mask (bit 31 included, f not a multiple
-    of 32); no host synchronisation needed to build it (device ops only)."""
+    """units sorted, words the bit mask (bit 31 included, f not a multiple of 32), starts the
+    hot units below each word's first column; no host synchronisation needed to build it
+    (device ops only)."""
     f = 70
     hs = hot_units(torch.tensor([64, 3, 31, 32, 69]), f)
     assert hs.units.tolist() == [3, 31, 32, 64, 69] and hs.n == 5 and hs.f == f
-    pos = torch.full((f,), -1, dtype=torch.int32)
-    pos[hs.units] = torch.arange(5, dtype=torch.int32)
-    assert torch.equal(hs.pos, pos)
     words = [(1 << 3) | (1 << 31), 1, (1 << 0) | (1 << 5)]
     assert hs.words.tolist() == [w - 2**32 if w >= 2**31 else w for w in words]
-    assert torch.equal(hot_words_of(hs.pos), hs.words)
+    assert torch.equal(hot_words_of(hs.units, f), hs.words)
+    assert hs.starts.tolist() == [0, 2, 3, 5]
     hs.check(f, "cpu")
     with pytest.raises(ValueError, match="f = 70"):
         hs.check(71, "cpu")
     with pytest.raises(ValueError, match="int32"):
-        HotUnits(hs.units, hs.pos.long(), hs.words).check(f, "cpu")
+        HotUnits(hs.units, hs.words, hs.starts.long(), f).check(f, "cpu")
+    with pytest.raises(ValueError, match="starts"):
+        HotUnits(hs.units, hs.words, hs.starts[:-1], f).check(f, "cpu")
     empty = hot_units(torch.zeros(0, dtype=torch.int64), f)
-    assert empty.n == 0 and int(empty.words.abs().sum()) == 0
+    assert empty.n == 0 and int(empty.words.abs().sum()) == 0 and empty.starts.tolist() == [0] * 4
 
 
 # (M, f, tile, compression): several tiles with a partial last one, one tile wider than f, steps
@@ -57,12 +58,19 @@ PACK_CASES = [(13, 100, 32, 4), (5, 37, 128, 8), (6, 700, 512, 4)]
 
 @pytest.mark.parametrize("M,f,tile,C", PACK_CASES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_pack_leaves_hot_units_out(M, f, tile, C, dtype):
+@pytest.mark.parametrize("hot_block", [32, 2])
+def test_pack_leaves_hot_units_out(M, f, tile, C, dtype, hot_block, monkeypatch):
     """The TwELL of the cold units is the reference pack of relu(a) with the hot columns zeroed
-    (counts, entries; overflowed tiles by count); g_hot is relu(a[:, units]) exactly, NaN gates
-    kept; every other TwELL slot as the pack leaves it."""
+    (counts, entries; overflowed tiles by count); the hot values are relu(a[:, units]) exactly,
+    NaN gates kept, every one written (into NaN); with an up projection, relu(a[:, units]) * up
+    rounded once, in up's own storage (0 times an infinite up is NaN, as in the dense MLP)."""
     if dtype == torch.float16 and f > 100:
         pytest.skip("wide tiles in fp32 only (interpreter time)")
+    if hot_block == 2 and dtype == torch.float16:
+        pytest.skip("rounds of two places (several a step) in fp32 only")
+    from twell.kernels import gate_pack
+
+    monkeypatch.setattr(gate_pack, "HOT_BLOCK", hot_block)
     g_ = torch.Generator().manual_seed(M + f)
     a = (torch.randn(M, f, generator=g_) - 1.2).to(dtype)
     units = torch.tensor(sorted({0, 1, 31, 32, f - 1, f // 2, *torch.randperm(f, generator=g_)[:5].tolist()}))
@@ -79,6 +87,20 @@ def test_pack_leaves_hot_units_out(M, f, tile, C, dtype):
     want = torch.where(~(a[:, units].float() <= 0), a[:, units], torch.zeros((), dtype=dtype))
     assert torch.allclose(g_hot, want, rtol=0, atol=0, equal_nan=True)
     assert bool(torch.isnan(g_hot[3, 1]))
+    # every hot value is written: into a NaN-filled buffer, only the NaN gate stays NaN
+    buf = torch.full((M, hs.n), float("nan"), dtype=dtype)
+    assert_same_twell_nan(pack_relu(a, tile, C, method="bits", _hot=(hs, buf, False)), ref)
+    assert torch.allclose(buf, want, rtol=0, atol=0, equal_nan=True) and int(torch.isnan(buf).sum()) == 1
+    # gated: the up projection in place, times relu(a), rounded once from fp32
+    up = torch.randn(M, hs.n, generator=g_).to(dtype)
+    up[0, 0] = float("inf")
+    a[0, units[0]] = -1.0  # a unit that does not fire, times inf
+    want_up = (torch.relu(a[:, units]).float() * up.float()).to(dtype)
+    g2, h = pack_relu_hot(a, hs, tile, C, up=up)
+    assert h.data_ptr() == up.data_ptr()
+    assert torch.allclose(h, want_up, rtol=0, atol=0, equal_nan=True)
+    assert bool(torch.isnan(h[0, 0])) and bool(torch.isnan(h[3, 1]))
+    assert_same_twell_nan(g2, ref)
     # without hot units: the plain pack; an empty hot set packs every unit
     g0, h0 = pack_relu_hot(a, hot_units(torch.zeros(0, dtype=torch.int64), f), tile, C)
     assert h0.shape == (M, 0)
@@ -93,6 +115,10 @@ def test_pack_hot_refuses_bad_sets():
         pack_relu_hot(a, hot_units(torch.tensor([1]), 41), 32, 4)
     with pytest.raises(ValueError, match="tile >= 32"):
         pack_relu_hot(a, hot_units(torch.tensor([1]), 40), 16, 4)
+    hs = hot_units(torch.tensor([1, 2]), 40)
+    for up in (torch.zeros(4, 3), torch.zeros(4, 2, dtype=torch.float16), torch.zeros(2, 4).t()):
+        with pytest.raises(ValueError, match="up must be"):
+            pack_relu_hot(a, hs, 32, 4, up=up)
 
 
 SHAPES = [(13, 40, 100, 32, 4), (9, 24, 70, 128, 8)]  # M, d, f, tile, C
@@ -118,7 +144,7 @@ def test_ffn_with_hot_units(M, d, f, tile, C, kernel, dtype, gated, monkeypatch)
     ref = (R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double()) if gated
            else R.mlp(x.double(), wg.double(), wd.double()))
     hs = hot_units(hot_cols, f)
-    g, g_hot = pack_relu_hot(pre, hs, tile, C)
+    g, h_hot = pack_relu_hot(pre, hs, tile, C, up=(x @ wu[hs.units].T).contiguous() if gated else None)
     fire = pre > 0
     active = fire.sum(dim=1)
     cold_active = active - fire[:, hot_cols].sum(dim=1)
@@ -134,7 +160,7 @@ def test_ffn_with_hot_units(M, d, f, tile, C, kernel, dtype, gated, monkeypatch)
     out = torch.full((M, d), float("nan"), dtype=dtype)
     kw = dict(w_up=w.up) if gated else {}
     y = ffn_from_twell(x, g, w.down_t if gated else wd.T.contiguous(), pre=pre.clone(), counters=c, unit_counts=uc,
-                       row_nnz=nnz, kernel=kernel, out=out, pre_writable=True, hot=(g_hot, hs), **kw)
+                       row_nnz=nnz, kernel=kernel, out=out, pre_writable=True, hot=(h_hot, hs), **kw)
     assert y.data_ptr() == out.data_ptr()
     assert rel_err(y, ref) < TOL[dtype]
     assert rel_err(y[listed], ref[listed]) < TOL[dtype] and rel_err(y[~listed], ref[~listed]) < TOL[dtype]
@@ -145,20 +171,24 @@ def test_ffn_with_hot_units(M, d, f, tile, C, kernel, dtype, gated, monkeypatch)
 
 def test_hot_units_need_the_dense_rows_path(monkeypatch):
     """Where an overflowed tile would go to the per-token exact launch (which reads all its
-    units from pre, the hot ones too), hot units are refused, as are a g_hot of the wrong shape
-    and a set for another f."""
+    units from pre, the hot ones too), hot units are refused, as are an h_hot of the wrong shape,
+    an out that overlaps it and a set for another f."""
     M, d, f = 6, 16, 40
     x, wg, wu, wd = gate_case(M, d, f, seed=1)
     pre = x @ wg.T
     hs = hot_units(torch.tensor([1, 2]), f)
-    g, g_hot = pack_relu_hot(pre, hs, 32, 4)
+    g, g_hot = pack_relu_hot(pre, hs, 32, 4, up=(x @ wu[hs.units].T).contiguous())
     w = prepare_gated_weights(wu, wd)
     monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
     for kw in (dict(pre=pre.clone(), pre_writable=False), dict(w_first=wg, pre_writable=True)):
         with pytest.raises(ValueError, match="dense-rows path"):
             ffn_from_twell(x, g, w.down_t, w_up=w.up, hot=(g_hot, hs), **kw)
-    with pytest.raises(ValueError, match="g_hot"):
+    with pytest.raises(ValueError, match="h_hot"):
         ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre.clone(), pre_writable=True, hot=(g_hot[:, :1].contiguous(), hs))
+    both = torch.zeros(M * d)  # out's first rows are h_hot's storage
+    with pytest.raises(ValueError, match="overlap h_hot"):
+        ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre.clone(), pre_writable=True, out=both.view(M, d),
+                       hot=(both[: 2 * M].view(M, 2), hs))
     with pytest.raises(ValueError, match="f = 41"):
         ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre.clone(), pre_writable=True, hot=(g_hot, hot_units(torch.tensor([1, 2]), 41)))
     monkeypatch.setattr(updown, "TWO_PASS_MIN_M", M + 1)

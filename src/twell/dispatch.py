@@ -137,9 +137,10 @@ SHARE_DECODE_BUFFERS = True
 # is a hot unit's time in active units per token (H100, d 2048, f 5632, 131072 tokens: 256 hot
 # units took 0.9 ms, about 7 units' gathers; benchmarks/hot_units_probe.py, NOTES_inference
 # fifty-fourth session). Not inside CUDA graph captures: a replay would keep the set it was
-# captured with while the layer's set moves on. HOT_MIN_M: the hot block's seven launches cost
-# the host about 0.1 ms; at 16384 tokens, where an eager call's host time is close to its GPU
-# time, it read +10% on one H100 machine and -10% on another (8192: -20%).
+# captured with while the layer's set moves on. HOT_MIN_M: the hot block's launches (seven when
+# this was measured, four since the fifty-sixth session) cost the host about 0.1 ms; at 16384
+# tokens, where an eager call's host time is close to its GPU time, it read +10% on one H100
+# machine and -10% on another (8192: -20%).
 HOT_UNITS = True
 HOT_MIN_M = 65536
 HOT_SAMPLE = 2048
@@ -818,8 +819,12 @@ class LayerState:
         if hot is None:
             g, hot_args = pack_relu(pre, tile, DEFAULT_COMPRESSION), None
         else:
-            g, g_hot = pack_relu_hot(pre, hot, tile, DEFAULT_COMPRESSION)
-            hot_args = (g_hot, hot)
+            from .kernels.hot_units import hot_up
+
+            # the hot units' up projection, turned into their hidden values in place by the pack
+            up = hot_up(x, hot, w_up) if w_up is not None else None
+            g, h_hot = pack_relu_hot(pre, hot, tile, DEFAULT_COMPRESSION, up=up)
+            hot_args = (h_hot, hot)
             self.last_hot_units = hot.n
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None

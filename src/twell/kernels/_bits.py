@@ -22,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ._activity import fires
+from ._activity import fires, relu
 
 
 @triton.jit
@@ -83,18 +83,22 @@ def write_step_entries(words, before, c0, a_row, val_row, col_row, limit, WPB: t
 
 
 @triton.jit
-def write_hot_entries(words, c0, a_row, hot_row, pos_tile, WPB: tl.constexpr):
-    """The hot units' entries of one step (:mod:`twell.kernels.hot_units`): ``words [BM, WPB]``
-    are the step's bit words masked to the hot columns; each set bit's value (read back from
-    ``a_row[r]``) goes to ``hot_row[r] + pos_tile[col]``, its unit's place in the hot set. The
-    same rounds as :func:`write_step_entries`, one per bit of the fullest word."""
-    wib = tl.arange(0, WPB)
-    rest = words
-    for _ in range(0, tl.max(tl.max(popcount(words), axis=1), axis=0)):
-        low = rest & (-rest)
-        col = c0 + wib[None, :] * 32 + bit_position(low)
-        ok = rest != 0
-        v = tl.load(a_row[:, None] + col, mask=ok, other=0.0)
-        p = tl.load(pos_tile + col, mask=ok, other=0)
-        tl.store(hot_row[:, None] + p, v, mask=ok)
-        rest = rest ^ low
+def write_hot_values(lo, hi, units_ptr, a_row0, hot_row, rmask, TIMES_UP: tl.constexpr, HB: tl.constexpr):
+    """Every hot unit of one step, firing or not (:mod:`twell.kernels.hot_units`): the step's
+    hot units are ``units_ptr[lo:hi]`` (ascending columns), and row r's ``relu(a)`` of each
+    (read back from its row, ``a_row0[r]`` the row's first column) goes to ``hot_row[r] + j``,
+    the unit's place ``j`` in the hot set. ``TIMES_UP``: that place holds the unit's up
+    projection, and it is overwritten by ``relu(a) * up``, in fp32, rounded once (as the dense
+    MLP rounds its product). So the hot block needs neither a zero fill nor a product pass. The
+    places of a step are consecutive: ``HB`` of them a round, loads and stores side by side."""
+    for j0 in range(lo, hi, HB):
+        j = j0 + tl.arange(0, HB)
+        ok = j < hi
+        col = tl.load(units_ptr + j, mask=ok, other=0)
+        m = rmask[:, None] & ok[None, :]
+        a = tl.load(a_row0[:, None] + col[None, :], mask=m, other=0.0)
+        v = relu(a).to(tl.float32)
+        dst = hot_row[:, None] + j[None, :]
+        if TIMES_UP:
+            v = v * tl.load(dst, mask=m, other=0.0).to(tl.float32)
+        tl.store(dst, v.to(hot_row.dtype.element_ty), mask=m)

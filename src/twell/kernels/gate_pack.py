@@ -45,7 +45,7 @@ from ..checks import KERNEL_DTYPES, check_config, check_launchable, check_tensor
 from ..format import TwELL, _check_tile, twell_slots
 from ._activity import fires
 from ._dot import dot_operand, dot_precision
-from ._bits import step_bit_words, write_hot_entries, write_step_entries
+from ._bits import step_bit_words, write_hot_values, write_step_entries
 from ._launch import on_device_of
 from .hot_units import HotUnits
 
@@ -112,16 +112,17 @@ def _pack_relu_kernel(
 def _pack_relu_bits_kernel(
     a_ptr, stride_am,
     val_ptr, col_ptr, cnt_ptr,
-    hw_ptr, hpos_ptr, hot_ptr, n_hot,
+    hw_ptr, hstart_ptr, hunits_ptr, hot_ptr, n_hot,
     M, f, SLOTS, N_TILES,
-    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HOT: tl.constexpr,
+    TILE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, HOT: tl.constexpr, HOT_TIMES_UP: tl.constexpr,
+    HB: tl.constexpr,
 ):
     # One pass over (BM rows, tile) in steps of BN columns: each step's bit words, then its
     # entries written at once (twell.kernels._bits). Slots past SLOTS belong to a tile that
     # overflows: its count says so and consumers recompute it without reading its slots.
     # HOT: the hot units' bits (hw_ptr, twell.kernels.hot_units) are taken out of the words, so
-    # the TwELL and its counts hold the cold units only, and their firing values go to row r's
-    # place in hot_ptr ([M, n_hot], zero-filled by the caller).
+    # the TwELL and its counts hold the cold units only, and every hot unit's relu(a) goes to row
+    # r's place in hot_ptr ([M, n_hot]; HOT_TIMES_UP: times the up projection held there).
     pid_m = tl.program_id(0)
     t = tl.program_id(1)
     rows = (pid_m * BM + tl.arange(0, BM)).to(tl.int64)
@@ -133,9 +134,13 @@ def _pack_relu_bits_kernel(
     for c0 in range(0, width, BN):
         words = step_bit_words(a_row, c0, width, rmask, BN // 32)
         if HOT:
-            w_idx = (t * TILE + c0) // 32 + tl.arange(0, BN // 32)
-            hw = tl.load(hw_ptr + w_idx, mask=w_idx < (f + 31) // 32, other=0)
-            write_hot_entries(words & hw[None, :], c0, a_row, hot_ptr + rows * n_hot, hpos_ptr + t * TILE, BN // 32)
+            n_words = (f + 31) // 32
+            w0 = (t * TILE + c0) // 32
+            w_idx = w0 + tl.arange(0, BN // 32)
+            hw = tl.load(hw_ptr + w_idx, mask=w_idx < n_words, other=0)
+            lo = tl.load(hstart_ptr + w0)
+            hi = tl.load(hstart_ptr + tl.minimum(w0 + BN // 32, n_words))
+            write_hot_values(lo, hi, hunits_ptr, a_ptr + rows * stride_am, hot_ptr + rows * n_hot, rmask, HOT_TIMES_UP, HB)
             words = words & ~hw[None, :]
         run += write_step_entries(words, run, c0, a_row, val_ptr + out_row, col_ptr + out_row, SLOTS, BN // 32)
     tl.store(cnt_ptr + rows * N_TILES + t, run, mask=rmask)
@@ -158,6 +163,9 @@ PACK_CONFIG: tuple[int, int, int] = (4, 256, 2)
 PACK_BITS_CONFIG: tuple[int, int, int] = (2, 512, 1)
 PACK_BITS_SMALL_M_CONFIG: tuple[int, int, int] = (1, 256, 1)
 PACK_BITS_SMALL_M = 8192
+# hot units' values written per round (pack_relu_hot): a step's hot units are consecutive places
+# of the hot set, so a round is one contiguous [rows, HOT_BLOCK] load of up and store of h
+HOT_BLOCK = 32
 
 
 def bits_config(M: int) -> tuple[int, int, int]:
@@ -167,7 +175,7 @@ def bits_config(M: int) -> tuple[int, int, int]:
 
 def pack_relu(
     a: torch.Tensor, tile: int = 256, compression: int = 4, method: str = "auto", config: Optional[tuple[int, int, int]] = None,
-    _hot: Optional[tuple[HotUnits, torch.Tensor]] = None,
+    _hot: Optional[tuple[HotUnits, torch.Tensor, bool]] = None,
 ) -> TwELL:
     """Pack ``relu(a)`` into TwELL with one pass over ``a``.
 
@@ -199,7 +207,7 @@ def pack_relu(
     if a.stride(1) != 1:
         a = a.contiguous()
     M, f = a.shape
-    hot, hot_out = _hot if _hot is not None else (None, None)  # (pack_relu_hot's, checked there)
+    hot, hot_out, times_up = _hot if _hot is not None else (None, None, False)  # (pack_relu_hot's, checked there)
     out = empty_twell(M, f, tile, compression, a.dtype, a.device)
     if M == 0 or f == 0:
         return out
@@ -222,24 +230,30 @@ def pack_relu(
         with on_device_of(a):
             _pack_relu_bits_kernel[grid](
                 a, a.stride(0), out.values, out.cols, out.counts,
-                *((hot.words, hot.pos, hot_out, hot.n) if hot is not None else (out.counts, out.counts, a, 0)),
+                *((hot.words, hot.starts, hot.units, hot_out, hot.n) if hot is not None else (out.counts, out.counts, out.counts, a, 0)),
                 M, f, out.slots, out.n_tiles,
-                TILE=tile, BM=BM, BN=BN, HOT=hot is not None, num_warps=nw,
+                TILE=tile, BM=BM, BN=BN, HOT=hot is not None, HOT_TIMES_UP=times_up, HB=HOT_BLOCK, num_warps=nw,
             )
     return out
 
 
 def pack_relu_hot(a: torch.Tensor, hot: HotUnits, tile: int = 256, compression: int = 4,
-                  config: Optional[tuple[int, int, int]] = None) -> tuple[TwELL, torch.Tensor]:
-    """:func:`pack_relu` (bit-word pack) of the cold units only, and the hot units' ``relu``.
+                  config: Optional[tuple[int, int, int]] = None, up: Optional[torch.Tensor] = None,
+                  ) -> tuple[TwELL, torch.Tensor]:
+    """:func:`pack_relu` (bit-word pack) of the cold units only, and the hot units' hidden values.
 
     Args:
         a: ``[M, f]`` pre-activation; hot: the hot set (:func:`twell.kernels.hot_units.hot_units`,
             for ``f`` units, on a's device); tile, compression, config: as :func:`pack_relu`.
+        up: gated FFN: ``[M, nh]`` the hot units' up projection ``x w_up[H]^T``
+            (:func:`twell.kernels.hot_units.hot_up`; a's dtype, contiguous), overwritten with
+            ``relu(a[:, H]) * up`` (each product in fp32, rounded once, as the dense MLP's).
+            None (non-gated FFN): a new ``[M, nh]`` tensor gets ``relu(a[:, H])``.
 
     Returns:
-        ``(g, g_hot)``: g the TwELL of ``relu(a)`` with the hot units' columns left out (counts
-        too); ``g_hot [M, nh]`` (a's dtype) ``relu(a[:, hot.units])``, from the same pass.
+        ``(g, h_hot)``: g the TwELL of ``relu(a)`` with the hot units' columns left out (counts
+        too); ``h_hot [M, nh]`` (a's dtype) the hot units' hidden values, every one written by
+        the same pass (``up`` itself where given).
     """
     _check_pre(a, "a")
     if not isinstance(hot, HotUnits):
@@ -247,9 +261,17 @@ def pack_relu_hot(a: torch.Tensor, hot: HotUnits, tile: int = 256, compression: 
     hot.check(a.shape[1], a.device)
     if tile < 32:
         raise ValueError(f"pack_relu_hot takes the bit-word pack, which needs tile >= 32, got {tile}")
-    g_hot = torch.zeros(a.shape[0], hot.n, dtype=a.dtype, device=a.device)
-    g = pack_relu(a, tile, compression, "bits", config, _hot=(hot, g_hot))
-    return g, g_hot
+    M = a.shape[0]
+    if up is None:
+        h_hot = torch.empty(M, hot.n, dtype=a.dtype, device=a.device)
+    else:
+        check_tensor(up, "up", dim=2, dtypes=KERNEL_DTYPES)
+        if tuple(up.shape) != (M, hot.n) or up.dtype != a.dtype or not up.is_contiguous() or up.device != a.device:
+            raise ValueError(f"up must be a contiguous [{M}, {hot.n}] {a.dtype} tensor on {a.device}, "
+                             f"got {list(up.shape)} {up.dtype} on {up.device}")
+        h_hot = up
+    g = pack_relu(a, tile, compression, "bits", config, _hot=(hot, h_hot, up is not None))
+    return g, h_hot
 
 
 # ---------------------------------------------------------------------------------------------

@@ -45,7 +45,7 @@ from ._activity import fires
 from ._dot import dot_operand, dot_precision
 from ._launch import on_device_of
 from .heavy_rows import launch_heavy_rows, weights_addressable
-from .hot_units import HotUnits, hot_block
+from .hot_units import HotUnits, hot_down
 
 __all__ = ["ffn_from_twell", "OverflowCounters"]
 
@@ -152,8 +152,9 @@ def _ffn_from_twell_kernel(
     d, f, SLOTS, N_TILES, TILE, row_limit,
     D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr,
     GATED: tl.constexpr, HAS_PRE: tl.constexpr, TRACK: tl.constexpr, ONLY_OVER: tl.constexpr,
-    SKIP_OVER: tl.constexpr, WHOLE_ROWS: tl.constexpr,
+    SKIP_OVER: tl.constexpr, WHOLE_ROWS: tl.constexpr, ACC: tl.constexpr,
 ):
+    # ACC: y's row holds the hot units' part already (twell.kernels.hot_units); the sum starts from it
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
@@ -167,6 +168,8 @@ def _ffn_from_twell_kernel(
     ones = tl.full([BE], 1, dtype=tl.int32)
 
     acc = tl.zeros([D], dtype=tl.float32)
+    if ACC:
+        acc = tl.load(y_ptr + m * stride_ym + offs_d, mask=dmask, other=0.0).to(tl.float32)
     if ONLY_OVER:  # the stored entries were done by the launch before (narrow, split or row-block)
         n_entries = 0
     for e0 in range(0, n_entries, BE):
@@ -254,15 +257,19 @@ def _twell_down_kernel(
     cnt_ptr, col_ptr, h_ptr, wd_ptr, stride_wd, y_ptr, stride_ym, uc_ptr, nnz_ptr,
     d, SLOTS, N_TILES, TILE, row_limit,
     D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr, TRACK: tl.constexpr, WHOLE_ROWS: tl.constexpr,
+    ACC: tl.constexpr,
 ):
     # Split path, second launch: y[m] = sum_j h_j w_down^T[j] over the stored entries (the
-    # overflowed tiles' come from the exact launch after it, which adds to y).
+    # overflowed tiles' come from the exact launch after it, which adds to y). ACC: y[m] holds
+    # the hot units' part already, and the sum starts from it.
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
     cnt, incl, excl, n_entries = _row_entry_counts(cnt_ptr, m, SLOTS, N_TILES, row_limit, NTP, WHOLE_ROWS)
     ones = tl.full([BE], 1, dtype=tl.int32)
     acc = tl.zeros([D], dtype=tl.float32)
+    if ACC:
+        acc = tl.load(y_ptr + m * stride_ym + offs_d, mask=dmask, other=0.0).to(tl.float32)
     for e0 in range(0, n_entries, BE):
         valid, off, unit = _row_entries(col_ptr, m, e0, n_entries, incl, excl, SLOTS, N_TILES, TILE, NTP, BE)
         h = tl.load(h_ptr + off, mask=valid, other=0.0)
@@ -498,12 +505,13 @@ def _shares_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return True
 
 
-def _count_hot(g: TwELL, g_hot: torch.Tensor, hot: HotUnits, row_limit: int, unit_counts: torch.Tensor,
+def _count_hot(g: TwELL, pre: torch.Tensor, hot: HotUnits, row_limit: int, unit_counts: torch.Tensor,
                row_nnz: torch.Tensor) -> None:
     """The statistics of the hot units, which the TwELL ``g`` leaves out: every row's count, and
     each unit's tokens over the rows not computed whole (those count all their units
-    themselves, :func:`twell.kernels.heavy_rows.launch_heavy_rows`)."""
-    fire = g_hot != 0  # the pack stored the units that fire (NaN too), zeros elsewhere
+    themselves, :func:`twell.kernels.heavy_rows.launch_heavy_rows`). From ``pre`` before the rows
+    computed whole are written over."""
+    fire = ~(pre.index_select(1, hot.units) <= 0)  # relu(a) != 0: a > 0, or NaN (as _activity.fires)
     row_nnz += fire.sum(dim=1, dtype=torch.int32)
     over = g.counts > g.slots
     whole = over.any(dim=1) | (g.counts.sum(dim=1) > row_limit)  # as _dense_row lists them
@@ -562,10 +570,11 @@ def ffn_from_twell(
             then the exact path for overflowed rows. ``"rows"`` measured 2.5 to 3 times slower
             than ``"token"`` on the H200 (benchmarks/NOTES_inference.md) and is kept for study.
 
-        hot: ``(g_hot, units)`` from :func:`twell.kernels.gate_pack.pack_relu_hot`: ``g`` holds
-            the cold units only and ``g_hot [M, nh]`` the hot units' ``relu`` of the first
-            projection, added as one dense block (:func:`twell.kernels.hot_units.hot_block`)
-            before the rows computed whole are written over. Needs the dense-rows path
+        hot: ``(h_hot, units)`` from :func:`twell.kernels.gate_pack.pack_relu_hot`: ``g`` holds
+            the cold units only and ``h_hot [M, nh]`` the hot units' hidden values, whose dense
+            block (:func:`twell.kernels.hot_units.hot_down`) is written to ``y`` first; the
+            up/down kernels then add the cold units to it, and the rows computed whole are
+            written over last. ``h_hot`` must not overlap ``out``. Needs the dense-rows path
             (``pre`` given, ``pre_writable``, at least ``TWO_PASS_MIN_M`` tokens, any kernel but
             ``"rows"``): there every overflowed tile's row is computed whole from ``pre``, whose
             hot columns the pack left as they were.
@@ -655,19 +664,23 @@ def ffn_from_twell(
     dense_rows = (pre is not None and pre_writable and not rows_kernel and M >= TWO_PASS_MIN_M
                   and weights_addressable(w_down_t, w_up))  # (else the exact launch below, as without pre_writable)
     if hot is not None:
-        g_hot, hot_set = hot
+        h_hot, hot_set = hot
         if not isinstance(hot_set, HotUnits):
-            raise TypeError(f"hot must be (g_hot, HotUnits), got a {type(hot_set).__name__} for its units")
+            raise TypeError(f"hot must be (h_hot, HotUnits), got a {type(hot_set).__name__} for its units")
         hot_set.check(f, x.device)
-        check_tensor(g_hot, "g_hot", dim=2, dtypes=KERNEL_DTYPES)
-        if tuple(g_hot.shape) != (M, hot_set.n) or g_hot.dtype != x.dtype or not g_hot.is_contiguous() or g_hot.device != x.device:
-            raise ValueError(f"g_hot must be a contiguous [{M}, {hot_set.n}] {x.dtype} tensor on {x.device}, "
-                             f"got {list(g_hot.shape)} {g_hot.dtype} on {g_hot.device}")
+        check_tensor(h_hot, "h_hot", dim=2, dtypes=KERNEL_DTYPES)
+        if tuple(h_hot.shape) != (M, hot_set.n) or h_hot.dtype != x.dtype or not h_hot.is_contiguous() or h_hot.device != x.device:
+            raise ValueError(f"h_hot must be a contiguous [{M}, {hot_set.n}] {x.dtype} tensor on {x.device}, "
+                             f"got {list(h_hot.shape)} {h_hot.dtype} on {h_hot.device}")
+        if hot_set.n and _shares_elements(out, h_hot):
+            raise ValueError("out must not overlap h_hot (the hot block is written to out first)")
         if not dense_rows:
             # the per-token exact launch would add the hot units of an overflowed tile again
             raise ValueError(f"hot units need the dense-rows path: pre given, pre_writable=True, at least "
                              f"TWO_PASS_MIN_M = {TWO_PASS_MIN_M} tokens (got {M}), kernel other than 'rows'")
     row_limit = DENSE_ROW_MIN
+    # the hot units' block first, written to out; the up/down kernels add the cold units to it
+    add_to_out = hot is not None and hot[1].n > 0
     D = triton.next_power_of_2(max(d, 1))
     gated = w_up is not None
     split = not rows_kernel and splits(M, gated, kernel, d)
@@ -707,15 +720,13 @@ def ffn_from_twell(
                 d, f, g.slots, g.n_tiles, g.tile, row_limit,
                 D=D, BE=be, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
                 TRACK=unit_counts is not None, ONLY_OVER=only_over, SKIP_OVER=skip_over, WHOLE_ROWS=dense_rows,
-                num_warps=warps,
+                ACC=add_to_out and not only_over, num_warps=warps,
             )
 
         def exact_launch():
-            if hot is not None:
-                # before the rows computed whole are written over: theirs include the hot units
-                hot_block(x, hot[0], hot[1], w_down_t, out, w_up)
-                if unit_counts is not None:
-                    _count_hot(g, hot[0], hot[1], row_limit, unit_counts, row_nnz)
+            if hot is not None and unit_counts is not None:
+                # before the rows computed whole are written over (pre's rows too)
+                _count_hot(g, pre, hot[1], row_limit, unit_counts, row_nnz)
             if not dense_rows:
                 token_kernel(True, False, *EXACT_CONFIG)  # the overflowed tiles, added to y
                 return
@@ -727,6 +738,8 @@ def ffn_from_twell(
             )
             launch_heavy_rows(x, pre, rows, n_rows, out, w_down_t.t(), w_up, None, unit_counts, **DENSE_ROWS_CONFIG)
 
+        if add_to_out:
+            hot_down(hot[0], hot[1], w_down_t, out)
         if rows_kernel:
             token_kernel(True, False, BE, nw)
         elif split:
@@ -740,7 +753,7 @@ def ffn_from_twell(
                 g.counts, g.cols, h, w_down_t, w_down_t.stride(0), out, out.stride(0),
                 unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
                 d, g.slots, g.n_tiles, g.tile, row_limit, D=D, BE=BE, NTP=NTP, TRACK=unit_counts is not None,
-                WHOLE_ROWS=dense_rows, num_warps=nw,
+                WHOLE_ROWS=dense_rows, ACC=add_to_out, num_warps=nw,
             )
             exact_launch()
         elif M >= TWO_PASS_MIN_M:
