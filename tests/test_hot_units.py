@@ -49,6 +49,8 @@ def test_hot_set_forms():
         HotUnits(hs.units, hs.words, hs.starts[:-1], f).check(f, "cpu")
     empty = hot_units(torch.zeros(0, dtype=torch.int64), f)
     assert empty.n == 0 and int(empty.words.abs().sum()) == 0 and empty.starts.tolist() == [0] * 4
+    with pytest.raises(IndexError):  # a unit past f (within the padded last word) is refused
+        hot_units(torch.tensor([3, 70]), f)
 
 
 # (M, f, tile, compression): several tiles with a partial last one, one tile wider than f, steps
@@ -105,6 +107,22 @@ def test_pack_leaves_hot_units_out(M, f, tile, C, dtype, hot_block, monkeypatch)
     g0, h0 = pack_relu_hot(a, hot_units(torch.zeros(0, dtype=torch.int64), f), tile, C)
     assert h0.shape == (M, 0)
     assert_same_twell_nan(g0, pack_relu(a, tile, C, method="bits"))
+
+
+def test_pack_hot_writes_only_its_rows():
+    """A partial block of rows (two rows a program, an odd M) writes the hot values of its rows
+    only: the row after the last, in the same storage, keeps what it held."""
+    M, f = 5, 70
+    g_ = torch.Generator().manual_seed(0)
+    a_big = torch.randn(M + 1, f, generator=g_)
+    a_big[M] = 2.0
+    hs = hot_units(torch.tensor([0, 33, 69]), f)
+    up_big = torch.randn(M + 1, hs.n, generator=g_)
+    up_big[M] = 7.0
+    a, up = a_big[:M], up_big[:M]
+    want = torch.relu(a[:, hs.units]) * up
+    _, h = pack_relu_hot(a, hs, 32, 4, config=(2, 32, 1), up=up)
+    assert torch.equal(h, want) and torch.equal(up_big[M], torch.full((hs.n,), 7.0))
 
 
 def test_pack_hot_refuses_bad_sets():
@@ -167,6 +185,33 @@ def test_ffn_with_hot_units(M, d, f, tile, C, kernel, dtype, gated, monkeypatch)
     assert torch.all(y[1] == 0)  # the all-zero row
     assert torch.equal(uc.long(), fire.sum(0)) and torch.equal(nnz.long(), active)
     assert int(c.tiles) == int(over.sum()) and int(c.rows) == int(over.any(dim=1).sum())
+
+
+@pytest.mark.parametrize("units,nan_at", [([3], None), ([3, 40], (0, 40))])
+def test_ffn_one_hot_unit_and_a_nan_hot_gate(units, nan_at, monkeypatch):
+    """A hot set of one unit still writes its block first (the kernels add to it); a NaN gate of
+    a hot unit makes its row NaN, as in the dense MLP, and counts as active."""
+    monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+    M, d, f = 9, 16, 70
+    x, wg, wu, wd = gate_case(M, d, f, seed=3)
+    pre = x @ wg.T
+    if nan_at is not None:
+        pre[nan_at] = float("nan")
+    hs = hot_units(torch.tensor(units), f)
+    g, h = pack_relu_hot(pre, hs, 32, 4, up=(x @ wu[hs.units].T).contiguous())
+    w = prepare_gated_weights(wu, wd)
+    uc, nnz = torch.zeros(f, dtype=torch.int32), torch.full((M,), -1, dtype=torch.int32)
+    y = ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre.clone(), unit_counts=uc, row_nnz=nnz, kernel="token",
+                       pre_writable=True, out=torch.full((M, d), float("nan")), hot=(h, hs))
+    fire = ~(pre <= 0)
+    assert torch.equal(uc.long(), fire.sum(0)) and torch.equal(nnz.long(), fire.sum(1))
+    a = torch.nan_to_num(pre, nan=0.0)  # the reference on the finite rows
+    ref = (torch.relu(a.double()) * (x.double() @ wu.double().T)) @ wd.double().T
+    rows = torch.ones(M, dtype=torch.bool)
+    if nan_at is not None:
+        assert bool(torch.isnan(y[nan_at[0]]).all())
+        rows[nan_at[0]] = False
+    assert rel_err(y[rows], ref[rows]) < 1e-5
 
 
 def test_hot_units_need_the_dense_rows_path(monkeypatch):
@@ -287,6 +332,8 @@ def test_module_prefill_with_hot_units(monkeypatch):
     assert s._hot_for(x, w_down_t, wu, M, f, True) is None  # capturing
     assert s._hot_for(x, w_down_t, wu, 9, f, False) is None  # below HOT_MIN_M
     assert s._hot_for(x, w_down_t, wu, M, f + 1, False) is None
+    # not in float16, where the hot part's own rounding could overflow (dense rounds once)
+    assert s._hot_for(x.half(), w_down_t.half(), wu.half(), M, f, False) is None
     # a new set waits for an eager call: the compiled op's calls (keep False) leave it pending
     s._hot_pending, s._unit_freq = 64, torch.zeros(f)
     before = s.hot

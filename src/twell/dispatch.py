@@ -788,8 +788,10 @@ class LayerState:
         from .kernels.heavy_rows import weights_addressable
 
         hot = self.hot
+        # not in float16: the hot part is rounded to y's dtype before the cold units add to it,
+        # which can overflow there where the dense MLP's one rounding would not
         if (hot is None or not HOT_UNITS or capturing or M < max(HOT_MIN_M, updown.TWO_PASS_MIN_M) or hot.f != f
-                or hot.units.device != x.device or not weights_addressable(w_down_t, w_up)):
+                or hot.units.device != x.device or x.dtype == torch.float16 or not weights_addressable(w_down_t, w_up)):
             return None
         return hot
 

@@ -19,6 +19,9 @@ With a hot set ``H`` of ``nh`` units, one FFN call is::
 
 The same sum as the dense MLP's, split in two: the hot part accumulates in fp32 in cuBLAS and is
 rounded to y's dtype, the cold part accumulates in fp32 on top of it and is rounded once more.
+In float16 that first rounding can overflow where the dense MLP's single one would not (a hot
+part beyond 65504 that the cold units bring back into range), so the module takes hot units in
+bfloat16 and float32 only (:meth:`twell.dispatch.LayerState._hot_for`).
 Why this order (the hot product written first, the kernels adding to it) and the pack writing
 ``h_H``: the first version added the hot product last (``addmm``, a second read and write of y),
 after a zero fill of ``g_hot`` and a separate ``g_hot * up_H`` pass. On the H100 at 131072
@@ -71,8 +74,9 @@ class HotUnits:
 
 def hot_words_of(units: torch.Tensor, f: int) -> torch.Tensor:
     """``[ceil(f / 32)]`` int32 bit words of the hot ``units`` (int64) out of ``f``."""
-    flag = torch.zeros((f + 31) // 32 * 32, dtype=torch.int64, device=units.device)
-    flag[units] = 1
+    flag = torch.zeros(f, dtype=torch.int64, device=units.device)
+    flag[units] = 1  # (f entries, not the padded words: a unit >= f is an index error here)
+    flag = torch.cat([flag, flag.new_zeros((-f) % 32)])
     bits = flag.view(-1, 32) << torch.arange(32, device=units.device, dtype=torch.int64)
     words = bits.sum(dim=1)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # bit 31: the sign bit

@@ -574,7 +574,10 @@ def ffn_from_twell(
             the cold units only and ``h_hot [M, nh]`` the hot units' hidden values, whose dense
             block (:func:`twell.kernels.hot_units.hot_down`) is written to ``y`` first; the
             up/down kernels then add the cold units to it, and the rows computed whole are
-            written over last. ``h_hot`` must not overlap ``out``. Needs the dense-rows path
+            written over last. ``h_hot`` must not overlap ``out``. In float16 the hot part's
+            rounding can overflow where the dense MLP's single rounding would not (a hot part
+            past 65504 that the cold units bring back); the module keeps to bfloat16 and
+            float32 for hot units. Needs the dense-rows path
             (``pre`` given, ``pre_writable``, at least ``TWO_PASS_MIN_M`` tokens, any kernel but
             ``"rows"``): there every overflowed tile's row is computed whole from ``pre``, whose
             hot columns the pack left as they were.
