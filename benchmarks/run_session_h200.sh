@@ -15,6 +15,7 @@
 # grid (twell bench inference, no variants), model (twell bench model: 2b, calibrated k 29),
 # training (twell bench training: the training grid and the 0.5b train steps; TRAINING_ARGS),
 # hotab (benchmarks/hot_units_ab.py: the inference hot units off and on),
+# onelaunch (benchmarks/one_launch_ab.py: the prefill up/down in one launch where rows are short, against two-pass; ONELAUNCH_CASES),
 # prefillstage (benchmarks/prefill_stage_probe.py: one prefill call's kernels and gaps, profiled; STAGE_CASES),
 # skewedab (benchmarks/train_skewed_ab.py: the training weight gradients' schedule and hot-unit
 # limit; AB_CASES, AB_SETTINGS),
@@ -100,6 +101,7 @@ for step in "$@"; do
     model)    cmd=(timeout "${MODEL_S:-300}" $PY -m twell.bench.cli model --out "$dir") ;;
     training) cmd=(timeout "${TRAINING_S:-330}" $PY -m twell.bench.cli training --out "$dir" ${TRAINING_ARGS:-}) ;;
     prefillstage) cmd=(env ${STAGE_CASES:+CASES=$STAGE_CASES} timeout "${PREFILLSTAGE_S:-240}" $PY benchmarks/prefill_stage_probe.py "$dir") ;;
+    onelaunch) cmd=(env ${ONELAUNCH_CASES:+CASES=$ONELAUNCH_CASES} timeout "${ONELAUNCH_S:-240}" $PY benchmarks/one_launch_ab.py "$dir") ;;
     hotab)    cmd=(timeout "${HOTAB_S:-300}" $PY benchmarks/hot_units_ab.py "$dir") ;;
     skewedab) cmd=(timeout "${SKEWEDAB_S:-240}" $PY benchmarks/train_skewed_ab.py "$dir") ;;
     *) echo "unknown step $step"; continue ;;

@@ -236,6 +236,8 @@ def test_hot_units_need_the_dense_rows_path(monkeypatch):
                        hot=(both[: 2 * M].view(M, 2), hs))
     with pytest.raises(ValueError, match="f = 41"):
         ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre.clone(), pre_writable=True, hot=(g_hot, hot_units(torch.tensor([1, 2]), 41)))
+    with pytest.raises(ValueError, match="one_launch"):
+        ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre.clone(), pre_writable=True, hot=(g_hot, hs), one_launch=True)
     monkeypatch.setattr(updown, "TWO_PASS_MIN_M", M + 1)
     with pytest.raises(ValueError, match="dense-rows path"):
         ffn_from_twell(x, g, w.down_t, w_up=w.up, pre=pre.clone(), pre_writable=True, hot=(g_hot, hs))

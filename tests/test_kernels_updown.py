@@ -962,3 +962,94 @@ def test_y_written_only_in_its_rows_and_columns(kernel, monkeypatch):
     outside = torch.ones_like(buf, dtype=torch.bool)
     outside[:M, 2 : 2 + d] = False
     assert torch.isnan(buf[outside]).all()
+
+
+@pytest.mark.parametrize("dtype,M,d,f,tile,C", CASES[:2] + CASES[-1:], ids=case_id)
+@pytest.mark.parametrize("gated", [True, False])
+def test_one_launch_takes_every_row(dtype, M, d, f, tile, C, gated, monkeypatch):
+    """``one_launch``: from TWO_PASS_MIN_M tokens too, every row in the fused kernel's one launch,
+    overflowed tiles and long rows included (the exact path inside the token's program): every
+    row of a NaN-filled output right, the statistics and counters as the two-pass path gives
+    them, ``pre`` only read although writable, no row listed or computed whole. Refused with the
+    split or row-block kernels and with hot units."""
+    monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+    monkeypatch.setattr(updown, "DENSE_ROW_MIN", 4)  # long rows too, not only overflowed ones
+    x, wg, wu, wd = gate_case(M, d, f, dtype, seed=M + d + f + 7)
+    pre = x @ wg.T
+    g = packed(pre, tile, C)
+    assert bool(g.overflowed().any()) and bool(((pre > 0).sum(1) > 4).any())
+    if gated:
+        ref = R.gated_mlp(x.double(), wg.double(), wu.double(), wd.double())
+        w = prepare_gated_weights(wu, wd)
+        args, kw = (x, g, w.down_t), dict(w_up=w.up)
+    else:
+        ref = R.mlp(x.double(), wg.double(), wd.double())
+        args, kw = (x, g, wd.T.contiguous()), {}
+    runs = {}
+    for one in (True, False):
+        if one:
+            monkeypatch.setattr(updown, "launch_heavy_rows", lambda *a, **k: pytest.fail("a row was computed whole"))
+        else:
+            monkeypatch.undo()
+            monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+            monkeypatch.setattr(updown, "DENSE_ROW_MIN", 4)
+        p = pre.clone()
+        c = OverflowCounters.zeros("cpu")
+        uc, nnz = torch.zeros(f, dtype=torch.int32), torch.full((M,), -1, dtype=torch.int32)
+        out = torch.full((M, d), float("nan"), dtype=dtype)
+        y = ffn_from_twell(*args, pre=p, counters=c, unit_counts=uc, row_nnz=nnz, out=out, pre_writable=True,
+                           kernel="token", one_launch=one, **kw)
+        assert y.data_ptr() == out.data_ptr() and rel_err(y, ref) < TOL[dtype]
+        assert int(c.tiles) == int(g.overflowed().sum()) and int(c.rows) == int(g.overflowed().any(1).sum())
+        assert torch.equal(uc.long(), (pre > 0).sum(0)) and torch.equal(nnz.long(), (pre > 0).sum(1))
+        runs[one] = p
+    assert torch.equal(runs[True], pre) and not torch.equal(runs[False], pre)
+    if gated:
+        for bad in (dict(kernel="split"), dict(kernel="rows")):
+            with pytest.raises(ValueError, match="one_launch"):
+                ffn_from_twell(*args, pre=pre.clone(), one_launch=True, **bad, **kw)
+
+
+def test_module_prefill_takes_one_launch_while_its_rows_are_short(monkeypatch):
+    """The layer's prefill calls run the up/down in one launch while the last probe saw no row
+    above DENSE_ROW_MIN and no overflowed tile (LayerState.rows_short), the two-pass path
+    otherwise, and never with PREFILL_ONE_LAUNCH off; the output is the dense module's either
+    way."""
+    from twell import dispatch
+    from twell.dispatch import row_stats
+
+    class Done:
+        def query(self):
+            return True
+
+    seen = []
+    real = ffn_from_twell
+
+    def spy(*args, **kw):
+        seen.append(kw["one_launch"])
+        return real(*args, **kw)
+
+    monkeypatch.setattr(twell.kernels, "ffn_from_twell", spy)
+    m = twell.SparseGatedMLP(40, 100).eval()
+    m.kernel_mode = "prefill"
+    x = torch.randn(6, 40)
+    m.kernel_mode = "dense"
+    with torch.no_grad():
+        y_dense = m(x)
+    m.kernel_mode = "prefill"
+    layer = m._twell_layer
+    assert layer.rows_short is False
+    cases = [([3.0, 5.0, 4.0], 0.0, True), ([3.0, 500.0, 4.0], 0.0, False), ([3.0, 5.0, 4.0], 0.25, False),
+             ([3.0, 5.0, 4.0], 0.0, True)]
+    for per_row, over, short in cases:
+        layer._host = row_stats(torch.tensor(per_row), torch.tensor(over))
+        layer._event, layer._no_overflow = Done(), False
+        layer._poll()
+        assert layer.rows_short is short
+        with torch.no_grad():
+            y = m(x)
+        assert seen[-1] is short and rel_err(y, y_dense) < 1e-5
+    monkeypatch.setattr(dispatch, "PREFILL_ONE_LAUNCH", False)
+    with torch.no_grad():
+        m(x)
+    assert seen[-1] is False

@@ -143,6 +143,11 @@ SHARE_DECODE_BUFFERS = True
 # machine and -10% on another (8192: -20%).
 HOT_UNITS = True
 HOT_MIN_M = 65536
+# The fused up/down in one launch (ffn_from_twell(one_launch=True)) where the layer's last probe
+# found every row short (no row computed whole, no overflowed tile: LayerState.rows_short): the
+# two-pass path's listing and its launches with nothing to do are skipped. Still exact for any
+# row; a long one is then the launch's serial tail until the next probe sees it.
+PREFILL_ONE_LAUNCH = True
 HOT_SAMPLE = 2048
 HOT_MIN_RATE = 0.012
 HOT_MAX_UNITS = 512
@@ -378,6 +383,9 @@ class LayerState:
         # their root mean square over the tokens: the split decode kernels' rule counts fires by
         # it, since a heavy token's fires all add into one row of the accumulator and queue there
         self.k_rms: Optional[float] = None
+        # the last probe saw no row longer than the up/down's DENSE_ROW_MIN and no overflowed
+        # tile: prefill calls then run the fused up/down in one launch (PREFILL_ONE_LAUNCH)
+        self.rows_short = False
         # per-token firing rate that reproduces the measured share of units active for some token
         # of a small batch (skewed layers: below k_est / f); decode's choice uses it first
         self.union_rate: Optional[float] = None
@@ -444,6 +452,9 @@ class LayerState:
             self.estimate = (la + self.RMS_WEIGHT * max(0.0, lb - la) + max(dense, e) * self._dense_row_cost()
                              + HOT_UNIT_COST * n_used, lc)
             self.k_est, self.k_rms = a, b
+            from .kernels.updown import DENSE_ROW_MIN
+
+            self.rows_short = dense == 0.0 and e == 0.0 and c <= DENSE_ROW_MIN
             self._event = None
             if n_fit >= 0:
                 self._hot_pending = int(n_fit)  # made by the next eager prefill call (_prefill)
@@ -830,10 +841,12 @@ class LayerState:
             self.last_hot_units = hot.n
         uc = torch.zeros(f, dtype=torch.int32, device=x.device) if track else None
         nnz = torch.empty(M, dtype=torch.int32, device=x.device) if track else None
-        be, nw = default_config(x.shape[1], self.k_est, split=splits(M, w_up is not None, d=x.shape[1]), rms_k=self.k_rms)
+        split = splits(M, w_up is not None, d=x.shape[1])
+        be, nw = default_config(x.shape[1], self.k_est, split=split, rms_k=self.k_rms)
+        one_launch = PREFILL_ONE_LAUNCH and self.rows_short and hot is None and not split
         y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz,
                            block_e=be, num_warps=nw, out=out, pre_writable=True,  # pre is ours: dense overflowed rows
-                           hot=hot_args)
+                           hot=hot_args, one_launch=one_launch)
         if track:
             m._record_counts(nnz, uc)
         if probe:

@@ -535,6 +535,7 @@ def ffn_from_twell(
     kernel: str = "auto",
     pre_writable: bool = False,
     hot: Optional[tuple[torch.Tensor, HotUnits]] = None,
+    one_launch: bool = False,
 ) -> torch.Tensor:
     """``y [M, d]`` from a TwELL: gated up/down when ``w_up`` is given, else the down projection.
 
@@ -581,6 +582,14 @@ def ffn_from_twell(
             (``pre`` given, ``pre_writable``, at least ``TWO_PASS_MIN_M`` tokens, any kernel but
             ``"rows"``): there every overflowed tile's row is computed whole from ``pre``, whose
             hot columns the pack left as they were.
+
+        one_launch: the fused kernel (``"token"``) in one launch at any batch, as below
+            ``TWO_PASS_MIN_M`` tokens: every row in its token's program, an overflowed tile
+            recomputed there (exact); no listing, no second launch, and ``pre`` only read. For
+            callers that know the rows short (the module, from its probes): at 4096 tokens the
+            two-pass path's five small launches with nothing to do cost about 5% of the call,
+            while a long or overflowed row in one launch is its serial tail. Not with ``hot``,
+            ``"split"`` or ``"rows"``.
 
     Returns:
         ``y [M, d]``.
@@ -656,6 +665,8 @@ def ffn_from_twell(
         raise ValueError(f"kernel must be 'auto', 'rows', 'token' or 'split', got {kernel!r}")
     if kernel == "split" and w_up is None:
         raise ValueError("kernel='split' is the gated FFN's: pass w_up")
+    if one_launch and (kernel in ("rows", "split") or hot is not None):
+        raise ValueError("one_launch is the fused kernel's: not with kernel='split' or 'rows', nor with hot units")
     if kernel == "rows" and g.n_tiles != 1:
         raise ValueError(f"kernel='rows' needs a one-tile TwELL (tile >= f), got {g.n_tiles} tiles")
     rows_kernel = kernel == "rows"
@@ -664,7 +675,8 @@ def ffn_from_twell(
     if f == 0:  # no units: y = 0 (and no tiles for a kernel to walk)
         return out.zero_()
     # overflowed and long rows whole, on tensor cores (see DENSE_ROWS_CONFIG; x's rows at any stride)
-    dense_rows = (pre is not None and pre_writable and not rows_kernel and M >= TWO_PASS_MIN_M
+    two_pass = M >= TWO_PASS_MIN_M and not one_launch
+    dense_rows = (pre is not None and pre_writable and not rows_kernel and two_pass
                   and weights_addressable(w_down_t, w_up))  # (else the exact launch below, as without pre_writable)
     if hot is not None:
         h_hot, hot_set = hot
@@ -686,7 +698,7 @@ def ffn_from_twell(
     add_to_out = hot is not None and hot[1].n > 0
     D = triton.next_power_of_2(max(d, 1))
     gated = w_up is not None
-    split = not rows_kernel and splits(M, gated, kernel, d)
+    split = not rows_kernel and not one_launch and splits(M, gated, kernel, d)
     be0, nw0 = default_config(d, split=split)
     if block_e is not None:
         check_pow2(block_e, "block_e", 1, 64)
@@ -759,7 +771,7 @@ def ffn_from_twell(
                 WHOLE_ROWS=dense_rows, ACC=add_to_out, num_warps=nw,
             )
             exact_launch()
-        elif M >= TWO_PASS_MIN_M:
+        elif two_pass:
             # The exact path walks a whole tile; in the tuned narrow programs an overflowed
             # row of 5632 units takes 2816 steps, the tail of the launch. A second, wide
             # launch takes those tiles (its other programs stop after reading the counts).
