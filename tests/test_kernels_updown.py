@@ -1049,6 +1049,12 @@ def test_module_prefill_takes_one_launch_while_its_rows_are_short(monkeypatch):
         with torch.no_grad():
             y = m(x)
         assert seen[-1] is short and rel_err(y, y_dense) < 1e-5
+    # a probe of a call with hot units (its counts are the cold units'): not known short
+    layer._host = torch.cat([row_stats(torch.tensor([3.0, 5.0, 4.0]), torch.tensor(0.0)), torch.tensor([64.0, 0.0])])
+    layer._event, layer._no_overflow = Done(), False
+    layer._poll()
+    assert layer.rows_short is False
+    layer.rows_short = True
     monkeypatch.setattr(dispatch, "PREFILL_ONE_LAUNCH", False)
     with torch.no_grad():
         m(x)

@@ -454,7 +454,8 @@ class LayerState:
             self.k_est, self.k_rms = a, b
             from .kernels.updown import DENSE_ROW_MIN
 
-            self.rows_short = dense == 0.0 and e == 0.0 and c <= DENSE_ROW_MIN
+            # (a probe of a call with hot units counted the cold units only: its rows may be longer)
+            self.rows_short = dense == 0.0 and e == 0.0 and c <= DENSE_ROW_MIN and n_used == 0
             self._event = None
             if n_fit >= 0:
                 self._hot_pending = int(n_fit)  # made by the next eager prefill call (_prefill)
