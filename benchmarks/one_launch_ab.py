@@ -20,8 +20,9 @@ import sys
 
 import torch
 
-from twell import SparseGatedMLP, dispatch
+from twell import dispatch
 from twell.bench.inference import bench_ms, dense_gated, errors, machine_info, reference_fp32
+from twell.bench.runtime import _pair, _warm
 from twell.bench.synthetic import make_ffn
 from twell.bench.timing import capture
 
@@ -41,15 +42,10 @@ def main() -> None:
         mods = {}
         with torch.no_grad():
             for flag in (True, False):
-                m = SparseGatedMLP(D, F, device="cuda", dtype=torch.bfloat16).eval()
-                m.gate_proj.weight.copy_(s.w_gate)
-                m.up_proj.weight.copy_(s.w_up)
-                m.down_proj.weight.copy_(s.w_down)
+                m = _pair(s)[1]
                 m.track_stats = False
                 dispatch.PREFILL_ONE_LAUNCH = flag
-                for _ in range(6):
-                    m(x)
-                    torch.cuda.synchronize()
+                _warm(m, x, calls=6)
                 mods[flag] = m
 
             def call(flag):

@@ -25,8 +25,8 @@ from collections import defaultdict
 
 import torch
 
-from twell import SparseGatedMLP
 from twell.bench.inference import bench_ms, dense_gated, machine_info
+from twell.bench.runtime import _pair, _warm
 from twell.bench.synthetic import make_ffn
 from twell.bench.timing import capture
 
@@ -86,14 +86,9 @@ def main() -> None:
         s = make_ffn(M, D, F, k, dist, dtype=torch.bfloat16, device="cuda", seed=int(k) + M + D)
         x, wg, wu, wd = s.x, s.w_gate, s.w_up, s.w_down
         with torch.no_grad():
-            mod = SparseGatedMLP(D, F, device="cuda", dtype=torch.bfloat16).eval()
-            mod.gate_proj.weight.copy_(wg)
-            mod.up_proj.weight.copy_(wu)
-            mod.down_proj.weight.copy_(wd)
+            mod = _pair(s)[1]
             mod.track_stats = False
-            for _ in range(6):  # the estimate, then (skewed, eager) the hot set
-                mod(x)
-                torch.cuda.synchronize()
+            _warm(mod, x, calls=6)  # the estimate, then (skewed, eager) the hot set
             fns = {"dense": lambda: dense_gated(x, wg, wu, wd), "twell": lambda: mod(x)}
             if mode == "graph":
                 graphs = {n: capture(fn) for n, fn in fns.items()}

@@ -810,6 +810,7 @@ class LayerState:
     def _prefill(self, m, x, w_first, w_down_t, w_up, track, probe, out=None, capturing=False, keep=True):
         from .kernels import OverflowCounters, ffn_from_twell, pack_relu
         from .kernels.gate_pack import pack_relu_hot
+        from .kernels.hot_units import hot_up
         from .kernels.updown import default_config, splits
         from .ops import DEFAULT_COMPRESSION, default_tile
 
@@ -833,8 +834,6 @@ class LayerState:
         if hot is None:
             g, hot_args = pack_relu(pre, tile, DEFAULT_COMPRESSION), None
         else:
-            from .kernels.hot_units import hot_up
-
             # the hot units' up projection, turned into their hidden values in place by the pack
             up = hot_up(x, hot, w_up) if w_up is not None else None
             g, h_hot = pack_relu_hot(pre, hot, tile, DEFAULT_COMPRESSION, up=up)

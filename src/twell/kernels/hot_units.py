@@ -22,6 +22,7 @@ rounded to y's dtype, the cold part accumulates in fp32 on top of it and is roun
 In float16 that first rounding can overflow where the dense MLP's single one would not (a hot
 part beyond 65504 that the cold units bring back into range), so the module takes hot units in
 bfloat16 and float32 only (:meth:`twell.dispatch.LayerState._hot_for`).
+
 Why this order (the hot product written first, the kernels adding to it) and the pack writing
 ``h_H``: the first version added the hot product last (``addmm``, a second read and write of y),
 after a zero fill of ``g_hot`` and a separate ``g_hot * up_H`` pass. On the H100 at 131072
@@ -34,6 +35,7 @@ kernels 7.22 -> 7.00 ms.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from ..checks import check_tensor
@@ -112,6 +114,4 @@ def hot_down(h_hot: torch.Tensor, hot: HotUnits, w_down_t: torch.Tensor, out: to
         h_hot: ``[M, nh]`` the hot units' hidden values (:func:`twell.kernels.gate_pack.pack_relu_hot`).
         hot: the hot set; w_down_t: ``[f, d]`` down rows; out: ``[M, d]`` (h_hot's dtype).
     """
-    if hot.n == 0:
-        return out.zero_()
     return torch.mm(h_hot, w_down_t.index_select(0, hot.units), out=out)  # [nh, d]: 2 nh d bytes
