@@ -1,4 +1,4 @@
-"""The inference module with and without hot units (``twell.dispatch.HOT_UNITS``), as the
+"""The inference module with and without hot units (``twell.inference.dispatch.HOT_UNITS``), as the
 inference grid times it (``run_grid``, module only: dense and twell in alternation, three rounds,
 medians), on the cases the hot block is for (skewed units) and those it must leave alone.
 
@@ -13,7 +13,7 @@ import json
 import os
 import sys
 
-from twell import dispatch
+from twell.inference import dispatch
 from twell.bench.inference import machine_info, run_grid
 
 OUT = sys.argv[1]

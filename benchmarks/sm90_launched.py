@@ -156,7 +156,7 @@ BF16 = torch.bfloat16
 
 def training_rows(M: int = 16384, W: int = 64) -> None:
     from twell.kernels import train_ffn as T
-    from twell.train_ops import ROWS_CONFIG
+    from twell.training.ops import ROWS_CONFIG
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(M, D, dtype=BF16)
@@ -174,7 +174,7 @@ def training_rows(M: int = 16384, W: int = 64) -> None:
         T.ffn_rows_backward(xd, cols[:m], vals[:m], None, counts[:m], wd, wd, None, c, **ROWS_CONFIG)
     T.pack_rows(torch.randn(M, F, dtype=BF16), W)
     from twell.kernels.train_index import unit_index
-    from twell.train_ops import GRADS_CONFIG
+    from twell.training.ops import GRADS_CONFIG
 
     order, offsets = unit_index(cols, counts, F)
     du = torch.randn(M, W, dtype=torch.float32)

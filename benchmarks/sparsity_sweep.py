@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from twell.train.data import build_streams, load_tokenizer
-from twell.train.trainer import TrainConfig, Trainer
+from twell.recipe.data import build_streams, load_tokenizer
+from twell.recipe.trainer import TrainConfig, Trainer
 
 RUNS = [(0.0, False), (1e-5, False), (2e-5, False), (3e-5, False), (2e-5, True)]
 

@@ -34,8 +34,8 @@ from pathlib import Path
 
 import torch
 
-from twell.train.data import build_streams, load_tokenizer
-from twell.train.trainer import TrainConfig, Trainer
+from twell.recipe.data import build_streams, load_tokenizer
+from twell.recipe.trainer import TrainConfig, Trainer
 
 
 def corpus_specs() -> list[str]:

@@ -9,7 +9,7 @@ from transformers import LlamaForCausalLM  # noqa: E402
 
 from twell import sparsify  # noqa: E402
 from twell.bench.model import active_units, calibrate_sparsity, greedy_decode  # noqa: E402
-from twell.train.model import make_config  # noqa: E402
+from twell.recipe.model import make_config  # noqa: E402
 
 
 def _model(layers=3, seed=0):
@@ -55,7 +55,7 @@ def test_greedy_decode_equals_generate():
     ref = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=7, do_sample=False)
     assert torch.equal(out["tokens"], ref)
     assert out["first_logits"].shape == (2, model.config.vocab_size) and out["timed_steps"] == 1  # 6 steps: eager, 5 untimed
-    # (until twell's layers have captured and replayed their graphs: twell.eager_graphs.CAPTURE_AFTER + 2)
+    # (until twell's layers have captured and replayed their graphs: twell.inference.eager_graphs.CAPTURE_AFTER + 2)
     sparse = sparsify(model).eval()
     grad = []  # decoding runs without gradients, as generate does: twell's modules take their inference path
     sparse.register_forward_pre_hook(lambda *_: grad.append(torch.is_grad_enabled()))
@@ -69,8 +69,9 @@ def test_bench_model_reads_a_trained_run(tmp_path):
     from test_train_loss import config
 
     from twell.bench.cli import _trained_model
-    from twell.train.data import load_corpus, load_tokenizer
-    from twell.train.trainer import Trainer
+    from twell.recipe.corpus import load_corpus
+    from twell.recipe.data import load_tokenizer
+    from twell.recipe.trainer import Trainer
 
     cfg = config(tmp_path, steps=2, log_every=1)
     Trainer(cfg).fit()

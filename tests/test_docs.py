@@ -7,10 +7,10 @@ import torch
 
 import twell.format
 import twell.nn
-import twell.train_ops
+import twell.training.ops
 
 
-@pytest.mark.parametrize("module", [twell.format, twell.nn, twell.train_ops], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [twell.format, twell.nn, twell.training.ops], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     torch.manual_seed(0)
     result = doctest.testmod(module, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -15,7 +15,7 @@ from twell.format import pack_twell
 from twell.kernels import OverflowCounters, ffn_from_twell, pack_relu, updown
 from twell.kernels.gate_pack import pack_relu_hot
 from twell.kernels.hot_units import HotUnits, hot_units, hot_words_of
-from twell.ops import prepare_gated_weights
+from twell.inference.ops import prepare_gated_weights
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
 
@@ -253,8 +253,8 @@ def test_poll_takes_the_hot_set_from_a_prefill_probe(monkeypatch):
     estimate (HOT_UNIT_COST each, the row counts being the cold units'); the count of units at
     HOT_MIN_RATE or more sets the next hot set, the most frequent ones, at most HOT_MAX_UNITS, none
     below HOT_MIN_UNITS; a probe without the figures (the dense path's) leaves the set alone."""
-    from twell import dispatch
-    from twell.dispatch import LayerState, row_stats
+    from twell.inference import dispatch
+    from twell.inference.dispatch import LayerState, row_stats
 
     m = twell.SparseGatedMLP(8, 200)
     s = m._twell_layer
@@ -300,7 +300,7 @@ def test_module_prefill_with_hot_units(monkeypatch):
     """The module's prefill path with a hot set: the dense module's output and statistics (every
     unit counted once), through pack_relu_hot; never inside a capture, below HOT_MIN_M tokens,
     with HOT_UNITS off, or for a set of another f."""
-    from twell import dispatch
+    from twell.inference import dispatch
     from twell.kernels import gate_pack
 
     M, d, f = 12, 24, 70
@@ -360,7 +360,7 @@ def test_gpu_module_takes_hot_units_on_a_skewed_layer(M):
     first prefill probe the layer holds a hot set of HOT_MIN_UNITS to HOT_MAX_UNITS units and its calls
     use it; the output within dense bf16's error (overall and worst row), the statistics every
     unit's once. An evenly spread layer gets no hot set. No host synchronisation anywhere."""
-    from twell import dispatch
+    from twell.inference import dispatch
     from twell.bench.inference import errors, reference_fp32
     from twell.bench.synthetic import make_ffn
 

@@ -543,7 +543,7 @@ def test_decode_split_fp16_no_active_unit_and_a_failed_call():
 
 @pytest.mark.parametrize("M,gated,capacity", [(5, True, 8192), (37, False, 8192), (64, True, 8192), (37, True, 9)])
 def test_decode_split_with_buffers_of_one_call(M, gated, capacity, monkeypatch):
-    """SplitScratch.for_one_call (twell.dispatch.DECODE_SCRATCH off): an accumulator of exactly
+    """SplitScratch.for_one_call (twell.inference.dispatch.DECODE_SCRATCH off): an accumulator of exactly
     M rows and the list's length zeroed in one allocation, the list itself left as the allocator
     gave it (here: entries that point at real units, NaN gate values, which must never be read;
     every torch.empty NaN- or I16-filled with guard rows after it, y's included); the dense

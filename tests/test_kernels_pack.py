@@ -8,7 +8,7 @@ import torch
 from kernel_cases import GUARD, case_id, gate_case, poison_, untouched
 from twell.format import TwELL, pack_twell
 from twell.kernels import gate_pack, gate_pack_fused, gate_pack_persistent, pack_relu
-from twell.ops import gate_to_twell
+from twell.inference.ops import gate_to_twell
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
 CPU_DTYPES = (torch.float32, torch.float16)  # the interpreter mishandles bf16 tl.dot operands

@@ -13,7 +13,7 @@ import twell
 from kernel_cases import case_id, gate_case, packed, rel_err
 from twell import reference as R
 from twell.kernels import OverflowCounters, ffn_from_twell, gate_pack_fused, updown
-from twell.ops import gate_to_twell, prepare_gated_weights, twell_gated_mlp, twell_mlp
+from twell.inference.ops import gate_to_twell, prepare_gated_weights, twell_gated_mlp, twell_mlp
 
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}
 SHAPES = [(13, 40, 100, 32, 4), (8, 72, 70, 16, 8), (5, 24, 37, 64, 2)]  # M, d, f, tile, C
@@ -411,7 +411,7 @@ def test_updown_shape_follows_the_layers_density(monkeypatch):
     TUNED's at any density (d 2048's second shape lost below the split path's batch sizes and
     was removed); the module's prefill calls pass the shape for the layer's estimate (none yet:
     the sparse shape)."""
-    from twell import dispatch
+    from twell.inference import dispatch
     from twell.kernels.updown import TUNED, WIDE_STEP, default_config
 
     assert 2048 not in WIDE_STEP and 4096 not in WIDE_STEP
@@ -572,7 +572,7 @@ def test_split_gpu_bf16_matches_the_fused_kernel(dist, shape):
     """At the real shape the split path gives the fused kernels' y bit for bit (two passes: M is
     above TWO_PASS_MIN_M), with their statistics, overflowed tiles included, at both split
     shapes (SPLIT_CONFIG and SPLIT_NARROW)."""
-    from twell.ops import DEFAULT_COMPRESSION, default_tile
+    from twell.inference.ops import DEFAULT_COMPRESSION, default_tile
 
     s = _gpu_case(dist)
     M, f = s.x.shape[0], s.w_gate.shape[0]
@@ -603,7 +603,7 @@ def test_overflowed_rows_dense_gpu_bf16(kernel):
     above DENSE_ROW_MIN) computed whole (pre_writable): errors within dense bf16's, statistics
     and counters as the exact launch's, y of the other rows as the first launch leaves them."""
     from twell.bench.inference import errors, reference_fp32
-    from twell.ops import DEFAULT_COMPRESSION, default_tile
+    from twell.inference.ops import DEFAULT_COMPRESSION, default_tile
 
     s = _gpu_case("heavy")
     M, f = s.x.shape[0], s.w_gate.shape[0]
@@ -1015,8 +1015,8 @@ def test_module_prefill_takes_one_launch_while_its_rows_are_short(monkeypatch):
     above DENSE_ROW_MIN and no overflowed tile (LayerState.rows_short), the two-pass path
     otherwise, and never with PREFILL_ONE_LAUNCH off; the output is the dense module's either
     way."""
-    from twell import dispatch
-    from twell.dispatch import row_stats
+    from twell.inference import dispatch
+    from twell.inference.dispatch import row_stats
 
     class Done:
         def query(self):

@@ -219,7 +219,7 @@ def test_a_projection_changed_alone_is_refused_on_the_kernel_paths(cls, mode):
 def test_dispatcher_hysteresis():
     """Near the threshold a layer keeps its branch: on the kernels it stays up to 5% past the
     threshold, on dense it needs the threshold itself (the two branches estimate differently)."""
-    from twell.dispatch import PREFILL_MIN_M
+    from twell.inference.dispatch import PREFILL_MIN_M
 
     p = SparseGatedMLP(8, 16)._twell_layer
     f, M = 1000, 1 << 30  # M large: no tail term
@@ -300,16 +300,16 @@ def test_path_settings_are_checked_when_set():
 
 
 def test_submodules_load_on_first_use():
-    """The README's settings live in submodules (twell.eager_graphs.ENABLED, twell.dispatch...):
+    """The README's settings live in submodules (twell.inference.eager_graphs.ENABLED, twell.inference.dispatch...):
     reachable right after `import twell`, in a fresh interpreter."""
     import subprocess
     import sys
 
-    code = ("import twell; twell.eager_graphs.ENABLED = False; print(twell.ops.__name__, twell.dispatch.MODES[0]); "
+    code = ("import twell; twell.inference.eager_graphs.ENABLED = False; print(twell.inference.ops.__name__, twell.inference.dispatch.MODES[0]); "
             "print(hasattr(twell, 'no_such_module'), hasattr(twell, 'eager_graphs.x'))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split() == ["twell.ops", "auto", "False", "False"]
+    assert out.stdout.split() == ["twell.inference.ops", "auto", "False", "False"]
     # a dependency missing (triton here): hasattr says False rather than raising
     code = "import sys; sys.modules['triton'] = None; import twell; print(hasattr(twell, 'kernels'))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

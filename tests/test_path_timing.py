@@ -1,12 +1,12 @@
-"""The layers' own timing of prefill against dense near the break-even (twell.path_timing,
-``twell.dispatch.TIMED_CHOICE``), on the CPU with fake CUDA events: which calls are trials,
+"""The layers' own timing of prefill against dense near the break-even (twell.inference.path_timing,
+``twell.inference.dispatch.TIMED_CHOICE``), on the CPU with fake CUDA events: which calls are trials,
 which are timed, when a verdict forms and when it is measured again."""
 
 import pytest
 import torch
 
 from twell import SparseGatedMLP, dispatch
-from twell.path_timing import BAND, COST_TOLERANCE, SAMPLES, PathTimer
+from twell.inference.path_timing import BAND, COST_TOLERANCE, SAMPLES, PathTimer
 
 
 class FakeClock:
@@ -209,7 +209,7 @@ def test_run_times_the_path_it_ran(monkeypatch):
     """LayerState.run takes the trial its choose() made and records the events around the path
     it runs (the dense path on the CPU here); none when it runs another path than the trial's,
     and none from a trial left by an earlier call."""
-    from twell.path_timing import Trial, _SizeClass
+    from twell.inference.path_timing import Trial, _SizeClass
 
     m = SparseGatedMLP(8, 16).eval()
     s = m._twell_layer

@@ -16,7 +16,7 @@ import twell
 from sparsity import rel_err
 from twell import SparseGatedMLP, SparseMLP
 from twell import reference as R
-from twell.dispatch import DECODE_BLIND_M, DECODE_MAX_M, EAGER_PREFILL_MIN_M, PREFILL_MIN_M, LayerState
+from twell.inference.dispatch import DECODE_BLIND_M, DECODE_MAX_M, EAGER_PREFILL_MIN_M, PREFILL_MIN_M, LayerState
 
 
 def _dense(m, x):
@@ -28,7 +28,7 @@ def _dense(m, x):
 
 
 def test_choice_by_batch_size_and_sparsity(monkeypatch):
-    from twell import dispatch
+    from twell.inference import dispatch
 
     s = SparseGatedMLP(8, 16)._twell_layer
     f = 5632
@@ -145,8 +145,8 @@ def test_union_measured_by_a_small_dense_probe_steers_decode(monkeypatch):
     layer's skew: with the same mean, a skewed layer (fewer units in the union) takes the fused
     decode kernel at a batch size where the independence estimate from the mean would not (the
     split kernels, whose rule counts fires, off)."""
-    from twell import dispatch
-    from twell.dispatch import FUSED_MAX_UNION
+    from twell.inference import dispatch
+    from twell.inference.dispatch import FUSED_MAX_UNION
 
     monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
 
@@ -230,7 +230,7 @@ def test_split_gate_stages_fit_the_shared_memory(monkeypatch):
 
 
 def test_row_stats(monkeypatch):
-    from twell.dispatch import row_stats
+    from twell.inference.dispatch import row_stats
     from twell.kernels import updown
 
     p = torch.tensor([0.0, 3.0, 4.0, 29.0, 1.0])
@@ -312,7 +312,7 @@ def test_eval_keeps_no_statistics_unless_asked(cls):
 
 @pytest.mark.parametrize("cls", [SparseGatedMLP, SparseMLP])
 def test_eval_lays_out_down_for_the_kernels_with_one_copy(cls, monkeypatch):
-    from twell import train_path
+    from twell.training import path as train_path
 
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)  # training in the nn.Linear layout (the
     # kernel layout in training: test_training_in_the_kernel_layout)
@@ -351,7 +351,7 @@ def test_optimizer_state_follows_the_weight_layout(fused, state_from, monkeypatc
     eval mode). Fused AdamW reads parameter, gradient and state as flat memory, so without
     twell.optim_layout each element would be updated with another element's moments; the steps
     must equal those of a module that never changed layout."""
-    from twell import train_path
+    from twell.training import path as train_path
 
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)  # training in the nn.Linear layout
     torch.manual_seed(3)
@@ -427,7 +427,7 @@ def test_training_in_the_kernel_layout(kernels, monkeypatch):
     interpreter, as on CUDA): the layout does not flip between eval and training, so an
     optimizer's state keeps the parameter's strides, the training ops' gradient arrives in that
     layout, and steps match those of a module in the nn.Linear layout."""
-    from twell import train_path
+    from twell.training import path as train_path
 
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)
     torch.manual_seed(2)
@@ -504,8 +504,8 @@ def test_copies_get_their_own_state():
     for other in (copy.deepcopy(m), pickle.loads(pickle.dumps(m))):
         assert other._twell_key != m._twell_key
         assert other._twell_layer.module is other and other._twell_layer.estimate is None
-        assert twell.dispatch.layer_state(other._twell_key) is other._twell_layer
-    assert twell.dispatch.layer_state(m._twell_key) is m._twell_layer
+        assert twell.inference.dispatch.layer_state(other._twell_key) is other._twell_layer
+    assert twell.inference.dispatch.layer_state(m._twell_key) is m._twell_layer
 
 
 
@@ -594,7 +594,7 @@ def test_projection_with_a_weight_property_or_hooks():
 def test_union_thresholds_are_inclusive(monkeypatch):
     """Decode is taken while the expected share of active units is *at most* the threshold:
     FUSED_MAX_UNION up to FUSED_WIDE_M tokens, FUSED_WIDE_MAX_UNION above."""
-    from twell import dispatch
+    from twell.inference import dispatch
 
     monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
     s = SparseGatedMLP(8, 16)._twell_layer
@@ -796,7 +796,7 @@ def test_a_call_hands_its_input_to_the_choice(monkeypatch):
     """The module's calls give the layer's choice their input (the width sets the cap in units,
     LayerState.MAX_UNITS_BY_D): a layer of width 40 (padded: 64) with a cap of its own takes the
     kernels at an estimate the default cap sends to dense."""
-    from twell import dispatch
+    from twell.inference import dispatch
 
     m = SparseGatedMLP(40, 100).eval()
     layer = m._twell_layer
@@ -834,7 +834,7 @@ def test_poll_reads_each_slot_of_a_probe():
     (computed whole), the cost's other terms taken over the remaining rows. A small dense call's
     union share (in the overflow slot) is fitted, and replaced by one measured on as many tokens
     or more."""
-    from twell.dispatch import row_stats
+    from twell.inference.dispatch import row_stats
     from twell.kernels.updown import DENSE_ROW_MIN
 
     m = SparseGatedMLP(8, 16)  # (kept alive: the state prices rows computed whole by its shape)
@@ -961,7 +961,7 @@ def test_prefill_probe_publishes_rows_and_overflowed_tiles(track, monkeypatch):
     overflowed tiles per token, not rows: a tile of 32 units (four slots) puts the dense row's
     three full tiles over. CPU: LayerState._publish_rows spied (its copy to the host is CUDA's)."""
     from kernel_cases import gate_case
-    from twell import ops
+    from twell.inference import ops
     from twell.format import pack_twell
 
     M, d, f = 6, 40, 100
@@ -990,7 +990,7 @@ def test_split_rule_bounds_are_inclusive():
     """The split kernels take a batch of exactly SPLIT_MAX_FIRES expected fires, tokens of exactly
     SPLIT_MAX_ROW_FIRES active units, and f up to (not including) their entry limit _MAX_F; the
     dispatcher makes their buffers for the same f only."""
-    from twell import dispatch
+    from twell.inference import dispatch
     from twell.kernels.decode_split import _MAX_F
 
     s = SparseGatedMLP(8, 16)._twell_layer
@@ -1013,7 +1013,7 @@ def test_split_rule_limits_by_width():
     limit and counted by their root mean square within the second, both inclusive; at d 2048
     (not listed) and with no width, SPLIT_MAX_FIRES bounds both, so a heavy batch that d 4096
     takes goes elsewhere."""
-    from twell import dispatch
+    from twell.inference import dispatch
 
     max_mean, max_rms = dispatch.SPLIT_MAX_FIRES_BY_D[4096]
     assert dispatch.SPLIT_MAX_FIRES < max_mean < max_rms
@@ -1040,7 +1040,7 @@ def test_split_rule_limits_by_width():
 def test_fused_union_rule_switches_caps_at_the_widths_token_count(monkeypatch):
     """Above FUSED_WIDE_M_BY_D's token count for x's width (16 at d 4096), the fused kernel's
     union cap is FUSED_WIDE_MAX_UNION; at d 2048 the wide cap starts past FUSED_WIDE_M (32)."""
-    from twell import dispatch
+    from twell.inference import dispatch
 
     monkeypatch.setattr(dispatch, "DECODE_SPLIT", False)
     s = SparseGatedMLP(8, 16)._twell_layer
@@ -1115,7 +1115,7 @@ def test_compile_traces_the_module_without_warnings():
 
 
 def test_custom_op_passes_opcheck():
-    from twell import library  # noqa: F401
+    from twell.inference import custom_op  # noqa: F401
 
     torch.manual_seed(3)
     m = SparseGatedMLP(40, 100).eval()
@@ -1138,7 +1138,7 @@ def test_custom_op_checks_its_arguments(mode):
     decode kernels unchecked (an int64 "result", a read past the weights' end). The kernel paths
     name the argument (LayerState.run's check); the dense path (mode "auto" on the CPU) raises
     torch's own error, and takes any strides."""
-    from twell import library  # noqa: F401
+    from twell.inference import custom_op  # noqa: F401
 
     m = SparseGatedMLP(16, 40).eval()
     m.kernel_mode = mode
@@ -1180,7 +1180,7 @@ def test_split_decode_kernels_and_their_rule(monkeypatch):
     dense answer, and the statistics come from the kernels. Inside a capture, "auto" takes decode
     for a batch whose fires the split kernels can take although its union share is too large for
     the fused kernel."""
-    from twell import dispatch
+    from twell.inference import dispatch
 
     assert dispatch.DECODE_SPLIT  # the default
     torch.manual_seed(5)
@@ -1245,7 +1245,7 @@ def test_layers_share_the_decode_buffers():
     buffer goes with the last layer holding it."""
     import gc
 
-    from twell import dispatch
+    from twell.inference import dispatch
 
     torch.manual_seed(7)
     layers = [SparseGatedMLP(40, 100).eval() for _ in range(3)] + [SparseMLP(40, 100).eval()]
@@ -1273,7 +1273,7 @@ def test_layers_share_the_decode_buffers():
 
 
 def test_decode_buffers_per_layer_when_not_shared(monkeypatch):
-    from twell import dispatch
+    from twell.inference import dispatch
 
     monkeypatch.setattr(dispatch, "SHARE_DECODE_BUFFERS", False)
     torch.manual_seed(8)
@@ -1291,7 +1291,7 @@ def test_decode_keeps_no_buffers_when_asked(monkeypatch):
     no list, nothing in the shared table), yet take the same kernels as with kept buffers (the
     split kernels from SPLIT_MIN_M tokens, also in a capture's choice, and the fused one below)
     and give the dense answer, call after call, for several layers in turn, gated or not."""
-    from twell import dispatch
+    from twell.inference import dispatch
 
     monkeypatch.setattr(dispatch, "DECODE_SCRATCH", False)
     before = set(dispatch._SCRATCH.keys())
@@ -1379,7 +1379,7 @@ class _Residual(torch.nn.Module):
 @pytest.mark.gpu
 @pytest.mark.parametrize("M", [1, 16, 24, 64, 1024, 8192])
 def test_cuda_graph_replay_equals_eager(M, monkeypatch):
-    monkeypatch.setattr(twell.eager_graphs, "ENABLED", False)  # eager calls: twell's plain path
+    monkeypatch.setattr(twell.inference.eager_graphs, "ENABLED", False)  # eager calls: twell's plain path
     stack, xs = _gpu_stack()
     model = _Residual(stack)
     x = xs[:M].clone()
@@ -1416,7 +1416,7 @@ def test_cuda_graph_replay_with_split_decode(M, kernels, keep, monkeypatch):
     6 to 12); replays equal eager (dense path) within bf16 rounding, and a replay after new
     inputs were copied in uses them. With DECODE_SCRATCH off (``keep`` False) the decode kernels
     take each call's own buffers (from the graph's pool) and the layer keeps none."""
-    from twell import dispatch
+    from twell.inference import dispatch
     from twell.bench.timing import capture
 
     monkeypatch.setattr(dispatch, "DECODE_SPLIT", True)
@@ -1638,7 +1638,7 @@ def test_a_meta_module_takes_the_training_layout_when_materialised(cls, monkeypa
     """Built on the meta device in training mode, the down weight keeps the nn.Linear layout
     (what FSDP2's fully_shard accepts); to_empty() on a device that trains in the kernel layout
     (here the interpreter) lays it out there, before an optimizer records its strides."""
-    from twell import train_path
+    from twell.training import path as train_path
 
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", True)
     monkeypatch.setattr(twell.nn, "triton_interpreting", lambda: True)
@@ -1652,7 +1652,7 @@ def test_a_gradient_kept_from_eval_takes_the_training_layout(monkeypatch):
     """The other direction of test_layout_changes_carry_gradients_copies_and_swaps: a gradient
     kept in the kernel layout (accumulated in eval mode) becomes contiguous with its weight when
     training mode takes the nn.Linear layout, values unchanged."""
-    from twell import train_path
+    from twell.training import path as train_path
 
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)
     m = SparseGatedMLP(8, 24).eval()
@@ -1667,7 +1667,7 @@ def test_a_gradient_kept_from_eval_takes_the_training_layout(monkeypatch):
 def test_use_kernel_layout_lays_out_every_module(monkeypatch):
     """Where eval() leaves the layout (a process group is up), use_kernel_layout lays out every
     twell FFN now, whatever its mode, and counts them; a second call finds nothing to do."""
-    from twell import train_path
+    from twell.training import path as train_path
 
     monkeypatch.setattr(train_path, "KERNEL_LAYOUT", False)
     monkeypatch.setattr(twell.nn, "_distributed", lambda: True)
@@ -1704,7 +1704,7 @@ def test_dense_probe_never_raises_the_peak_and_measures_the_pattern(M, monkeypat
     """An eager dense call that takes the sparsity probe allocates no more at its peak than one
     that does not, and the probe's mean active units per token (and, up to 64 tokens, the share
     of units active in the batch) are the pattern's."""
-    monkeypatch.setattr(twell.eager_graphs, "ENABLED", False)  # eager calls: the dense path
+    monkeypatch.setattr(twell.inference.eager_graphs, "ENABLED", False)  # eager calls: the dense path
     stack, xs = _gpu_stack(layers=1, M=1024)
     m = stack[0]
     s = m._twell_layer
@@ -1742,7 +1742,7 @@ def test_small_eager_calls_measure_the_union_and_make_the_decode_accumulator(mon
     measure the share of units active for some token of the batch: the layer's union estimate
     for 16 tokens then equals the measured share, and the fused decode's accumulator exists
     before any capture."""
-    monkeypatch.setattr(twell.eager_graphs, "ENABLED", False)  # eager calls: the dense path
+    monkeypatch.setattr(twell.inference.eager_graphs, "ENABLED", False)  # eager calls: the dense path
     stack, xs = _gpu_stack(layers=1)
     m = stack[0]
     x = xs[:16].contiguous()
@@ -1787,7 +1787,7 @@ def test_gpu_nan_comes_out_where_dense_puts_it(mode, M, kernels):
     assert m.last_path == mode and torch.isnan(y).all()
 
 
-# --- eager calls replayed from twell's own CUDA graphs (twell.eager_graphs) ---------------------
+# --- eager calls replayed from twell's own CUDA graphs (twell.inference.eager_graphs) ---------------------
 
 
 class _FakeGraph:
@@ -1807,7 +1807,7 @@ class _FakeGraph:
 
 
 def _fake_capture(self, state, x, w_first, w_down, w_up, key):
-    from twell.eager_graphs import _Graph, _buffer, _output
+    from twell.inference.eager_graphs import _Graph, _buffer, _output
 
     xs, out = _buffer(x, key[1]), _output(x, key[1])  # shared by the layers, as on the GPU
     out.y.fill_(float("nan"))
@@ -1819,7 +1819,7 @@ def _fake_capture(self, state, x, w_first, w_down, w_up, key):
 def test_eager_graphs_bookkeeping(monkeypatch):
     """When a size is captured, what a replay returns, and when graphs are dropped or no longer
     made (sizes per layer, weights moved, too many moves); CPU, with a stand-in graph."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
     state = LayerState(SparseGatedMLP(4, 8))
@@ -1874,7 +1874,7 @@ def test_eager_graphs_hand_out_their_buffer(monkeypatch):
     caller of another layer sharing the buffer) leaves it intact: the layer captures again on a
     new buffer, and that size hands out copies from then on. HAND_OUT False: copies always. CPU,
     with a stand-in graph."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
     monkeypatch.setattr(EG, "_COPY_KEYS", set())
@@ -1970,7 +1970,7 @@ def test_eager_graphs_replay_equals_the_plain_path(M, monkeypatch):
     (checked after the later calls ran, with the graphs' output buffers pre-filled with NaN)
     equals the plain eager path's on the same input, and each layer captured once. 256 and 1024
     tokens with MAX_M raised to them (the dense path's graphs)."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG, "MAX_M", max(EG.MAX_M, M))
     monkeypatch.setattr(EG, "_COPY_KEYS", set())
@@ -2004,7 +2004,7 @@ def test_eager_graphs_outputs_kept_from_the_first_call_stay_intact(M, monkeypatc
     """Forward hooks that keep every MLP output from the first call on: no graph ever replays
     into a kept output (the second layer's first capture finds the first layer's output held),
     and every kept output equals the plain path's."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG, "_COPY_KEYS", set())
     stack, xs = _gpu_stack(layers=1 if M == 4096 else 2, k=8 if M == 4096 else 29, M=max(8192, 6 * M))
@@ -2039,7 +2039,7 @@ def test_eager_graphs_outputs_kept_by_hooks_stay_intact(M, monkeypatch):
     every kept output equals the plain path's (none written over by a later replay). 4096
     tokens: the prefill band's graphs (k 8), one layer (the second layer's input, x + mlp(x), is
     not sparse enough for the band to capture it)."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG, "_COPY_KEYS", set())
     stack, xs = _gpu_stack(layers=1 if M == 4096 else 2, k=8 if M == 4096 else 29, M=max(8192, 6 * M))
@@ -2104,7 +2104,7 @@ def test_eager_graphs_follow_the_weights():
     assert m.eager_graphs.captures == 3 and len(m.eager_graphs) == 2
     with torch.no_grad():  # above MAX_M tokens: never captured
         for _ in range(4):
-            m(xs[:twell.eager_graphs.MAX_M + 1])
+            m(xs[:twell.inference.eager_graphs.MAX_M + 1])
     assert not m.eager_graphs.last and m.eager_graphs.captures == 3
 
 
@@ -2112,7 +2112,7 @@ def test_eager_graphs_prefill_band_slots_and_hysteresis(monkeypatch):
     """Band sizes (above MAX_M) have MAX_BAND_SIZES slots of their own, so they never take the
     decode sizes' slots; a capture's path choices leave the layer's eager prefill hysteresis as
     it was (CPU, stand-in graphs)."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     w = torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4)
     state = LayerState(SparseGatedMLP(4, 8))
@@ -2142,7 +2142,7 @@ def test_eager_graphs_weights_key_and_recapture_limit(monkeypatch):
     stops at the next; a size captured in inference mode first and in no_grad after gets an input
     buffer per mode (an inference tensor cannot be written outside inference mode). CPU, with a
     stand-in graph."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
     state = LayerState(SparseGatedMLP(4, 8))
@@ -2182,7 +2182,7 @@ def test_eager_graphs_band_sizes_leave_the_decode_slots_free(monkeypatch):
     """The decode sizes' MAX_SIZES slots and the band's MAX_BAND_SIZES are counted apart whatever
     the order: band sizes captured after the decode slots are full still get theirs, and neither
     kind takes more than its own. CPU, stand-in graphs."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
     monkeypatch.setattr(EG, "MAX_M", 4)
@@ -2201,7 +2201,7 @@ def test_eager_graphs_threads_share_the_buffers_one_call_at_a_time(monkeypatch):
     still return each its own answer (CPU, stand-in graphs that pause mid-replay)."""
     import threading
 
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG.EagerGraphs, "_capture", _fake_capture)
     w = torch.randn(8, 4), torch.randn(4, 8), torch.randn(8, 4)
@@ -2281,7 +2281,7 @@ def test_eager_graphs_on_cublas_survive_other_graphs_dying():
 def test_a_failed_eager_capture_leaves_torch_working(monkeypatch):
     """A capture that raises: the call runs eagerly with the right answer, one warning says why,
     no layer of the device captures again, and random numbers and user captures still work."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG, "_BROKEN", {})  # this test's verdict stays here
     stack, xs = _gpu_stack(layers=2)
@@ -2343,8 +2343,8 @@ def test_eager_graphs_warm_up_on_the_callers_stream(monkeypatch):
     """A capture's warm-up runs on the caller's stream and the capture on twell's capture stream:
     a warm-up stream of its own would keep a second cuBLAS workspace (32 MiB on the H200) once a
     dense-path call was captured (twenty-second session, benchmarks/capture_memory_probe.py)."""
-    from twell import dispatch
-    from twell import eager_graphs as EG
+    from twell.inference import dispatch
+    from twell.inference import eager_graphs as EG
 
     stack, xs = _gpu_stack(layers=1)
     m = stack[0]
@@ -2377,10 +2377,10 @@ def test_hf_generate_with_eager_graphs_follows_the_dense_model(monkeypatch):
     """Hugging Face ``generate`` as most users call it (eager, dynamic cache) on a sparsified
     Llama: from the third step each MLP replays its graph, and every step's logits equal a
     teacher-forced dense forward of the generated sequence within bf16 rounding."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
     from twell.bench.model import calibrate_sparsity
     from twell.nn import sparse_modules
-    from twell.train.model import make_config
+    from twell.recipe.model import make_config
 
     torch.manual_seed(0)
     config = make_config("tiny", 300)
@@ -2404,10 +2404,10 @@ def test_hf_generate_with_eager_graphs_follows_the_dense_model(monkeypatch):
 
 @pytest.mark.gpu
 def test_eager_graphs_prefill_band(monkeypatch):
-    """With twell.eager_graphs.PREFILL_BAND on (the default), eager calls of
+    """With twell.inference.eager_graphs.PREFILL_BAND on (the default), eager calls of
     4096 to 8191 tokens replay a graph of the prefill kernels where a capture would take them,
     with the plain path's answer; a layer whose capture would run dense keeps its eager calls."""
-    from twell import eager_graphs as EG
+    from twell.inference import eager_graphs as EG
 
     monkeypatch.setattr(EG, "PREFILL_BAND", True)
     stack, xs = _gpu_stack(layers=1)

@@ -6,7 +6,7 @@ import pytest
 
 from test_train_loss import small_corpus
 from twell.cli import main
-from twell.train.report import read_history
+from twell.recipe.report import read_history
 
 # No progress bar and no training.png: drawing the plot takes about a second of CPU per run
 # (test_train_then_eval draws it).
@@ -73,7 +73,7 @@ def test_unknown_preset_is_rejected(capsys):
 def test_resume_with_new_lr_and_weight_decay_applies_them(tmp_path):
     """--lr and --weight-decay given with --resume override the checkpoint's (as --help says),
     in the optimizer and in the scheduler, which would otherwise keep the saved values."""
-    from twell.train.trainer import Trainer, TrainConfig
+    from twell.recipe.trainer import Trainer, TrainConfig
 
     out = tmp_path / "run"
     data = tmp_path / "data"
@@ -142,7 +142,7 @@ def test_sparsity_sweep_settings_are_valid_for_short_runs():
     import importlib.util
     from pathlib import Path
 
-    from twell.train.trainer import TrainConfig
+    from twell.recipe.trainer import TrainConfig
 
     path = Path(__file__).resolve().parents[1] / "benchmarks" / "sparsity_sweep.py"
     spec = importlib.util.spec_from_file_location("sparsity_sweep", path)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from twell.train.data import (ByteTokenizer, PackedSequences, build_streams, is_validation, iter_documents,
+from twell.recipe.data import (ByteTokenizer, PackedSequences, build_streams, is_validation, iter_documents,
                               load_tokenizer, stdlib_documents)
 
 
@@ -167,7 +167,7 @@ def test_split_does_not_depend_on_how_the_path_is_written(tmp_path, monkeypatch)
 def test_split_falls_back_when_either_side_is_empty(tmp_path, monkeypatch, side):
     """Every document in validation (or every one in training): split by position instead, and
     both sides are non-empty."""
-    import twell.train.data as data
+    import twell.recipe.data as data
 
     _corpus(tmp_path)
     monkeypatch.setattr(data, "is_validation", lambda key, fraction: side)

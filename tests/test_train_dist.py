@@ -7,7 +7,7 @@ import torch
 import torch.multiprocessing as mp
 
 from test_train_loss import config
-from twell.train.trainer import Trainer, shutdown_distributed
+from twell.recipe.trainer import Trainer, shutdown_distributed
 
 
 def _free_port() -> int:
@@ -109,7 +109,7 @@ def _fit_worker(rank, world, port, cfg, resume):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from twell.train.trainer import train
+    from twell.recipe.trainer import train
 
     train(cfg, resume=resume)
 
@@ -118,7 +118,7 @@ def test_two_process_training_matches_one(tmp_path):
     """Three optimizer steps under DDP and under FSDP, with 2 micro-batches per step (gradients
     synced on the last one only), give the losses and statistics of one process; an FSDP
     checkpoint resumes exactly."""
-    from twell.train.report import read_history
+    from twell.recipe.report import read_history
 
     common = dict(device="cpu", l1=0.05, steps=3, log_every=1, eval_every=3, save_every=1, dead_window=1)
     one = config(tmp_path, batch_size=4, **common, out=str(tmp_path / "one"))
@@ -147,7 +147,7 @@ def _state_worker(rank, world, port, out_file):
     trackers, finish the window: the verdict must count every rank's firings once."""
     import torch.distributed as dist
 
-    from twell.train.stats import DeadUnits, IntervalStats
+    from twell.recipe.stats import DeadUnits, IntervalStats
 
     dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}")
     dead = DeadUnits(1, 4, window_steps=2, device="cpu")
@@ -182,7 +182,7 @@ def test_two_process_resume_between_windows_and_log_steps(tmp_path):
     """DDP resumed at step 3, inside a 4-step dead-unit window and between log steps (every 2):
     the step-4 row (losses of steps 3-4, statistics, dead units of steps 1-4, counted on both
     ranks) is the uninterrupted run's."""
-    from twell.train.report import read_history
+    from twell.recipe.report import read_history
 
     common = dict(device="cpu", l1=0.05, steps=4, log_every=2, eval_every=4, save_every=3, dead_window=4, batch_size=2)
     full = config(tmp_path, **common, out=str(tmp_path / "full"))

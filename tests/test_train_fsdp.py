@@ -16,11 +16,11 @@ import torch
 from test_train_dist import _free_port, _spawn
 from test_train_loss import config
 from twell.cli import main
-from twell.train import checkpoint as ckpt
-from twell.train.meta_init import record_init
-from twell.train.model import build_model, make_config
-from twell.train.report import read_history
-from twell.train.trainer import Trainer, shutdown_distributed
+from twell.recipe import checkpoint as ckpt
+from twell.recipe.meta_init import record_init
+from twell.recipe.model import build_model, make_config
+from twell.recipe.report import read_history
+from twell.recipe.trainer import Trainer, shutdown_distributed
 
 # 2 ranks x 2 micro-batches x 1 sequence: 4 sequences a step, as 1 process x 1 x 4.
 COMMON = dict(l1=0.05, steps=3, log_every=1, eval_every=3, save_every=1, dead_window=1, keep=2, val_batches=2)

@@ -1,4 +1,4 @@
-"""Sparse FFN training kernels (twell.train_ops on twell.kernels.train_ffn) against dense
+"""Sparse FFN training kernels (twell.training.ops on twell.kernels.train_ffn) against dense
 PyTorch autograd: y, l1 and every gradient, with the L1 term in the loss, on adversarial
 patterns (Triton interpreter on the CPU in fp32/fp16; GPU tests in bf16 at real shapes).
 
@@ -12,12 +12,12 @@ import math
 import pytest
 import torch
 
-import twell.train_ops as T
+import twell.training.ops as T
 from kernel_cases import GUARD, case_id, guard_empty, rel_err, untouched
 from twell import reference as R
 from twell.format import pack_hybrid
 from twell.kernels.train_ffn import pack_rows
-from twell.train_ops import choose_width, saved_bytes, sparse_ffn, sparse_gated_ffn
+from twell.training.ops import choose_width, saved_bytes, sparse_ffn, sparse_gated_ffn
 
 # Small blocks, so that every loop of the kernels runs more than once at test shapes: pack walks
 # f in 32-column steps (one bit word), the row kernels take 4 slots and 32 columns of d per step (d = 40 here), the

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from twell import SparseGatedMLP, sparse_modules
-from twell.train.stats import DeadUnits, IntervalStats
-from twell.train.trainer import TrainConfig, Trainer
+from twell.recipe.stats import DeadUnits, IntervalStats
+from twell.recipe.trainer import TrainConfig, Trainer
 
 SHAPE = dict(preset="tiny", hidden_size=32, intermediate_size=88, num_layers=2, num_heads=2, seq_len=32,
              batch_size=4, val_batches=1, progress=False, plot=False)

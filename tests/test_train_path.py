@@ -1,13 +1,13 @@
 """The modules' training path: SparseGatedMLP / SparseMLP on the sparse training kernels give
 dense autograd's outputs, L1 term, statistics and gradients (Triton interpreter on the CPU), and
-the per-layer choice between dense and sparse (twell.train_path)."""
+the per-layer choice between dense and sparse (twell.training.path)."""
 
 import pytest
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from twell import SparseGatedMLP, SparseMLP
-from twell.train_path import HEAVY_COST, HEAVY_FIXED, HEAVY_SHARE_MAX, MAX_DENSITY, PROBE_WIDTHS, TrainPath, light_rule_width, use_sparse
+from twell.training.path import HEAVY_COST, HEAVY_FIXED, HEAVY_SHARE_MAX, MAX_DENSITY, PROBE_WIDTHS, TrainPath, light_rule_width, use_sparse
 
 
 DEV = "cuda" if torch.cuda.is_available() else "cpu"  # CPU: the Triton interpreter
@@ -57,7 +57,7 @@ def test_module_on_the_training_kernels_with_heavy_rows_and_hot_units(monkeypatc
     """A narrow ELL width (rows heavier than it take the dense backup) and a low hot-unit bar
     (units far above the mean take the dense columns), under activation checkpointing: still
     dense autograd's gradients."""
-    import twell.train_ops as T
+    import twell.training.ops as T
 
     monkeypatch.setattr(T, "HOT_MIN", 2)
     monkeypatch.setattr(T, "HOT_FACTOR", 1.5)
@@ -138,8 +138,8 @@ def test_train_path_choice():
 def test_device_width_is_choose_width():
     """The width the heavy share is measured against, computed on the device, is the width the
     layer will train with."""
-    from twell.train_ops import choose_width
-    from twell.train_path import device_width
+    from twell.training.ops import choose_width
+    from twell.training.path import device_width
 
     for f in (10, 96, 5632):
         for mean in [0.0, 0.3, 0.5, 1.0, 7.49, 7.5, 7.51, 8.0, 8.01, 23.9, 24.0, 29.3, 100.0, 255.9, 256.1, 600.0]:
@@ -151,7 +151,7 @@ def test_train_path_reads_mean_and_heavy_share(mean, share, path):
     """"auto" goes sparse on a measured mean at most MAX_DENSITY f and a share of rows above the
     ELL width of that mean at most HEAVY_SHARE_MAX (read from the pinned copy once its event is
     done)."""
-    from twell.train_path import HEAVY_SHARE_MAX, MAX_DENSITY
+    from twell.training.path import HEAVY_SHARE_MAX, MAX_DENSITY
 
     assert MAX_DENSITY * 5632 > 29 > 0 and 60 > MAX_DENSITY * 5632 and 0.1 < HEAVY_SHARE_MAX < 0.5
 
@@ -168,7 +168,7 @@ def test_train_path_reads_mean_and_heavy_share(mean, share, path):
 def test_train_path_changes_only_outside_backward(monkeypatch):
     """A measurement that arrives while autograd recomputes a checkpointed forward must not
     change the path: the recomputation must save what the forward saved."""
-    import twell.train_path as train_path
+    import twell.training.path as train_path
 
     class Done:
         def query(self):
@@ -196,7 +196,7 @@ def test_trainer_step_on_the_sparse_kernels_equals_dense(tmp_path):
     whole model equal those of --kernels dense (the Triton interpreter on the CPU)."""
     from test_train_loss import config
 
-    from twell.train.trainer import Trainer
+    from twell.recipe.trainer import Trainer
 
     runs = {}
     for kernels in ("auto", "dense", "sparse"):  # auto: on the CPU the plain PyTorch math
@@ -243,7 +243,7 @@ def test_gpu_cuda_graph_capture_trains_dense_or_says_why(monkeypatch):
     stream, gradients set to None before the capture): on "auto" a layer that trains sparse
     eagerly takes the dense op inside the capture, and a replay gives eager's gradients; "sparse"
     forced raises one clear error before anything is recorded."""
-    from twell import train_path
+    from twell.training import path as train_path
 
     monkeypatch.setattr(train_path, "MIN_SPARSE_TOKENS", 1)  # 40 tokens would train dense
     torch.manual_seed(0)
@@ -323,7 +323,7 @@ def test_auto_trains_small_calls_dense():
     """Below MIN_SPARSE_TOKENS tokens per call "auto" trains dense on a measurement that makes
     larger calls sparse (the measurement is still read); forced "sparse" ignores the size; no
     size given: the measured path."""
-    from twell.train_path import MIN_SPARSE_TOKENS
+    from twell.training.path import MIN_SPARSE_TOKENS
 
     tp = _measured([29.0, 40.0, 0.0])
     assert tp.choose("auto", 5632, tokens=MIN_SPARSE_TOKENS - 1) == ("dense", 64)
@@ -358,7 +358,7 @@ def test_gpu_auto_trains_small_calls_dense(monkeypatch):
     """On CUDA a layer sparse enough for the sparse kernels trains a call below
     MIN_SPARSE_TOKENS on the dense path; with the floor lowered the same layer takes the sparse
     kernels."""
-    from twell import train_path
+    from twell.training import path as train_path
 
     torch.manual_seed(0)
     m = SparseGatedMLP(64, 96).cuda()
@@ -443,7 +443,7 @@ def test_in_backward_is_seen_from_a_real_backward():
     """The check that keeps a checkpoint's recomputation on its forward's path, against autograd
     itself rather than a stub: true while a backward runs, false outside; a choice made in the
     backward reads no landed measurement and counts no call."""
-    from twell.train_path import _in_backward
+    from twell.training.path import _in_backward
 
     tp = _measured([29.0, 40.0, 0.0])
     seen = []
@@ -455,17 +455,19 @@ def test_in_backward_is_seen_from_a_real_backward():
     assert tp.k_mean is None and tp._calls == 0
 
 
-def test_readme_states_the_auto_rule_constants():
-    """The README's statement of the "auto" rule gives the thresholds the code uses (a changed
-    MIN_SPARSE_TOKENS with the README left behind survived every other test)."""
+def test_docs_state_the_auto_rule_constants():
+    """The docs' statement of the "auto" rule gives the thresholds the code uses (a changed
+    MIN_SPARSE_TOKENS with the docs left behind survived every other test)."""
     from pathlib import Path
 
-    from twell.train_path import MIN_SPARSE_TOKENS
+    from twell.training.path import MIN_SPARSE_TOKENS
 
-    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    root = Path(__file__).resolve().parents[1]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    text = " ".join(" ".join(p.read_text().split()) for p in pages)
     assert f"at most {MAX_DENSITY * 100:g}% of f" in text
     assert f"at most {HEAVY_SHARE_MAX * 100:g}% of its tokens" in text
-    assert f"at least {MIN_SPARSE_TOKENS} tokens (`twell.train_path.MIN_SPARSE_TOKENS`)" in text
+    assert f"at least {MIN_SPARSE_TOKENS} tokens (`twell.training.path.MIN_SPARSE_TOKENS`)" in text
 
 
 # --- the light-row rule: heavy-tailed layers ----------------------------------------------------
@@ -517,7 +519,7 @@ def test_train_path_takes_heavy_tailed_layers_sparse_at_the_rule_width(monkeypat
     """A measured heavy-tailed layer (mean 61 of 5632, above the mean rule's bar; at W 64 a share
     0.17 of rows above, 4.3 light units per token): "auto" trains it sparse at W 64; with
     AUTO_SPARSE off, dense at the mean's width; the 3-value probe of older code reads as before."""
-    import twell.train_path as train_path
+    import twell.training.path as train_path
 
     host = [61.2, 2116.0, 0.123] + _probe(w32=(0.218, 2.0), w64=(0.170, 4.3), w128=(0.123, 8.6))[0] \
         + _probe(w32=(0.218, 2.0), w64=(0.170, 4.3), w128=(0.123, 8.6))[1]
@@ -582,8 +584,8 @@ def test_max_density_reaches_the_light_row_rule():
     """A layer's train_max_density raises the light-row rule's bar too, not only the mean rule's:
     a heavy-tailed layer above both bars at MAX_DENSITY trains sparse at the rule's width once
     max_density doubles them (kills choose_path calling light_rule_width without it)."""
-    from twell.train_ops import choose_width
-    from twell.train_path import choose_path
+    from twell.training.ops import choose_width
+    from twell.training.path import choose_path
 
     f = 10000
     bar = MAX_DENSITY * f

@@ -6,8 +6,8 @@ from transformers import LlamaForCausalLM
 
 from test_train_loss import config
 from twell import sparsify, sparse_modules
-from twell.train.report import read_history
-from twell.train.trainer import Trainer
+from twell.recipe.report import read_history
+from twell.recipe.trainer import Trainer
 
 
 def test_resume_continues_exactly(tmp_path):

@@ -21,10 +21,10 @@ from safetensors.torch import load_file
 from test_train_cli import FAST
 from test_train_loss import config, small_corpus
 from twell.cli import main
-from twell.train import checkpoint as ckpt
-from twell.train.cli import eval_main, train_main
-from twell.train.report import read_history
-from twell.train.trainer import RunStopped, Trainer
+from twell.recipe import checkpoint as ckpt
+from twell.recipe.cli import eval_main, train_main
+from twell.recipe.report import read_history
+from twell.recipe.trainer import RunStopped, Trainer
 
 
 def _poison_cross_entropy(monkeypatch, bad_calls):

@@ -13,10 +13,11 @@ import torch
 from test_train_data import _corpus, _local_hf_tokenizer
 from test_train_loss import config, small_corpus
 from twell.cli import main
-from twell.train.data import (ByteTokenizer, PackedSequences, Prefetcher, build_streams, corpus_tokenizer,
-                              feistel_permute, load_corpus, load_tokenizer, next_first)
-from twell.train.report import read_history
-from twell.train.shards import (INDEX_NAME, PreparedCorpus, ShardedTokens, ShardWriter, finish_corpus,
+from twell.recipe.corpus import corpus_tokenizer, load_corpus
+from twell.recipe.data import (ByteTokenizer, PackedSequences, Prefetcher, build_streams, feistel_permute,
+                              load_tokenizer, next_first)
+from twell.recipe.report import read_history
+from twell.recipe.shards import (INDEX_NAME, PreparedCorpus, ShardedTokens, ShardWriter, finish_corpus,
                                 prepare_corpus, prepared_corpus)
 
 
@@ -231,7 +232,7 @@ def test_prefetch_threads_are_stopped_at_exit(tmp_path):
     """A Prefetcher left open registers its thread, and the exit hook stops and joins it (a
     daemon thread inside torch while the process tears down aborted a script at its end); a
     closed one leaves nothing registered."""
-    from twell.train import data as D
+    from twell.recipe import data as D
 
     data = _synthetic(tmp_path / "c", 8 * 50 + 1).windows("train", 8, seed=1)
     loader = Prefetcher(data, 2, depth=2)
@@ -252,7 +253,7 @@ state = {}
 # registered before twell's hook, so it runs after it (atexit runs the last registered first)
 atexit.register(lambda: print("stopped" if not state["thread"].is_alive() else "alive", flush=True))
 import numpy as np
-from twell.train.data import PackedSequences, Prefetcher
+from twell.recipe.data import PackedSequences, Prefetcher
 loader = Prefetcher(PackedSequences(np.arange(5000, dtype=np.uint16), 8), 4, depth=2)
 loader.batch(0)
 state["thread"] = loader._thread
@@ -280,7 +281,7 @@ def test_train_on_a_prepared_folder_resumes_exactly(tmp_path):
     (tmp_path / "src").mkdir()
     _prepare(small_corpus(tmp_path / "src"), tmp_path / "prepared", val_fraction=0.2)
     common = dict(steps=4, log_every=1, eval_every=2, save_every=2, grad_accum=2, data=[str(tmp_path / "prepared")])
-    from twell.train.trainer import Trainer
+    from twell.recipe.trainer import Trainer
 
     full = Trainer(config(tmp_path, **common, out=str(tmp_path / "full")))
     assert isinstance(full.train_data.tokens, ShardedTokens) and full.train_data.order == "feistel"
@@ -326,8 +327,8 @@ def status(field):
             if line.startswith(field + ":"):
                 return int(line.split()[1]) * 1024
 
-from twell.train.data import Prefetcher
-from twell.train.shards import PreparedCorpus, ShardWriter, finish_corpus, prepare_corpus
+from twell.recipe.data import Prefetcher
+from twell.recipe.shards import PreparedCorpus, ShardWriter, finish_corpus, prepare_corpus
 
 root = Path(sys.argv[1])
 base = status("VmRSS")

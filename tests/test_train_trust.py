@@ -15,10 +15,10 @@ from test_train_cli import FAST
 from test_train_loss import config, small_corpus
 from test_train_robust import signal_in_step
 from twell.cli import main
-from twell.train import checkpoint as ckpt
-from twell.train import trainer as trainer_module
-from twell.train.data import next_first
-from twell.train.trainer import RunStopped, Trainer, _PendingSave
+from twell.recipe import checkpoint as ckpt
+from twell.recipe import trainer as trainer_module
+from twell.recipe.data import next_first
+from twell.recipe.trainer import RunStopped, Trainer, _PendingSave
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,7 +53,7 @@ def test_resume_keeps_the_adapted_l1_scales(tmp_path):
     common = dict(steps=4, log_every=1, eval_every=4, save_every=2, l1=0.05, l1_target=0.3)
     full = Trainer(config(tmp_path, **common, out=str(tmp_path / "full")))
     full.fit()
-    from twell.train.report import read_history
+    from twell.recipe.report import read_history
 
     resumed = Trainer(config(tmp_path, **common, out=str(tmp_path / "resumed")),
                       resume=str(tmp_path / "full" / "checkpoints" / "step_000002"))
@@ -396,14 +396,14 @@ def test_next_first_follows_every_ranks_schedule(world, B, A):
 # ---------------------------------------------------------------------------------------------
 # tests/test_train_dist.py (two gloo ranks forked on the CPU; also needs
 #   from test_train_dist import _free_port, _spawn
-#   from twell.train.trainer import shutdown_distributed)
+#   from twell.recipe.trainer import shutdown_distributed)
 # ---------------------------------------------------------------------------------------------
 
 
 def _slow_rank0_worker(rank, world, port, cfg, out_file, slow):
     """Rank 0 is 2 s late at one point of save_checkpoint (``slow``: "temporary_folder", before
     it makes the folder; "commit", before it renames it into place); records what each rank saw."""
-    from twell.train.trainer import shutdown_distributed
+    from twell.recipe.trainer import shutdown_distributed
 
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -11,7 +11,10 @@ answers ``--help`` and argument errors without waiting for torch to import.
 import importlib
 import importlib.util
 
+from . import _moved
+
 __version__ = "0.1.0"
+_moved.install()  # old module paths (twell.dispatch, twell.train, ...) keep importing
 
 # public name -> the submodule that defines it
 _EXPORTS = {
@@ -28,10 +31,10 @@ _EXPORTS = {
     "sparse_modules": "nn",
     "use_kernel_layout": "nn",
     "sparsify": "hf",
-    "sparse_gated_ffn": "train_ops",
-    "sparse_ffn": "train_ops",
-    "dense_gated_ffn": "train_ops",
-    "dense_ffn": "train_ops",
+    "sparse_gated_ffn": "training.ops",
+    "sparse_ffn": "training.ops",
+    "dense_gated_ffn": "training.ops",
+    "dense_ffn": "training.ops",
 }
 
 __all__ = list(_EXPORTS)
@@ -43,7 +46,7 @@ def __getattr__(name: str):
         globals()[name] = value  # later lookups skip this function
         return value
     if name.isidentifier() and not name.startswith("_"):
-        # a submodule (twell.eager_graphs, twell.dispatch, ...): loaded on first use, as the names above
+        # a submodule (twell.inference.eager_graphs, twell.inference.dispatch, ...): loaded on first use, as the names above
         try:
             if importlib.util.find_spec(f"{__name__}.{name}") is not None:
                 return importlib.import_module(f".{name}", __name__)

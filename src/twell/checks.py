@@ -88,7 +88,7 @@ def check_launchable(t: torch.Tensor, name: str) -> None:
 
 def width_key(d: int) -> int:
     """The key of the per-width tuning tables (``twell.kernels.updown``'s shapes and split
-    threshold, ``twell.dispatch.LayerState.MAX_UNITS_BY_D``): the model width ``d`` rounded up
+    threshold, ``twell.inference.dispatch.LayerState.MAX_UNITS_BY_D``): the model width ``d`` rounded up
     to a power of two (at least 1), as the kernels pad it."""
     return 1 << (max(d, 1) - 1).bit_length()
 

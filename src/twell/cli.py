@@ -12,10 +12,10 @@ import sys
 
 # name -> (module, function, one-line help). The function takes the remaining argv.
 COMMANDS = {
-    "train": ("twell.train.cli", "train_main", "train a sparse language model (ReLU gate + L1)"),
-    "eval": ("twell.train.cli", "eval_main", "validation loss, perplexity and sparsity of a checkpoint"),
-    "export": ("twell.train.cli", "export_main", "write a checkpoint (sharded or not) as a Hugging Face folder"),
-    "data": ("twell.data_cli", "data_main", "prepare a corpus: tokenize once into token shards on disk"),
+    "train": ("twell.recipe.cli", "train_main", "train a sparse language model (ReLU gate + L1)"),
+    "eval": ("twell.recipe.cli", "eval_main", "validation loss, perplexity and sparsity of a checkpoint"),
+    "export": ("twell.recipe.cli", "export_main", "write a checkpoint (sharded or not) as a Hugging Face folder"),
+    "data": ("twell.recipe.data_cli", "data_main", "prepare a corpus: tokenize once into token shards on disk"),
     "bench": ("twell.bench.cli", "bench_main", "benchmark twell kernels against dense PyTorch"),
     "convert": ("twell.convert_cli", "convert_main", "sparsify a Hugging Face model folder and save it"),
 }

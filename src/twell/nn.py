@@ -33,9 +33,10 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from . import reference, train_path
+from . import reference
+from .training import path as train_path
 from .checks import KERNEL_DTYPES, triton_interpreting
-from .dispatch import MODES, _distributed
+from .inference.dispatch import MODES, _distributed
 from .optim_layout import follow_layout
 
 __all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules", "use_kernel_layout"]
@@ -114,7 +115,7 @@ def _is_share(value) -> bool:
 
 class _SparseFFN(nn.Module):
     """What the gated and the non-gated modules share: L1, statistics, dead units, and the
-    inference path (:mod:`twell.dispatch`)."""
+    inference path (:mod:`twell.inference.dispatch`)."""
 
     hidden_size: int
     intermediate_size: int
@@ -123,13 +124,13 @@ class _SparseFFN(nn.Module):
         # None: statistics in training mode only (nobody reads them while serving); True/False
         # force them on or off
         self.track_stats: Optional[bool] = None
-        # Inference path on CUDA (see twell.dispatch): "auto" picks decode kernels, prefill
+        # Inference path on CUDA (see twell.inference.dispatch): "auto" picks decode kernels, prefill
         # kernels or dense cuBLAS per call; "dense", "twell", "decode", "prefill" force one.
         # kernel_max_density (None: the measured default, LayerState.limit) is the prefill
         # kernels' break-even share of active units.
         self.kernel_mode = "auto"
         self.kernel_max_density: Optional[float] = None
-        # Training path (gradients wanted) on CUDA, see twell.train_path: "auto" takes the sparse
+        # Training path (gradients wanted) on CUDA, see twell.training.path: "auto" takes the sparse
         # training kernels while this layer's measured sparsity makes them pay (on calls of at least
         # train_path.MIN_SPARSE_TOKENS tokens), "dense" or
         # "sparse" force one; train_max_density (None: the measured default) is the break-even.
@@ -159,14 +160,14 @@ class _SparseFFN(nn.Module):
     # -- the per-layer inference state: not copied or pickled, rebuilt for each module ---------
 
     def _new_layer_state(self) -> None:
-        from .dispatch import LayerState
+        from .inference.dispatch import LayerState
 
-        from .train_path import TrainPath
+        from .training.path import TrainPath
 
         follow_layout(self)  # this module's down_proj may change layout: optimizer state follows it
         state = LayerState(self)
         self.__dict__["_twell_layer"] = state
-        self.__dict__["_twell_key"] = state.key  # the registry key (twell.dispatch.layer_state)
+        self.__dict__["_twell_key"] = state.key  # the registry key (twell.inference.dispatch.layer_state)
         self.__dict__["_twell_train"] = TrainPath()
 
     def __getstate__(self):
@@ -200,7 +201,7 @@ class _SparseFFN(nn.Module):
 
     @property
     def eager_graphs(self):
-        """:class:`twell.eager_graphs.EagerGraphs` of this layer: the CUDA graphs its small eager
+        """:class:`twell.inference.eager_graphs.EagerGraphs` of this layer: the CUDA graphs its small eager
         inference calls replay (``captures``, ``replays``, ``last``, ``disabled``)."""
         return self._twell_layer.graphs
 
@@ -222,7 +223,7 @@ class _SparseFFN(nn.Module):
         that the inference kernels read a unit's down column as one contiguous row with no
         second copy of the weights; back in training mode it is made contiguous again, unless
         training on CUDA, where the training kernels read the same layout
-        (``twell.train_path.KERNEL_LAYOUT``, on by default). An optimizer's state made in the
+        (``twell.training.path.KERNEL_LAYOUT``, on by default). An optimizer's state made in the
         other layout is re-laid out before its next step (:mod:`twell.optim_layout`). Where a
         process group is up, eval mode keeps the layout it finds (:meth:`_take_mode_layout`)."""
         super().train(mode)
@@ -339,7 +340,7 @@ class _SparseFFN(nn.Module):
             )
 
     def _inference_ok(self, x: torch.Tensor, w: torch.Tensor) -> bool:
-        """True when this call may take the inference path (:mod:`twell.dispatch`): fp16/bf16 on
+        """True when this call may take the inference path (:mod:`twell.inference.dispatch`): fp16/bf16 on
         CUDA (or fp16/bf16/fp32 under the Triton interpreter with a kernel path forced, for tests), no
         bias, no forward hooks on the projections, no autocast, and no gradient needed (grad mode
         off, or in eval mode with neither the input nor a weight requiring grad). ``w``:
@@ -382,17 +383,17 @@ class _SparseFFN(nn.Module):
         path, width = self._twell_train.choose(self.train_kernels, self.intermediate_size, self.train_max_density,
                                                capturing, x.numel() // max(self.hidden_size, 1))
         if capturing and self.train_kernels == "auto":
-            path = "dense"  # the sparse ops cannot be captured (see twell.train_ops); the dense op can
+            path = "dense"  # the sparse ops cannot be captured (see twell.training.ops); the dense op can
         return path, width
 
     def _train_kernels(self, x: torch.Tensor, path: str, width: int, weights: tuple) -> torch.Tensor:
         """The FFN of ``x [..., d]`` by twell's training ops, with the L1 term and the statistics
         from the same kernels: ``path`` "sparse", the sparse training kernels at ELL width
-        ``width`` (:func:`twell.train_ops.sparse_gated_ffn`); "dense", every row dense in fused
-        passes (:func:`twell.train_ops.dense_gated_ffn`). ``weights``: (first, up, down) gated,
+        ``width`` (:func:`twell.training.ops.sparse_gated_ffn`); "dense", every row dense in fused
+        passes (:func:`twell.training.ops.dense_gated_ffn`). ``weights``: (first, up, down) gated,
         (up, down) non-gated. Under autocast the input and the weights are cast to its dtype here
         (differentiably: gradients reach fp32 weights in fp32)."""
-        from .train_ops import dense_ffn, dense_gated_ffn, sparse_ffn, sparse_gated_ffn
+        from .training.ops import dense_ffn, dense_gated_ffn, sparse_ffn, sparse_gated_ffn
 
         shape = x.shape
         x2 = _token_rows(x)
@@ -431,7 +432,7 @@ class _SparseFFN(nn.Module):
             x2 = x2.contiguous()
         if torch.compiler.is_compiling():
             # the same LayerState.run, behind a custom op the compiled graph calls per call
-            from . import library  # noqa: F401  (registers torch.ops.twell)
+            from .inference import custom_op  # noqa: F401  (registers torch.ops.twell)
 
             y = torch.ops.twell.ffn_infer(x2, w_first, w_down, w_up)
         else:
@@ -573,8 +574,8 @@ class SparseGatedMLP(_SparseFFN):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., d] -> [..., d]``. On CUDA, when no gradient is needed and there is no bias,
         takes the inference path: decode kernels for small batches, TwELL prefill kernels where
-        this layer's measured sparsity makes them pay, else dense cuBLAS (:mod:`twell.dispatch`;
-        ``self.kernel_mode``). In training on CUDA, the path :mod:`twell.train_path` chooses (sparse
+        this layer's measured sparsity makes them pay, else dense cuBLAS (:mod:`twell.inference.dispatch`;
+        ``self.kernel_mode``). In training on CUDA, the path :mod:`twell.training.path` chooses (sparse
         kernels or twell's fused dense op); otherwise the dense PyTorch math, with the L1 term and
         statistics."""
         linear = self._modules

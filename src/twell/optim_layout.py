@@ -1,7 +1,7 @@
 """Optimizer state that follows a weight's layout.
 
 The sparse modules keep ``down_proj.weight`` as the transpose of a contiguous ``[f, d]`` matrix
-in eval mode, and in training on CUDA (``twell.train_path.KERNEL_LAYOUT``): same values, same
+in eval mode, and in training on CUDA (``twell.training.path.KERNEL_LAYOUT``): same values, same
 ``[d, f]`` shape, strides ``(1, d)``. An optimizer state made or loaded in the other layout (an
 ``exp_avg`` created in the ``nn.Linear`` layout, a checkpoint written in it, a step taken after
 ``eval()``) then has other strides than its parameter. Fused AdamW reads parameter, gradient

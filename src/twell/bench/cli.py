@@ -19,7 +19,7 @@ runs the same grid at another width (no compiled stacks): ``inference_batch_<gpu
 
 ``decode`` times small batches in CUDA graphs (M 1 to 256, k 8/29/56, even and skewed units):
 ``decode_<gpu>.{json,csv,png}``; with ``--fused``, the split decode kernels off
-(``twell.dispatch.DECODE_SPLIT``): ``decode_<gpu>_fused.*``; with ``--shape``, at another width:
+(``twell.inference.dispatch.DECODE_SPLIT``): ``decode_<gpu>_fused.*``; with ``--shape``, at another width:
 ``decode_<gpu>_d<D>.*``.
 
 ``model`` builds a randomly initialised model of a preset's shape, gives its MLPs about ``--k``
@@ -146,7 +146,7 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=16, help="model: sequences of 2048 tokens per forward (default 16)")
     parser.add_argument("--no-lean", action="store_true", help="model: skip the compiled lean path")
     parser.add_argument("--fused", action="store_true", help="decode: with the split decode kernels off, the "
-                        "fused kernel up to 64 tokens (twell.dispatch.DECODE_SPLIT; results written as "
+                        "fused kernel up to 64 tokens (twell.inference.dispatch.DECODE_SPLIT; results written as "
                         "decode_<gpu>_fused.json)")
     parser.add_argument("--shape", default="2048x5632", help="batch, decode: the MLP's width and units, DxF "
                         "(default 2048x5632; another shape writes its results with a _d<D> suffix, and batch "
@@ -161,7 +161,7 @@ def bench_main(argv=None) -> None:
     if not torch.cuda.is_available():
         raise SystemExit("twell bench needs a CUDA GPU")
     from ..kernels import gate_pack, updown
-    from ..dispatch import LayerState as _KernelPath
+    from ..inference.dispatch import LayerState as _KernelPath
     from .inference import add_published, best_config, break_even_density, run_grid, run_variants
 
     os.makedirs(args.out, exist_ok=True)
@@ -370,9 +370,10 @@ def _trained_model(spec: str):
     import numpy as np
     import torch
 
-    from ..train.checkpoint import model_folder, run_settings, run_tokenizer
-    from ..train.config import TrainConfig
-    from ..train.data import load_corpus, load_tokenizer
+    from ..recipe.checkpoint import model_folder, run_settings, run_tokenizer
+    from ..recipe.config import TrainConfig
+    from ..recipe.corpus import load_corpus
+    from ..recipe.data import load_tokenizer
 
     path = model_folder(spec, "twell bench model")
     saved = run_settings(path)
@@ -456,7 +457,7 @@ def _runtime_bench(args, tag: str, log, t0: float) -> None:
         plot_batch(records, os.path.splitext(path)[0] + ".png", "M", ("speedup", "graph_speedup"), "tokens per call M")
     else:
         if args.fused:
-            from .. import dispatch
+            from ..inference import dispatch
 
             dispatch.DECODE_SPLIT = False
         records = decode_grid(log=log, d=d, f=f)

@@ -7,7 +7,7 @@ For every (M, d, f, k, distribution) it records, in one flat dict:
   kernels or dense from the sparsity of its previous calls), ``track_stats=False``; the two
   are timed in alternation, ``ROUNDS`` times each (``dense_ms_rounds``, ``twell_ms_rounds``),
   and each is the median of its rounds;
-- ``kernels_ms``: the TwELL kernels forced (:func:`twell.ops.twell_gated_mlp`, prepared weights);
+- ``kernels_ms``: the TwELL kernels forced (:func:`twell.inference.ops.twell_gated_mlp`, prepared weights);
 - ``gate_ms`` (cuBLAS gate alone), ``pack_ms`` (pack pass alone), ``gate_pack_ms`` (both),
   ``updown_ms`` (up/down from TwELL alone, at the module's launch shape and with ``pre`` as
   its scratch, as the module calls it);
@@ -150,8 +150,8 @@ def run_grid(
     from .. import SparseGatedMLP
     from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
     from ..kernels import gate_pack, updown
-    from ..dispatch import LayerState as _KernelPath
-    from ..ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights, twell_gated_mlp
+    from ..inference.dispatch import LayerState as _KernelPath
+    from ..inference.ops import DEFAULT_COMPRESSION, default_tile, prepare_gated_weights, twell_gated_mlp
 
     info = machine_info()
     records = []
@@ -270,7 +270,7 @@ def run_variants(
     ``extras`` adds the skewed and heavy cases and the losing designs (row-block kernel,
     256-column tiles)."""
     from ..kernels import OverflowCounters, ffn_from_twell, gate_pack, pack_relu, updown
-    from ..ops import prepare_gated_weights
+    from ..inference.ops import prepare_gated_weights
 
     info = machine_info()
     out = []

@@ -154,7 +154,7 @@ class _GreedyState:
 def _untimed_eager_steps() -> int:
     """Eager steps run before timing: until every twell layer has captured its graph of this
     batch size (at its ``CAPTURE_AFTER``-th call) and replayed it once."""
-    from .. import eager_graphs
+    from ..inference import eager_graphs
 
     return eager_graphs.CAPTURE_AFTER + 2
 
@@ -378,7 +378,7 @@ def random_model(preset: str, device="cuda"):
     benchmark and its probes construct sparsity on (:func:`calibrate_sparsity`)."""
     from transformers import LlamaForCausalLM
 
-    from ..train.model import make_config
+    from ..recipe.model import make_config
 
     torch.manual_seed(0)
     config = make_config(preset, 49152)
@@ -404,7 +404,7 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
     kernels land). twell is checked against dense: final hidden states' relative error, greedy
     tokens.
 
-    A trained model instead (``model_path``: a twell checkpoint or export, :func:`twell.train.export.load_model`):
+    A trained model instead (``model_path``: a twell checkpoint or export, :func:`twell.recipe.export.load_model`):
     its own sparsity, no construction (``k`` is then only a label), ``sparsity_source`` "trained";
     ``tokens`` (a 1-D id stream, e.g. its validation split) supplies the benchmark's sequences
     and prompts, which otherwise are uniform random ids.
@@ -420,7 +420,7 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
         model = random_model(preset)
         config = model.config
     else:
-        from ..train.export import load_model
+        from ..recipe.export import load_model
 
         model = load_model(model_path, dtype=torch.bfloat16).to("cuda").eval()
         config = model.config
@@ -551,7 +551,7 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
                 peak_bytes=tw["peak"], dense_peak_bytes=dn["peak"], graph=dn["graph"] and tw["graph"],
                 twell_paths=tw.get("paths"), attention=lean_name if path == "lean" else attention,
                 method=("Hugging Face forward with a StaticCache, greedy; every step eager (twell replays its own "
-                        "CUDA graphs of small MLP calls: twell.eager_graphs); dense and twell in lockstep, each step "
+                        "CUDA graphs of small MLP calls: twell.inference.eager_graphs); dense and twell in lockstep, each step "
                         "of one followed by the same step of the other (order swapped every step), each timed "
                         "between two device synchronisations: tokens/s and speedup from the median steps, "
                         "step_ratio_quartiles of the pairs' dense / twell; both models decode at once on the GPU, "

@@ -93,7 +93,7 @@ def batch_grid(Ms=(1, 4, 16, 64, 256, 1024, 4096, 16384, 131072), ks=(29, 280), 
                         rec["dense_ms"], rec["twell_ms"] = alternating(eager_ms, [lambda: dense(x), lambda: twell(x)], rounds=1)
                     rec["path"] = twell.last_path
                     rec["hot_units"] = twell._twell_layer.last_hot_units  # (dispatch.HOT_UNITS)
-                    rec["eager_graph"] = twell.eager_graphs.last  # replayed from twell's own graph
+                    rec["eager_graph"] = twell.inference.eager_graphs.last  # replayed from twell's own graph
                     rec["dense_graph_ms"], rec["twell_graph_ms"] = alternating(
                         graph_ms, [lambda: dense(x), lambda: twell(x)], rounds=3 if M <= 16384 else 1)
                     rec["graph_path"] = twell.last_path

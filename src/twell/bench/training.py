@@ -1,5 +1,5 @@
 """Training benchmark of the gated FFN: forward + backward, dense PyTorch against twell's sparse
-training kernels (:func:`twell.train_ops.sparse_gated_ffn`), side by side in one process.
+training kernels (:func:`twell.training.ops.sparse_gated_ffn`), side by side in one process.
 
 For each ``(M, k, distribution)`` (inputs from :func:`twell.bench.synthetic.make_ffn`, bf16,
 d 2048, f 5632) it times, with CUDA events through ``triton.testing.do_bench`` (medians, after
@@ -15,16 +15,16 @@ warm-up):
 - sparse (``sparse_ms``, ``sparse_speedup``): the sparse training kernels forced
   (:func:`sparse_gated_ffn`), with the L1 term;
 - dense path (``dense_path_ms``, ``dense_path_speedup``): twell's dense training op forced
-  (:func:`twell.train_ops.dense_gated_ffn`: cuBLAS and one fused element-wise pass each way),
+  (:func:`twell.training.ops.dense_gated_ffn`: cuBLAS and one fused element-wise pass each way),
   with the L1 term: what ``"auto"`` runs on a layer the sparse kernels would not pay on;
 - ``plain_module_ms`` (only where ``plain_module`` asks, M 16384 by default): the module on
-  its dense path with ``twell.train_path.FUSED_DENSE`` off, i.e. PyTorch ops for the relu, the
+  its dense path with ``twell.training.path.FUSED_DENSE`` off, i.e. PyTorch ops for the relu, the
   product, the L1 term and the statistics: what the dense path cost before the fused op;
-- ``breakeven_path``, ``auto_width``: the rule :func:`twell.train_path.choose_path` for this
+- ``breakeven_path``, ``auto_width``: the rule :func:`twell.training.path.choose_path` for this
   sparsity (mean and share of rows above its width, else the light-row rule at the probe widths);
   ``auto_path``: what the modules' ``train_kernels = "auto"`` trains with (the same rule while
-  ``twell.train_path.AUTO_SPARSE`` is on, as it is by default, on calls of at least
-  ``twell.train_path.MIN_SPARSE_TOKENS`` tokens).
+  ``twell.training.path.AUTO_SPARSE`` is on, as it is by default, on calls of at least
+  ``twell.training.path.MIN_SPARSE_TOKENS`` tokens).
 
 Gradients are compared with fp32 autograd of the same bf16 inputs: relative error of each
 (x, gate, up, down), and the worst row of dx against dense bf16's worst row. ``saved_bytes`` are
@@ -79,7 +79,7 @@ def _dense_fn(x, wg, wu, wd, dy) -> Callable[[], tuple]:
 
 
 def _sparse_fn(x, wg, wu, wd, dy, width: int) -> Callable[[], tuple]:
-    from ..train_ops import sparse_gated_ffn
+    from ..training.ops import sparse_gated_ffn
 
     lam = torch.full((), LAM, device=x.device)
 
@@ -125,9 +125,9 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
     which the module's plain PyTorch dense path is timed too."""
     import json
 
-    from .. import train_path
-    from ..train_ops import choose_width, dense_gated_ffn, saved_bytes, sparse_gated_ffn
-    from ..train_path import choose_path, probe_values, read_probe
+    from ..training import path as train_path
+    from ..training.ops import choose_width, dense_gated_ffn, saved_bytes, sparse_gated_ffn
+    from ..training.path import choose_path, probe_values, read_probe
 
     info = machine_info()
     records = []
@@ -228,7 +228,7 @@ def constructed_state(preset: str, k: float, calib_ids: torch.Tensor, vocab: int
     variant starts from the same ones."""
     from transformers import LlamaForCausalLM
 
-    from ..train.model import make_config
+    from ..recipe.model import make_config
     from .model import calibrate_sparsity
 
     config = make_config(preset, vocab)
@@ -282,8 +282,8 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
     held before the model was built is not counted), and the loss curve (AdamW, bf16 autocast, L1 term).
 
     Four records per learning rate in ``lrs``, by ``kernels``: "dense" (the modules' plain
-    PyTorch math, ``twell.train_path.FUSED_DENSE`` off: the baseline), "dense_fused" (the dense
-    path as it ships: :func:`twell.train_ops.dense_gated_ffn`), "sparse", "auto" (the default). The constructed sparsity is
+    PyTorch math, ``twell.training.path.FUSED_DENSE`` off: the baseline), "dense_fused" (the dense
+    path as it ships: :func:`twell.training.ops.dense_gated_ffn`), "sparse", "auto" (the default). The constructed sparsity is
     not a trained one: nothing holds it while the weights move (the first steps at lr 3e-4 made
     most rows heavier than the ELL width), so lr 0 (every step's work done, the weights kept) is
     the timing at the constructed sparsity, and lr 3e-4 the loss-curve check. Each record has
@@ -297,7 +297,7 @@ def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq:
     gen = torch.Generator(device="cuda").manual_seed(3)
     ids = torch.randint(0, vocab, (steps + 5, batch, seq + 1), device="cuda", generator=gen)
     config, state = constructed_state(preset, k, ids[0, :4, :seq], vocab)
-    from .. import train_path
+    from ..training import path as train_path
 
     out = []
     was = train_path.FUSED_DENSE
@@ -351,7 +351,7 @@ def stage_tensors(M: int, k: float, distribution: str = "even", d: int = 2048, f
     the forward's u, the L1 scale c (zero) and the backward's du, da."""
     from types import SimpleNamespace
 
-    from .. import train_ops
+    from ..training import ops as train_ops
     from ..kernels import train_ffn as K
 
     ffn = make_ffn(M, d, f, k, distribution, torch.bfloat16, "cuda", seed=seed)
@@ -371,13 +371,13 @@ def stage_tensors(M: int, k: float, distribution: str = "even", d: int = 2048, f
 def tune_configs(M: int = 16384, k: float = 29, d: int = 2048, f: int = 5632, rep: int = 50,
                  log: Callable[[str], None] = print) -> dict:
     """Time each stage of the sparse forward + backward at one shape, and each kernel over a few
-    launch configurations; the fastest become :mod:`twell.train_ops`' configs for this process.
+    launch configurations; the fastest become :mod:`twell.training.ops`' configs for this process.
 
     Returns ``{"stages_ms": {...}, "candidates": [...], "best": {...}}``.
     """
     import itertools
 
-    from .. import train_ops
+    from ..training import ops as train_ops
     from ..kernels import train_ffn as K
     from ..kernels.train_index import heavy_and_hot, light_unit_counts, unit_index
 

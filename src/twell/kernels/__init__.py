@@ -12,12 +12,12 @@
   tokens, tensor-core tiles above) and its write-out; any number of tokens in three launches.
   :mod:`.decode_split`: up to 16 tokens in three launches that spread up and down over many
   programs (measured faster from 6 to 16 tokens at low union shares; dispatched only with
-  ``twell.dispatch.DECODE_SPLIT`` on).
+  ``twell.inference.dispatch.DECODE_SPLIT`` on).
 - :mod:`.elementwise`: ``relu(g) * u`` in one pass, for the modules' dense inference branch.
 - :mod:`.dense_rows`: the element-wise passes (forward and backward) of the training rows held
   dense: every row of the dense training op, and the heavy rows' backward.
 - :mod:`.train_ffn`: training forward and backward of the FFN on ELL rows (pack, rows forward,
-  rows backward, per-unit weight gradients); :mod:`twell.train_ops` wraps them in autograd.
+  rows backward, per-unit weight gradients); :mod:`twell.training.ops` wraps them in autograd.
 - :mod:`.heavy_rows`: the training forward of the rows heavier than the ELL width, over a row list
   whose length stays on the GPU (no host synchronisation).
 

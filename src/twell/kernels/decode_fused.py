@@ -13,7 +13,7 @@ Here one program per block of ``BU`` units does all of it::
 
 and ``y = acc`` rounded to x's dtype after the kernel by ``_write_out_kernel``, which also
 zeroes the accumulator for the next call: with a kept one (a :class:`DecodeScratch`: 16 rows,
-or 64 where :mod:`twell.dispatch` shares it with the split kernels) two launches per call, else
+or 64 where :mod:`twell.inference.dispatch` shares it with the split kernels) two launches per call, else
 three (a fresh buffer's zero fill first). Only
 the first kernel reads weights. The adds are ordered before the write-out by the kernel
 boundary: on Hopper the write-out is a programmatic dependent launch that starts early and waits
@@ -242,7 +242,7 @@ class DecodeScratch:
     """A reusable fp32 accumulator for :func:`decode_fused_launch`: ``[rows, d]`` zeros (16 rows
     unless asked; calls of more tokens make a fresh buffer), left zeroed by every call (its
     write-out kernel zeroes what the call used), so a call needs no memset launch. One can serve
-    many layers (:mod:`twell.dispatch` keeps one per device and d), used by one stream at a time
+    many layers (:mod:`twell.inference.dispatch` keeps one per device and d), used by one stream at a time
     (two streams' calls on one scratch at once would mix their sums).
     :class:`twell.kernels.decode_split.SplitScratch` can share it. Allocate it outside a CUDA
     graph capture: a buffer from a capture's memory pool is the graph's."""

@@ -27,10 +27,10 @@ On Hopper each launch after the first is a programmatic dependent launch of the 
 starts while that one runs and waits in ``griddepcontrol.wait`` until it has completed and its
 writes are visible.
 
-The buffers live in a :class:`SplitScratch` that the caller keeps (:mod:`twell.dispatch` shares
+The buffers live in a :class:`SplitScratch` that the caller keeps (:mod:`twell.inference.dispatch` shares
 one among a device's layers of one shape; one stream at a time); every call leaves it zeroed and
 its list empty. Or they are the call's own (:meth:`SplitScratch.for_one_call`, what
-``twell.dispatch.DECODE_SCRATCH = False`` takes): then a zero fill comes first, four launches.
+``twell.inference.dispatch.DECODE_SCRATCH = False`` takes): then a zero fill comes first, four launches.
 The down sums run in fp32 in whatever order the programs finish: exact up to rounding, not
 bit-reproducible.
 
@@ -40,7 +40,7 @@ to 29.5), 20 to 27 us at 32 tokens and 23 to 35 us at 64; the time grows with th
 (about 4 to 5 ns each) over a gate of 17 to 21 us. At one token the fused CUDA-core kernel is
 faster (15 against 18 us). Timed as a model runs them (eight layers back to back in one graph,
 no flush; twelfth session): 13.5 to 17 us at 4 to 16 tokens and 19 to 31 us at 64, against
-dense's 31 to 35. The dispatcher (:mod:`twell.dispatch`) takes these kernels from
+dense's 31 to 35. The dispatcher (:mod:`twell.inference.dispatch`) takes these kernels from
 ``SPLIT_MIN_M`` to 64 tokens while the expected number of fires is at most ``SPLIT_MAX_FIRES``.
 """
 
@@ -205,7 +205,7 @@ def _fire_updown_kernel(
 
 class SplitScratch:
     """What a :func:`ffn_decode_split` call keeps between calls, for any number of layers of one
-    shape (:mod:`twell.dispatch` shares one per device) and one stream at a time, left zeroed (the
+    shape (:mod:`twell.inference.dispatch` shares one per device) and one stream at a time, left zeroed (the
     accumulator) and empty (the list) by every call.
 
     Attributes: ``acc [64, d]`` fp32 (shared with a :class:`twell.kernels.decode_fused.DecodeScratch`
@@ -238,7 +238,7 @@ class SplitScratch:
     def for_one_call(cls, M: int, d: int, f: int, dtype: torch.dtype, device,
                      capacity: int = SPLIT_CAPACITY) -> "SplitScratch":
         """Buffers for one call of ``M`` tokens, from PyTorch's allocator, dropped with the call
-        (what :data:`twell.dispatch.DECODE_SCRATCH` off asks for): ``acc [M, d]`` and ``count``
+        (what :data:`twell.inference.dispatch.DECODE_SCRATCH` off asks for): ``acc [M, d]`` and ``count``
         share one zero-filled allocation (one fill launch per call), ``entries`` and ``gates`` are
         left unfilled (the gate writes each slot before it is read). Inside a CUDA graph capture
         they come from the graph's pool and are reused by whatever runs after the call."""

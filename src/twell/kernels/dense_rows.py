@@ -1,5 +1,5 @@
 """Element-wise passes of the training FFN's rows held dense: every row of the dense training op,
-and the backward of the hybrid format's heavy rows (:mod:`twell.train_ops`; their forward is
+and the backward of the hybrid format's heavy rows (:mod:`twell.training.ops`; their forward is
 :mod:`.heavy_rows`).
 
 Between the cuBLAS products, dense autograd walks ``[M, f]`` tensors many times: relu, the

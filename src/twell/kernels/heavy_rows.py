@@ -17,7 +17,7 @@ device memory, so a call with no heavy row costs two launches of programs that e
 
 Exact as the cuBLAS path it replaces: fp32 accumulation, u rounded to the input dtype before
 the product (what ``torch.mm`` returns), h rounded once. What the backward needs of these rows
-(a and u) is recomputed there from x (:mod:`twell.train_ops`), where the count is known on the
+(a and u) is recomputed there from x (:mod:`twell.training.ops`), where the count is known on the
 host without waiting.
 """
 

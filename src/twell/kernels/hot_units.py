@@ -21,7 +21,7 @@ The same sum as the dense MLP's, split in two: the hot part accumulates in fp32 
 rounded to y's dtype, the cold part accumulates in fp32 on top of it and is rounded once more.
 In float16 that first rounding can overflow where the dense MLP's single one would not (a hot
 part beyond 65504 that the cold units bring back into range), so the module takes hot units in
-bfloat16 and float32 only (:meth:`twell.dispatch.LayerState._hot_for`).
+bfloat16 and float32 only (:meth:`twell.inference.dispatch.LayerState._hot_for`).
 
 Why this order (the hot product written first, the kernels adding to it) and the pack writing
 ``h_H``: the first version added the hot product last (``addmm``, a second read and write of y),

@@ -2,7 +2,7 @@
 
 Data flow of one gated FFN in training (``a = x w_gate^T`` comes from cuBLAS; rows with more
 than W active units, "heavy", are held dense: :mod:`.heavy_rows` in the forward, cuBLAS in the
-backward, see :mod:`twell.train_ops`)::
+backward, see :mod:`twell.training.ops`)::
 
     forward   a [M, f] --pack_rows--> cols, g [M, W], counts [M]
               x, cols, g --ffn_rows_forward--> y [M, d], u [M, W], |h| summed per row [M]

@@ -3,7 +3,7 @@ rows and units leave the common path. No host synchronisation; the unit counts, 
 the heavy rows with the hot units are one Triton launch each (the unit index adds PyTorch's sort
 and binary search).
 
-The sparse training op (:mod:`twell.train_ops`) needs, after the pack (``cols [M, W]``,
+The sparse training op (:mod:`twell.training.ops`) needs, after the pack (``cols [M, W]``,
 ``counts [M]``; :func:`twell.kernels.train_ffn.pack_rows`)::
 
     light_unit_counts   [f]      light rows' used slots per unit (a row is light when counts <= W;

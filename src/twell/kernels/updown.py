@@ -404,7 +404,7 @@ DENSE_ROWS_CONFIG: dict = dict(block_m=64, block_n=128, block_k=64, num_warps=4,
 # rows (benchmarks/dense_rows_probe.py, NOTES_inference twenty-seventh session; H200, bf16,
 # d 2048, f 5632) at limits 128 / 256 / 512 / none: 131072 tokens k 29 2.01x / 1.92x / 1.74x /
 # 1.48x dense, k 56 1.88x / 1.81x / 1.55x / 1.32x; 16384 tokens k 29 1.82x / 1.70x / 1.47x /
-# 1.17x. twell.dispatch prices the layer's rows with it.
+# 1.17x. twell.inference.dispatch prices the layer's rows with it.
 DENSE_ROW_MIN = 128
 LIST_ROWS_BLOCK = 256
 

@@ -1,0 +1,121 @@
+"""The settings of a training run (:class:`TrainConfig`), checked without importing torch.
+
+This module imports nothing heavy, so that ``twell train`` parses and checks its arguments
+(and prints an argument error or ``--help``) before torch and transformers load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+from .model import PRESETS
+
+__all__ = ["TrainConfig", "DEFAULT_LR"]
+
+# Learning rates that trained well here at each scale (the paper's 1.5B used 3e-4).
+DEFAULT_LR = {"tiny": 3e-3, "small": 1.5e-3}
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs; the CLI fills it. None means "the preset's or a derived default"."""
+
+    preset: str = "tiny"
+    hidden_size: Optional[int] = None
+    intermediate_size: Optional[int] = None
+    num_layers: Optional[int] = None
+    num_heads: Optional[int] = None
+    data: list = field(default_factory=lambda: ["stdlib"])
+    tokenizer: str = "bytes"
+    text_field: str = "text"
+    val_fraction: float = 0.02
+    max_docs: Optional[int] = None
+    seq_len: Optional[int] = None
+    batch_size: int = 16
+    grad_accum: int = 1
+    steps: int = 1000
+    lr: Optional[float] = None
+    min_lr_ratio: float = 0.1
+    warmup: Optional[int] = None
+    weight_decay: float = 0.1  # on every matrix, the tied embedding/output matrix included; not on norms
+    betas: tuple = (0.9, 0.95)
+    grad_clip: float = 1.0
+    max_bad_steps: int = 5  # non-finite loss or gradient: skip the step; stop after this many in a row
+    l1: float = 2e-5
+    l1_warmup: int = 0
+    # Target active units per token, as a share of f, for every layer (None: off). When set, each
+    # layer's lambda starts at l1 and is adapted at every log step (see Trainer.adapt_l1).
+    l1_target: Optional[float] = None
+    dead_window: int = 25
+    reinit: bool = False
+    reinit_keep: float = 0.9
+    reinit_std: float = 0.02
+    log_every: int = 10
+    eval_every: Optional[int] = None
+    val_batches: int = 8
+    save_every: Optional[int] = None
+    save_minutes: float = 30.0  # also checkpoint after this much wall time since the last one (0: off)
+    keep: int = 3  # step checkpoints kept, the newest (0: all)
+    out: str = "runs/twell"
+    seed: int = 0
+    device: Optional[str] = None
+    precision: Optional[str] = None
+    kernels: str = "auto"  # the MLPs' training kernels on CUDA: auto, dense or sparse (twell.training.path)
+    grad_checkpointing: bool = False
+    fsdp: bool = False
+    progress: bool = True
+    plot: bool = True
+
+    def resolved(self) -> "TrainConfig":
+        """A copy with every None default filled in, after checking the values.
+
+        Every check that needs no torch comes first, so that a wrong value is reported before
+        torch is imported (which takes seconds)."""
+        c = TrainConfig(**asdict(self))
+        if c.preset not in PRESETS:
+            raise ValueError(f"unknown preset {c.preset!r}; choose one of {', '.join(PRESETS)}")
+        # Counts and sizes first: the defaults below divide by some of them.
+        for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len", "max_docs",
+                     "steps", "batch_size", "grad_accum", "log_every", "eval_every", "val_batches", "save_every",
+                     "dead_window", "max_bad_steps"):
+            value = getattr(c, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
+        if c.warmup is not None and c.warmup < 0:
+            raise ValueError(f"warmup must be >= 0 steps, got {c.warmup}")
+        c.seq_len = c.seq_len or PRESETS[c.preset].context
+        c.lr = c.lr if c.lr is not None else DEFAULT_LR.get(c.preset, 3e-4)
+        c.warmup = c.warmup if c.warmup is not None else min(100, max(1, c.steps // 10))
+        # about 6 validation passes, on log steps
+        c.eval_every = c.eval_every if c.eval_every is not None else max(1, c.steps // 6 // c.log_every) * c.log_every
+        c.betas = tuple(c.betas)
+        checks = [
+            (c.seq_len >= 2, f"seq_len must be >= 2, got {c.seq_len}"),
+            (c.lr > 0, f"lr must be > 0, got {c.lr}"),
+            (c.l1 >= 0, f"the L1 coefficient must be >= 0, got {c.l1}"),
+            (c.l1_warmup >= 0, f"l1 warm-up must be >= 0 steps, got {c.l1_warmup}"),
+            (c.l1_target is None or 0 < c.l1_target < 1,
+             f"the L1 target (--l1-target) is a share of the hidden units in (0, 1), got {c.l1_target}"),
+            (c.l1_target is None or c.l1 > 0, "--l1-target adapts lambda from --l1: give --l1 > 0"),
+            (0 <= c.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}"),
+            (c.grad_clip >= 0, f"grad clip must be >= 0 (0: off), got {c.grad_clip}"),
+            (0 < c.reinit_keep <= 1, f"reinit keep must be in (0, 1], got {c.reinit_keep}"),
+            (c.save_minutes >= 0, f"save_minutes (--save-minutes) must be >= 0 (0: off), got {c.save_minutes}"),
+            (c.keep >= 0, f"keep (--keep) must be >= 0 (0: keep every checkpoint), got {c.keep}"),
+            (c.precision in (None, "bf16", "fp32"), f"precision must be bf16 or fp32, got {c.precision!r}"),
+            (c.kernels in ("auto", "dense", "sparse"), f"kernels must be auto, dense or sparse, got {c.kernels!r}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+        # The device defaults need torch: last.
+        import torch
+
+        if c.device is not None and c.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device {c.device!r} asked for, but torch sees no CUDA GPU; use --device cpu")
+        c.device = c.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        c.precision = c.precision or ("bf16" if c.device.startswith("cuda") else "fp32")
+        if c.precision == "bf16" and c.device == "cpu":
+            raise ValueError("bf16 autocast is for GPUs; use fp32 on the CPU")
+        return c

@@ -1,0 +1,256 @@
+"""What a run shows and leaves behind: progress bar, CSV (and TensorBoard) log, summary, plot."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+from tqdm.auto import tqdm
+
+__all__ = ["RunLogger", "format_summary", "plot_history", "read_history", "describe_validation"]
+
+CSV_NAME = "log.csv"
+
+
+def _number(text: str):
+    """A CSV cell as the number it was written from: ``"40960"`` -> int, ``"1.5"`` -> float, so
+    that a log rewritten on ``--resume`` keeps its integer columns integers."""
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+def read_history(path: Path) -> list[dict]:
+    """The rows of a run's CSV log as dicts of numbers (empty cells -> absent)."""
+    if not Path(path).is_file():
+        return []
+    with open(path, newline="") as fh:
+        return [{k: _number(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(fh)]
+
+
+def describe_validation(val_loss: float, ppl: float, tokens: int, windows: int, seq_len: int, bytes_: bool) -> str:
+    """What a validation loss is and what it was measured on, in one line (``twell train``'s
+    summary and ``twell eval`` print the same)."""
+    bits = f", {val_loss / math.log(2):.3f} bits per byte" if bytes_ else ""
+    return (f"validation loss {val_loss:.4f} nats/token (perplexity {ppl:.3f}{bits}) on {tokens:,} tokens: "
+            f"the first {windows:,} windows of {seq_len} tokens of the validation split")
+
+
+class RunLogger:
+    """Progress bar, CSV log and TensorBoard (if installed) for a :class:`~twell.recipe.trainer.Trainer`.
+
+    Only rank 0 logs (``enabled``). On ``--resume`` into the same folder, CSV rows after the
+    checkpoint's step are dropped, so the log reads as one uninterrupted run.
+    """
+
+    def __init__(self, trainer, enabled: bool = True):
+        self.t, self.enabled = trainer, enabled
+        self.out = Path(trainer.cfg.out)
+        self.bar = None
+        self.tb = None
+        self.columns: Optional[list[str]] = None
+
+    def start(self) -> None:
+        if not self.enabled:
+            return
+        t, cfg = self.t, self.t.cfg
+        self.out.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_history(self.out / CSV_NAME) if r["step"] <= t.step] if t.step else []
+        t.history = kept + t.history
+        self._write_all(kept)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.out / "tensorboard"))
+        except ImportError:  # tensorboard is optional: pip install 'twell[tensorboard]'
+            self.tb = None
+        except Exception as err:  # a broken install must not stop the run
+            tqdm.write(f"TensorBoard logging off: {type(err).__name__}: {err}")
+            self.tb = None
+        f = t.config.intermediate_size
+        tqdm.write(
+            f"twell train: preset {cfg.preset}, {t.n_params / 1e6:.2f}M params, {len(t.modules)} layers x {f} hidden units, "
+            f"{t.world} process(es) on {t.device.type}, {cfg.precision}\n"
+            f"  data {' '.join(cfg.data)} ({len(t.train_data.tokens):,} train / {len(t.val_data.tokens):,} validation "
+            f"tokens, tokenizer {t.tokenizer.name}); {cfg.steps} steps x {t.tokens_per_step:,} tokens; "
+            f"lambda {cfg.l1:g} (L1 = mean over layers of mean over tokens of SUM over units of |h|)"
+            + ("; dead-unit reinit on" if cfg.reinit else "")
+            + (f"\n  resumed at step {t.step}" if t.step else "")
+        )
+        self.bar = tqdm(total=cfg.steps, initial=t.step, desc="train", unit="step", disable=not cfg.progress,
+                        dynamic_ncols=True, mininterval=1.0)
+
+    def tick(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def _write_all(self, rows: list[dict]) -> None:
+        """Write the CSV log anew with ``rows`` (columns: ``self.columns``, else the first row's)."""
+        path = self.out / CSV_NAME
+        if not rows:
+            if path.exists():
+                path.unlink()
+            return
+        if self.columns is None:
+            self.columns = [k for k in rows[0] if k != "val_loss"] + ["val_loss"]
+        with open(path, "w", newline="") as fh:
+            w = csv.DictWriter(fh, fieldnames=self.columns, restval="", extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+
+    def log(self, row: dict) -> None:
+        """Append ``row`` (already the last of the trainer's history) to the CSV log, TensorBoard
+        and the progress bar."""
+        if not self.enabled:
+            return
+        new = [k for k in row if k not in (self.columns or [])]
+        if new:  # the first row, or columns an older version's log (resumed) did not have
+            old = [k for k in (self.columns or []) if k != "val_loss"]
+            self.columns = old + [k for k in new if k != "val_loss"] + ["val_loss"]
+            self._write_all(self.t.history)
+        else:
+            with open(self.out / CSV_NAME, "a", newline="") as fh:
+                csv.DictWriter(fh, fieldnames=self.columns, restval="").writerow(row)
+        if self.tb is not None:
+            for k, v in row.items():
+                if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k if "_L" not in k else f"layers/{k}", v, row["step"])
+        f = self.t.config.intermediate_size
+        # The throughput shown is the run's average so far, the figure the summary ends with
+        # (log.csv's tokens_per_s column has each row's own interval).
+        speed = self.t.throughput or 0.0
+        if self.bar is not None:
+            self.bar.set_postfix_str(
+                f"loss {row['ce']:.3f} | active {row['active_mean']:.1f}/{f} ({100 * (1 - row['active_mean'] / f):.1f}% sparse)"
+                f" | {speed:,.0f} tok/s", refresh=False)
+        if "val_loss" in row:
+            dead = row["dead_frac"]
+            tqdm.write(
+                f"step {row['step']:>6} | loss {row['ce']:.4f} | val {row['val_loss']:.4f} | active/token "
+                f"{row['active_mean']:.1f} of {f} ({100 * (1 - row['active_mean'] / f):.2f}% sparse), max {row['active_max']}"
+                f" | dead {'-' if math.isnan(dead) else f'{100 * dead:.1f}%'} | {speed:,.0f} tok/s"
+                + (f" | sparse kernels in {row['sparse_layers']} of {len(self.t.modules)} layers"
+                   if self.t.device.type == "cuda" else ""))
+
+    def close(self) -> None:
+        """Close the progress bar and TensorBoard (also when the run stops early)."""
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        if self.tb is not None:
+            self.tb.close()
+            self.tb = None
+
+    def finish(self, final: dict) -> dict:
+        """Write the summary (printed, and summary.json) and the plot; returns the summary."""
+        t = self.t
+        summary = make_summary(t, final)
+        if not self.enabled:
+            return summary
+        self.close()
+        if t.cfg.plot and t.history:
+            summary["plot"] = str(plot_history(t.history, self.out / "training.png", t.config.intermediate_size,
+                                               title=f"twell train: {t.cfg.preset}, lambda {t.cfg.l1:g}"))
+        (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
+        print(format_summary(summary))
+        return summary
+
+
+def make_summary(t, final: dict) -> dict:
+    """The end-of-run numbers: validation, sparsity per layer, dead units, where things are."""
+    f = t.config.intermediate_size
+    L = len(final["active_mean"])
+    dead_window = t.dead.dead_frac
+    return {
+        "preset": t.cfg.preset, "params": t.n_params, "steps": t.step, "tokens": t.samples_seen * t.cfg.seq_len,
+        "lambda": t.cfg.l1, "reinit": t.cfg.reinit, "intermediate_size": f,
+        "l1_target": t.cfg.l1_target,
+        "lambda_by_layer": [t.cfg.l1 * c for c in t.l1_scale] if t.cfg.l1_target is not None else None,
+        "val_loss": final["val_loss"], "ppl": final["ppl"], "val_tokens": final["tokens"],
+        "val_windows": final["windows"], "seq_len": t.cfg.seq_len,
+        "bits_per_byte": final["val_loss"] / math.log(2) if t.tokenizer.name == "bytes" else None,
+        "active_per_token": sum(final["active_mean"]) / L,
+        "active_per_token_by_layer": final["active_mean"], "active_max_by_layer": final["active_max"],
+        "dead_frac_val_by_layer": final["dead_frac"],
+        "dead_frac_window_by_layer": dead_window,
+        "dead_frac": (sum(dead_window) / L) if dead_window else None,
+        "dead_window_tokens": t.cfg.dead_window * t.tokens_per_step,
+        "reinit_unit_steps": int(t.dead.reinit_count) if t.cfg.reinit else None,
+        "skipped_steps": t.skipped,
+        # this process's steps only: validation, checkpoints and the steps before a resume left out
+        "tokens_per_s": t.throughput,
+        "checkpoint": str(Path(t.cfg.out) / "checkpoints" / f"step_{t.step:06d}"),
+        "log": str(Path(t.cfg.out) / CSV_NAME),
+    }
+
+
+def format_summary(s: dict) -> str:
+    f = s["intermediate_size"]
+    lines = [
+        "",
+        f"== summary: {s['preset']}, {s['steps']} steps, {s['tokens']:,} tokens, lambda {s['lambda']:g}"
+        + (", reinit on" if s.get("reinit") else ""),
+        describe_validation(s["val_loss"], s["ppl"], s["val_tokens"], s["val_windows"], s["seq_len"],
+                            s.get("bits_per_byte") is not None),
+        f"active units per token: {s['active_per_token']:.1f} of {f} on average "
+        f"({100 * (1 - s['active_per_token'] / f):.2f}% sparse)",
+        f"{'layer':>5} {'active/token':>12} {'max':>6} {'dead (train window)':>20} {'dead (validation)':>18}",
+    ]
+    win = s.get("dead_frac_window_by_layer") or [None] * len(s["active_per_token_by_layer"])
+    for i, (a, m, dv, dw) in enumerate(zip(s["active_per_token_by_layer"], s["active_max_by_layer"], s["dead_frac_val_by_layer"], win)):
+        dws = "-" if dw is None else f"{round(dw * f)} ({100 * dw:.1f}%)"
+        lines.append(f"{i:>5} {a:>12.1f} {m:>6} {dws:>20} {f'{round(dv * f)} ({100 * dv:.1f}%)':>18}")
+    if s.get("lambda_by_layer"):
+        lines.append(f"lambda per layer (adapted toward {100 * s['l1_target']:g}% active): "
+                     + " ".join(f"{v:.3g}" for v in s["lambda_by_layer"]))
+    if s.get("dead_window_tokens"):
+        lines.append(f"dead (train window): fired for none of the last {s['dead_window_tokens']:,} training tokens; "
+                     "dead (validation): for none of the validation tokens")
+    if s.get("skipped_steps"):
+        lines.append(f"skipped steps (NaN or Inf loss or gradient): {s['skipped_steps']}")
+    if s.get("tokens_per_s"):
+        lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s (this run's training steps; validation and "
+                     "checkpoints not counted)")
+    for key in ("checkpoint", "log", "plot"):
+        if s.get(key):
+            lines.append(f"{key}: {s[key]}")
+    return "\n".join(lines)
+
+
+def plot_history(history: list[dict], path: Path, width: int, title: str = "") -> Path:
+    """PNG of training/validation loss, active units per token and dead fraction over steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = [r["step"] for r in history]
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    axes[0].plot(steps, [r["ce"] for r in history], label="train CE")
+    val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+    if val:
+        axes[0].plot(*zip(*val), "o-", label="validation CE")
+    axes[0].set(xlabel="step", ylabel="loss (nats/token)", title="loss")
+    axes[0].legend()
+    layers = sorted({k for r in history for k in r if k.startswith("active_mean_L")}, key=lambda k: int(k[13:]))
+    for k in layers:
+        axes[1].plot(steps, [r.get(k, float("nan")) for r in history], lw=0.8, alpha=0.6, label=f"layer {k[13:]}")
+    axes[1].plot(steps, [r["active_mean"] for r in history], "k-", lw=2, label="mean over layers")
+    axes[1].set(xlabel="step", ylabel=f"active units per token (of {width})", title="sparsity", yscale="log")
+    axes[1].legend(fontsize=7)
+    dead = [(r["step"], 100 * r["dead_frac"]) for r in history if math.isfinite(r.get("dead_frac", float("nan")))]
+    if dead:
+        axes[2].plot(*zip(*dead))
+    axes[2].set(xlabel="step", ylabel="% of units", title="dead units (no firing over the window)")
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,587 @@
+"""Sparse FFN training ops: forward and exact backward on the hybrid format, with autograd.
+
+One call of :func:`sparse_gated_ffn` (``y = (relu(x w_gate^T) * (x w_up^T)) w_down^T``)::
+
+    a = x w_gate^T                         cuBLAS, the only dense matmul of the light rows
+    cols, g, counts = pack_rows(a, W)      ELL rows: the first W positives of each row
+    heavy = rows with counts > W           listed on the device (torch.nonzero_static)
+    light rows: Triton (twell.kernels.train_ffn), every product restricted to the pattern
+    heavy rows: Triton products over the listed rows (twell.kernels.heavy_rows), however many
+                there are: nothing is dropped
+
+The forward never waits for the GPU. It cannot know on the host how many rows are heavy, so the
+heavy rows' kernels walk a row list whose length stays on the device, and the backward recomputes
+their a and u from x with cuBLAS once the count has reached the host: the forward copies it to
+pinned memory without blocking, right after the pack, and the backward reads it
+(:func:`_to_host`, :func:`_host_counts`), waiting only if the GPU has not yet reached that point of the forward (in
+a training step it did long before; right after a lone forward, the forward's row kernels are
+still queued behind it, so the GPU keeps working while the host waits). A stream synchronisation
+per layer, as before, drained the GPU's queue each time: in a whole training step of the 0.5b
+preset, removing it took the sparse kernels from 1.14x to 1.16x dense's tokens/s
+(benchmarks/NOTES_training.md).
+
+In the backward, the weight gradients of the light rows go unit by unit (a per-unit kernel over
+the slots sorted by unit, its programs taking the longest units first), except for hot units
+(more light slots than max(HOT_MIN, HOT_SHARE M, HOT_FACTOR x the mean): :func:`hot_limit`),
+whose share is one cuBLAS product over a dense ``[M, n_hot]`` block. The L1 term ``l1 = mean over tokens of sum over units |h|`` (:func:`twell.reference.l1_penalty`)
+is returned beside y, so that ``loss = task_loss(y) + lam * l1`` back-propagates through both.
+
+Saved for backward (no ``[M, f]`` tensor): x, the weights (held by the model anyway), the ELL
+rows ``cols [M, W]`` (int16 when f <= 32768), ``g [M, W]``, ``u [M, W]`` (gated), ``counts [M]``
+int32, the heavy rows' list ``[M]`` int64, the hot units' mask ``[f]``, the weight gradients'
+schedule ``[f]`` int64 and three counts (on the host).
+:func:`saved_bytes` measures it.
+
+The results equal dense autograd up to rounding, for every input: any M, d, f, any pattern.
+
+:func:`dense_gated_ffn` / :func:`dense_ffn` are the same FFN with every row dense (cuBLAS and
+one fused element-wise pass each way, with the L1 term and the statistics): what a layer trains
+with where the sparse kernels would not pay.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, NamedTuple, Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from ..checks import KERNEL_DTYPES, check_launchable, check_mlp_args, check_tensor
+from ..kernels.dense_rows import dense_rows_backward, dense_rows_forward
+from ..kernels.heavy_rows import heavy_rows_forward, weights_addressable
+from ..kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, pack_rows
+from ..kernels.train_index import heavy_and_hot, light_unit_counts, unit_index
+
+__all__ = [
+    "TrainFFNOutput",
+    "SparseGatedFFNFunction",
+    "SparseFFNFunction",
+    "DenseTrainFFNFunction",
+    "sparse_gated_ffn",
+    "sparse_ffn",
+    "dense_gated_ffn",
+    "dense_ffn",
+    "choose_width",
+    "saved_bytes",
+]
+
+
+# Tuning knobs of the kernels' launchers (twell.kernels.train_ffn), read at each call: the
+# fastest of `twell bench training --variants` on the H200 (d 2048, M 16384, k 29; the row
+# kernels' block_e 2 against 4: 0.54 against 0.58 ms forward). The tests shrink them to walk
+# every loop of the kernels more than once.
+# block_d None: the whole row of d in registers (whole-row kernels) up to FULL_D_MAX columns, else
+# d in steps of 512 (row kernels) or 256 (weight gradients).
+# The pack: two rows per program in steps of 512 columns, one warp (benchmarks/train_pack_probe.py,
+# twenty-fifth session: 0.086 ms at M 16384, k 29, against 0.133 for the shape shipped with the
+# previous kernel; the fastest of seven shapes in four of five cases, within 5% in the fifth).
+PACK_CONFIG: dict = dict(block_m=2, block_f=512, num_warps=1)
+ROWS_CONFIG: dict = dict(block_e=2, block_d=None, num_warps=4)
+# The weight gradients in two launches (split: one gathering x rows, one dy rows; each gathers from
+# 64 MB at M 16384 instead of 128, and L2 holds 50 MB), four warps: 0.75 against 1.08 ms at M
+# 16384, k 29 on an H100 (benchmarks/train_wgrad_split_probe.py, fifty-fifth session).
+GRADS_CONFIG: dict = dict(block_t=2, block_d=None, num_warps=4, split=True)
+# The weight gradients' programs take the units longest first (the schedule of
+# twell.kernels.train_index.heavy_and_hot): on an H100 at M 16384 the kernel went from 0.74 to
+# 0.64 ms on even k 29 and from 0.72 to 0.49 ms on skewed k 29 (benchmarks/train_wgrad_order_probe.py,
+# a sort standing in for the schedule, fifty-fifth session).
+GRADS_LONGEST_FIRST: bool = True
+# The heavy rows' tiles (twell.kernels.heavy_rows): rows, columns, reduction step. Not tuned: on
+# the sparse path heavy rows are a small share of a call (a layer with many trains dense, see
+# twell.training.path).
+HEAVY_CONFIG: dict = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
+
+
+class TrainFFNOutput(NamedTuple):
+    """What the training FFN ops (sparse and all-rows-dense) return.
+
+    Attributes:
+        y: ``[M, d]`` the FFN output (differentiable).
+        l1: fp32 scalar, mean over tokens of the sum over units of ``|h|`` (differentiable).
+        row_counts: ``[M]`` int32, active units of each token.
+        unit_counts: ``[f]`` int64, tokens each unit fired for.
+        n_heavy: int64 scalar tensor, rows that had more than W active units and took the dense
+            backup (0 from the all-rows-dense op).
+    """
+
+    y: torch.Tensor
+    l1: torch.Tensor
+    row_counts: torch.Tensor
+    unit_counts: torch.Tensor
+    n_heavy: torch.Tensor
+
+
+def choose_width(active_mean: float, active_max: Optional[int] = None, f: Optional[int] = None) -> int:
+    """ELL width W for a layer whose tokens have ``active_mean`` active units on average.
+
+    Rule: the multiple of 16 at or above twice the mean, clamped to [16, 512]; narrower when
+    ``active_max`` says every row fits in less (rounded up to 16); at most ``f``. Rows heavier
+    than W are exact anyway (dense backup): W trades the ELL buffers' size (and the row kernels'
+    padding) against how many rows go dense. At the paper's 29 of 5632 units: W = 64.
+
+    >>> choose_width(29.0), choose_width(29.0, active_max=40), choose_width(3.0, f=10)
+    (64, 48, 10)
+    """
+    if active_mean < 0 or active_mean != active_mean:
+        raise ValueError(f"active_mean must be a number >= 0, got {active_mean}")
+    w = min(max(16, 16 * -(-int(2 * active_mean + 0.999999) // 16)), 512)
+    if active_max is not None:
+        w = min(w, max(16, 16 * -(-int(active_max) // 16)))
+    if f is not None:
+        w = min(w, max(1, int(f)))
+    return w
+
+
+def _check_args(x, w_up, w_down, w_gate, width) -> int:
+    d, f = check_mlp_args(x, w_up, w_down, w_gate)
+    check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
+    if not x.is_contiguous():
+        raise ValueError(f"x must be a contiguous [M, d] tensor, got strides {x.stride()}")
+    for w, name in ((w_gate, "w_gate"), (w_up, "w_up")):
+        if w is not None and w.stride(1) != 1:
+            raise ValueError(f"{name} must have unit-stride rows (stride(1) == 1), got strides {w.stride()}")
+    if not weights_addressable(w_up, w_down):  # the heavy rows' forward kernels (int32 weight offsets)
+        raise ValueError(f"the sparse training ops take weights of fewer than 2^31 elements (d {d}, f {f}); "
+                         "use the dense path (train_kernels='dense')")
+    check_launchable(x, "x")
+    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
+        raise ValueError(f"width must be an int >= 1, got {width!r}")
+    return min(width, max(f, 1))  # a row never has more than f entries
+
+
+def _refuse_capture(x: torch.Tensor) -> None:
+    """The sparse ops' backward sizes the heavy rows' cuBLAS products from counts its forward
+    copied to the host: replayed from a CUDA graph, those would be the capture's, not the
+    replay's. Say so (forward and backward alike) instead of recording a graph that replays
+    wrong sizes."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            "the sparse training ops cannot be captured in a CUDA graph (the backward sizes the heavy rows' "
+            "products from counts the forward copies to the host); use dense_gated_ffn / dense_ffn, which "
+            "can be (SparseGatedMLP / SparseMLP with train_kernels 'auto' take them inside a capture)")
+
+
+def _heavy_and_hot(counts: torch.Tensor, W: int, per_unit: torch.Tensor, f: int):
+    """On the device, no host sync: ``(heavy, n_heavy, hot_mask, info, schedule)``. ``heavy [M]`` int64
+    lists the rows with more than W active units first (the rest is padding), ``n_heavy`` (int64
+    scalar) counts them; ``hot_mask [f]`` marks the hot units (see HOT_SHARE) of the light rows
+    (``per_unit``: their slots per unit); ``info [3]`` int64 = (n_heavy, hot units, light slots
+    at hot units), what the backward needs on the host (:func:`_to_host`); ``schedule [f]``
+    int64, the units longest first, the order the weight gradients' programs take them. One
+    launch (:func:`twell.kernels.train_index.heavy_and_hot`)."""
+    return heavy_and_hot(counts, W, per_unit, hot_limit(counts.shape[0]), HOT_FACTOR)
+
+
+def hot_limit(M: int) -> float:
+    """The fewest light-row slots above which a unit may be hot in a call of ``M`` tokens
+    (besides ``HOT_FACTOR`` x the mean): ``max(HOT_MIN, HOT_SHARE M)``."""
+    return max(float(HOT_MIN), HOT_SHARE * M)
+
+
+def _to_host(values: torch.Tensor) -> torch.Tensor:
+    """``[values..., tag]``: ``values`` (a few int64 counts on the device) copied to pinned host
+    memory without blocking, over a -1 sentinel (every count is >= 0, so :func:`_host_counts`
+    can tell when they have landed), and a tag (the buffer's address) that the host writes now,
+    which any copy a saved-tensor hook makes keeps even if the counts have not landed. On the
+    CPU (the Triton interpreter) the copy is immediate.
+
+    The buffer is saved for the backward as a tensor and kept as a ctx attribute: under
+    activation checkpointing the backward must read the counts of the recomputed forward (the
+    saved tensor), consistent with the recomputed row list and ELL rows it also gets."""
+    pinned = values.is_cuda
+    host = torch.full((values.numel() + 1,), -1, dtype=torch.int64, pin_memory=pinned)
+    host[-1] = host.data_ptr()
+    host[:-1].copy_(values, non_blocking=pinned)
+    return host
+
+
+def _host_counts(saved: torch.Tensor, own: torch.Tensor, device: torch.device, limits: tuple) -> list[int]:
+    """The counts of :func:`_to_host`, once its copy has landed (polling the pinned memory: a
+    stream synchronisation would wait for everything queued after the copy too).
+
+    ``saved``: the buffer as the saved-tensor hooks gave it back; ``own``: this node's forward's
+    buffer (a ctx attribute). Same tag: the same forward, so ``own`` is read (a hook such as
+    ``save_on_cpu(pin_memory=True)`` copies saved tensors when the forward returns, perhaps
+    before the counts landed: its copy could keep the -1s); another tag: an activation
+    checkpoint's recomputation, whose buffer (and row list) the checkpoint holds, so ``saved``
+    is read. A value outside ``[0, limit]`` (not landed, or in the middle of landing) is read
+    again; every 4096 polls the stream is asked (not synchronised) so that a CUDA error raises
+    instead of leaving the loop waiting."""
+    host = own if int(saved[-1]) == int(own[-1]) else saved
+
+    def landed(values):
+        return all(0 <= v <= lim for v, lim in zip(values, limits))
+
+    values, spins = host[:-1].tolist(), 0
+    while not landed(values):
+        spins += 1
+        if spins % 4096 == 0 and device.type == "cuda":
+            torch.cuda.current_stream(device).query()  # raises a sticky CUDA error instead of spinning forever
+        time.sleep(0 if spins < 1000 else 1e-5)
+        values = host[:-1].tolist()
+    return values
+
+
+# Hot units: a unit held by more than max(HOT_MIN, HOT_SHARE x M, HOT_FACTOR x the mean)
+# light-row slots gets its weight gradients from cuBLAS over a dense [M, n_hot] block instead of
+# the per-unit kernel, whose one program per unit would otherwise walk thousands of tokens
+# serially (skewed layers: a few units fire for a large share of the tokens). The column
+# counterpart of the heavy rows. A unit's share of the dense block costs about the same at any
+# fill (M d flops and a column of M values), its gathers about 1.6 ns per slot (M 16384, k 29 on
+# an H100): the block pays from 1% to 2% of the tokens. On the H100 (benchmarks/train_skewed_ab.py,
+# fifty-fifth session; forward + backward, forced sparse, against dense PyTorch; skewed layers,
+# with the longest-first schedule below):
+# - max(256, 2% M, 2 x mean) against the earlier max(256, 8 x mean): k 29 at M 16384 1.64x
+#   against 1.48x (both in unit order), k 56 0.97x against 0.88x, k 29 at M 65536 1.69x
+#   against 1.45x;
+# - then HOT_SHARE 1/64 against 2%: k 8 2.23x against 2.21x, k 29 1.86x against 1.76x, k 56
+#   1.19x against 1.04x, k 29 at M 65536 1.88x against 1.82x. (Part of that may be the count
+#   of hot units, not the limit: cuBLAS is slow on [M, n] bf16 blocks whose rows are not
+#   16-byte aligned, as the inference hot units found; a block padded to a multiple of 8
+#   columns was not measured.)
+HOT_MIN = 256
+HOT_SHARE = 1 / 64
+HOT_FACTOR = 2.0
+# The hot units' dense blocks are [M, n] with n = n_hot rounded up to a multiple of HOT_ALIGN
+# (zero columns past the hot units). 8 would give bf16 rows cuBLAS's 16-byte alignment, which
+# the inference hot units needed (NOTES_inference, fifty-fourth session); not yet measured in
+# training, so 1 (no padding) ships: benchmarks/train_skewed_ab.py takes it as a setting.
+HOT_ALIGN = 1
+
+
+def _hot_dense(cols, counts, hot, n_slots, f, *slot_values):
+    """Dense ``[M, n]`` fp32 blocks of per-slot values (``[M, W]`` each, or None: None out) at
+    the hot units' slots of the light rows (``n_slots`` of them, known on the host), column i
+    for the unit ``hot[i]``; zero elsewhere, and in the columns past ``n_hot`` (``n`` is n_hot
+    rounded up to a multiple of ``HOT_ALIGN``). No host sync."""
+    M, W = cols.shape
+    pos = torch.full((f,), -1, dtype=torch.int64, device=cols.device)
+    pos[hot] = torch.arange(hot.numel(), device=cols.device)
+    used = torch.arange(W, device=cols.device) < torch.where(counts > W, 0, counts).unsqueeze(1)
+    slot_pos = torch.where(used, pos[cols.long()], -1)
+    r, s = torch.nonzero_static(slot_pos >= 0, size=n_slots).unbind(1)
+    c = slot_pos[r, s]
+    out = []
+    for v in slot_values:
+        if v is None:
+            out.append(None)
+            continue
+        block = torch.zeros(M, -(-hot.numel() // HOT_ALIGN) * HOT_ALIGN, dtype=torch.float32, device=cols.device)
+        block[r, c] = v[r, s].float()
+        out.append(block)
+    return out
+
+
+def _light_forward(x, a, W, w_down, w_up=None):
+    """The forward from the pre-activation ``a [M, f]``, with no host sync: the ELL pack, the
+    light rows' kernel (gated when ``w_up`` is given), the heavy rows and hot units found on the
+    device, and the heavy rows' forward (:func:`twell.kernels.heavy_rows.heavy_rows_forward`,
+    which writes their h over ``a``). Returns ``(cols, values, counts, y, u, l1, unit_counts,
+    heavy, n_heavy, hot_mask, schedule, host)`` (values: g gated, h non-gated; u None non-gated; l1 the
+    fp32 scalar L1 term; the rest as :func:`_heavy_and_hot` returns them, ``host`` its ``info``
+    on its way to the host, :func:`_to_host`)."""
+    M, f = a.shape
+    cols, values, counts = pack_rows(a, W, **PACK_CONFIG)
+    per_unit = light_unit_counts(cols, counts, f)
+    heavy, n_heavy, hot_mask, info, schedule = _heavy_and_hot(counts, W, per_unit, f)
+    host = _to_host(info)  # before the row kernels: the backward waits at most for this point
+    y, u, l1_rows = ffn_rows_forward(x, cols, values, counts, _rows_of(w_down), w_up, **ROWS_CONFIG)
+    # the heavy rows' unit counts are added to the light rows' (read above, in stream order)
+    l1_heavy, unit_counts = heavy_rows_forward(x, a, heavy, n_heavy, y, w_down, w_up, unit_counts=per_unit, **HEAVY_CONFIG)
+    l1 = (l1_rows + l1_heavy).sum() / max(M, 1)
+    return cols, values, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, schedule, host
+
+
+def kernel_layout(w: torch.Tensor) -> bool:
+    """Whether the ``[d, f]`` weight ``w`` is the transpose of a contiguous ``[f, d]`` matrix (the
+    layout the modules keep for the kernels): its rows of ``w^T`` are then read with no copy."""
+    return w.dim() == 2 and not w.is_contiguous() and w.t().is_contiguous()
+
+
+def _rows_of(w_down):
+    """``w_down^T`` contiguous ``[f, d]``: row j = w_down[:, j], one contiguous read per unit for
+    the row kernels."""
+    return w_down.t().contiguous()
+
+
+def _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot_mask, schedule, n_hot, n_hot_slots, base, f, dtype):
+    """``(dw_up, dw_gate or None, dw_down_t)``: the light rows' share added to ``base`` (the heavy
+    rows'), by the per-unit kernel over the slots sorted by unit (its programs taking the units in
+    the order of ``schedule``, the longest first, while ``GRADS_LONGEST_FIRST``), except the
+    ``n_hot`` hot units (``hot_mask``, holding ``n_hot_slots`` light slots), whose share is one
+    cuBLAS product over their dense columns. Gated: values g, with u and da; non-gated: values
+    h, u and da None."""
+    order, offsets = unit_index(cols, counts, f, hot_mask if n_hot else None)
+    units = schedule if GRADS_LONGEST_FIRST else None
+    grads = ffn_weight_grads(order, offsets, x, dy, values, u, du, da, base=base, dtype=dtype, units=units, **GRADS_CONFIG)
+    if n_hot:
+        hot = torch.nonzero_static(hot_mask, size=n_hot).flatten()
+        h = values if u is None else values.float() * u.float()
+        _add_hot(grads, hot, _hot_dense(cols, counts, hot, n_hot_slots, f, du, da, h), (x, x, dy))
+    return grads
+
+
+def _add_hot(grads, hot, blocks, sources):
+    """``grads[i][hot] += blocks[i]^T sources[i]`` (cuBLAS in the sources' dtype; None skipped;
+    the blocks' columns past ``hot.numel()``, zero padding, dropped)."""
+    n = hot.numel()
+    for g, b, src in zip(grads, blocks, sources):
+        if g is not None and b is not None:
+            g[hot] += torch.mm(b.to(src.dtype).t(), src)[:n].to(g.dtype)
+
+
+def _dense_rows(x_r, a_r, w_up, w_down):
+    """The forward of rows held dense (every row of the dense op) from their pre-activation
+    ``a_r``: ``(s, u, y, l1_rows, unit_counts, row_counts)``, ``s`` being what
+    the backward needs besides u: a_r gated (it recomputes g and h), h non-gated (u None). The
+    element-wise work is one pass (:func:`twell.kernels.dense_rows.dense_rows_forward`)."""
+    u = None if w_up is None else torch.mm(x_r, w_up.t())
+    h, l1_rows, unit_counts, row_counts = dense_rows_forward(a_r, u)
+    y = torch.mm(h, w_down.t())
+    return (h if u is None else a_r), u, y, l1_rows, unit_counts, row_counts
+
+
+def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down, down_t=True, needs=(True, True, True, True)):
+    """The backward of rows held dense: ``(dx_r, (dw_up, dw_gate, dw_down))`` gated, ``(dx_r,
+    (dw_first, None, dw_down))`` non-gated: their share of the weight gradients, ``dw_down`` as
+    ``[f, d]`` (``down_t``: the layout the per-unit kernel adds the light rows into) or ``[d, f]``
+    (w_down's own); ``s``, ``u`` as :func:`_dense_rows` returned them. ``needs``: whether dx,
+    w_first's, w_up's and w_down's gradients are wanted (the others come back None and cost no
+    product). Gated: dh stays fp32 until it is multiplied by g and u, as on the light rows,
+    because the L1 term's c sign(h) is far below half a bf16 step of the product's (on-grid)
+    values and would round away if added in bf16. Non-gated: dh is itself the weight-gradient
+    operand, in the inputs' dtype, as in dense autograd. The element-wise work is one pass
+    (:func:`twell.kernels.dense_rows.dense_rows_backward`)."""
+    need_x, need_first, need_up, need_down = needs
+    d1, da, h = dense_rows_backward(torch.mm(dy_r, w_down), s, u, c)
+    if u is None:  # d1 is dh, s is h
+        h, d_first, d_up = s, d1, None
+    else:  # d1 is du
+        d_first, d_up = da, d1
+    dx = None
+    if need_x:
+        dx = torch.mm(d_first, w_first)
+        if d_up is not None:
+            dx = torch.addmm(dx, d_up, w_up)
+    dw_first = torch.mm(d_first.t(), x_r) if need_first else None
+    dw_up = torch.mm(d_up.t(), x_r) if (d_up is not None and need_up) else None
+    dw_down = None
+    if need_down:
+        dw_down = torch.mm(h.t(), dy_r) if down_t else torch.mm(dy_r.t(), h)
+    return dx, ((dw_first, None) if u is None else (dw_up, dw_first)) + (dw_down,)
+
+
+def _l1_scale(dl1: Optional[torch.Tensor], M: int, device) -> torch.Tensor:
+    if dl1 is None:
+        return torch.zeros(1, dtype=torch.float32, device=device)
+    return (dl1.float() / max(M, 1)).reshape(1).contiguous()
+
+
+def _heavy_backward(x, dy, heavy, n_heavy, c, w_first, w_up, w_down):
+    """``(dx_h, base)`` of the heavy rows (:func:`_dense_rows_backward`), their a and u (h
+    non-gated) recomputed from x: the forward kept no ``[n_heavy, f]`` tensor, since it could not
+    size one without waiting for the GPU."""
+    rows = heavy[:n_heavy]
+    x_h = x[rows]
+    a_h = torch.mm(x_h, w_first.t())
+    if w_up is None:
+        return _dense_rows_backward(x_h, dy[rows], torch.relu(a_h), None, c, w_first, None, w_down)
+    return _dense_rows_backward(x_h, dy[rows], a_h, torch.mm(x_h, w_up.t()), c, w_first, w_up, w_down)
+
+
+class SparseGatedFFNFunction(torch.autograd.Function):
+    """``y = (relu(x w_gate^T) * (x w_up^T)) w_down^T`` and its L1 term on the hybrid format.
+
+    ``apply(x, w_gate, w_up, w_down, width)`` -> ``(y, l1, row_counts, unit_counts, n_heavy)``;
+    use :func:`sparse_gated_ffn`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_gate, w_up, w_down, width):
+        W = _check_args(x, w_up, w_down, w_gate, width)
+        _refuse_capture(x)
+        a = torch.mm(x, w_gate.t())
+        cols, g, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, schedule, host = _light_forward(x, a, W, w_down, w_up)
+        del a
+        ctx.host = host
+        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, schedule, host)
+        ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
+        return y, l1, counts, unit_counts, n_heavy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dl1, *_):
+        x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, schedule, host = ctx.saved_tensors
+        _refuse_capture(x)
+        M, d = x.shape
+        f = w_up.shape[0]
+        n_heavy, n_hot, n_hot_slots = _host_counts(host, ctx.host, x.device, (M, f, cols.numel()))
+        dy = dy.contiguous()
+        c = _l1_scale(dl1, M, x.device)
+        dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, _rows_of(w_down), w_up, w_gate, c, **ROWS_CONFIG)
+        base = None
+        if n_heavy:
+            dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_gate, w_up, w_down)
+        dw_up, dw_gate, dw_down_t = _unit_weight_grads(x, dy, cols, counts, g, u, du, da, hot_mask, schedule, n_hot,
+                                                       n_hot_slots, base, f, w_up.dtype)
+        # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
+        return dx, dw_gate, dw_up, dw_down_t.t(), None
+
+
+class SparseFFNFunction(torch.autograd.Function):
+    """``y = relu(x w_up^T) w_down^T`` and its L1 term on the hybrid format.
+
+    ``apply(x, w_up, w_down, width)`` -> ``(y, l1, row_counts, unit_counts, n_heavy)``; use
+    :func:`sparse_ffn`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_up, w_down, width):
+        W = _check_args(x, w_up, w_down, None, width)
+        _refuse_capture(x)
+        a = torch.mm(x, w_up.t())
+        cols, h, counts, y, _, l1, unit_counts, heavy, n_heavy, hot_mask, schedule, host = _light_forward(x, a, W, w_down)
+        del a
+        ctx.host = host
+        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy, hot_mask, schedule, host)
+        ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
+        return y, l1, counts, unit_counts, n_heavy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dl1, *_):
+        x, w_up, w_down, cols, h, counts, heavy, hot_mask, schedule, host = ctx.saved_tensors
+        _refuse_capture(x)
+        M, d = x.shape
+        f = w_up.shape[0]
+        n_heavy, n_hot, n_hot_slots = _host_counts(host, ctx.host, x.device, (M, f, cols.numel()))
+        dy = dy.contiguous()
+        c = _l1_scale(dl1, M, x.device)
+        dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, _rows_of(w_down), w_up, None, c, **ROWS_CONFIG)
+        base = None
+        if n_heavy:
+            dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_up, None, w_down)
+        dw_up, _, dw_down_t = _unit_weight_grads(x, dy, cols, counts, h, None, dh, None, hot_mask, schedule, n_hot,
+                                                 n_hot_slots, base, f, w_up.dtype)
+        return dx, dw_up, dw_down_t.t(), None
+
+
+class DenseTrainFFNFunction(torch.autograd.Function):
+    """The FFN with every row held dense, and its L1 term and statistics: cuBLAS products and one
+    fused element-wise pass each way (:mod:`twell.kernels.dense_rows`). What a layer trains with
+    where the sparse kernels would not pay (``train_kernels = "dense"``, or ``"auto"`` on a layer
+    with many active units, early in training before the L1 term has made it sparse, or on a
+    call of fewer than ``twell.training.path.MIN_SPARSE_TOKENS`` tokens).
+
+    Against dense autograd of the same math, which walks ``[M, f]`` tensors for relu, the
+    product, ``|h|``, the active mask and their gradients (six to nine passes), this makes one
+    pass each way and saves two ``[M, f]`` tensors (a and u; non-gated h) where autograd saves
+    three; and it keeps the L1 term's gradient in fp32 until it meets g and u (in bf16 it would
+    round away, see :func:`_dense_rows_backward`).
+
+    ``apply(x, w_first, w_down, w_up)`` -> ``(y, l1, row_counts, unit_counts, n_heavy)``; w_first
+    is w_gate gated, w_up non-gated (then w_up is None); use :func:`dense_gated_ffn` /
+    :func:`dense_ffn`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_first, w_down, w_up):
+        _check_args(x, w_first if w_up is None else w_up, w_down, None if w_up is None else w_first, 1)
+        M = x.shape[0]
+        # the inputs' dtype throughout (autocast would recast the products, not the backward's)
+        with torch.autocast(x.device.type, enabled=False):
+            a = torch.mm(x, w_first.t())
+            s, u, y, l1_rows, unit_counts, row_counts = _dense_rows(x, a, w_up, w_down)
+        del a
+        ctx.save_for_backward(x, w_first, w_down, w_up, s, u)
+        n_heavy = torch.zeros((), dtype=torch.int64, device=x.device)
+        ctx.mark_non_differentiable(row_counts, unit_counts, n_heavy)
+        return y, l1_rows.sum() / max(M, 1), row_counts, unit_counts, n_heavy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dl1, *_):
+        x, w_first, w_down, w_up, s, u = ctx.saved_tensors
+        need_x, need_first, need_down, need_up = ctx.needs_input_grad[:4]
+        c = _l1_scale(dl1, x.shape[0], x.device)
+        # w_down held as the transpose of a contiguous [f, d] matrix (the kernels' layout): its
+        # gradient is made [f, d] and handed back transposed, in the parameter's own layout
+        down_t = kernel_layout(w_down)
+        with torch.autocast(x.device.type, enabled=False):  # a backward run inside autocast too
+            # only the gradients asked for: a frozen weight costs no product, as in dense autograd
+            dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), s, u, c, w_first, w_up, w_down, down_t=down_t,
+                                                             needs=(need_x, need_first, need_up, need_down))
+        if down_t and dw_down is not None:
+            dw_down = dw_down.t()
+        if w_up is None:  # dw_a is w_first's (w_up's) gradient
+            return dx, dw_a, dw_down, None
+        return dx, dw_b, dw_down, dw_a  # gated: dw_a is w_up's, dw_b w_gate's
+
+
+def sparse_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:
+    """Gated FFN for training on the hybrid format, with its L1 term.
+
+    Args:
+        x: ``[M, d]`` contiguous tokens (fp32, fp16 or bf16; CUDA, or CPU under the Triton
+            interpreter).
+        w_gate, w_up: ``[f, d]`` (nn.Linear layout, unit-stride rows); w_down: ``[d, f]``; all
+            of x's dtype and device.
+        width: ELL width W (see :func:`choose_width`); rows with more active units take the
+            dense backup. Values above f are treated as f.
+
+    Returns:
+        :class:`TrainFFNOutput`; ``y`` and ``l1`` carry gradients to x and the three weights
+        equal to dense autograd's of ``(relu(x w_gate^T) * (x w_up^T)) w_down^T`` and
+        ``l1_penalty(h)`` up to rounding. With M = 0, l1 is 0.
+    """
+    return TrainFFNOutput(*SparseGatedFFNFunction.apply(x, w_gate, w_up, w_down, width))
+
+
+def sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:
+    """Non-gated FFN ``y = relu(x w_up^T) w_down^T`` for training; as :func:`sparse_gated_ffn`."""
+    return TrainFFNOutput(*SparseFFNFunction.apply(x, w_up, w_down, width))
+
+
+def dense_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> TrainFFNOutput:
+    """Gated FFN for training with every row dense (:class:`DenseTrainFFNFunction`), with its L1
+    term and statistics; arguments and result as :func:`sparse_gated_ffn` (no width; ``n_heavy``
+    is 0: no row takes a backup, all are dense). It runs in the inputs' dtype whatever autocast
+    says (cast them first, as the modules do); its backward is not itself differentiable
+    (no double backward), as with the sparse op."""
+    return TrainFFNOutput(*DenseTrainFFNFunction.apply(x, w_gate, w_down, w_up))
+
+
+def dense_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> TrainFFNOutput:
+    """Non-gated FFN ``y = relu(x w_up^T) w_down^T`` for training, every row dense; as
+    :func:`dense_gated_ffn`."""
+    return TrainFFNOutput(*DenseTrainFFNFunction.apply(x, w_up, w_down, None))
+
+
+def saved_bytes(fn: Callable[..., object], *inputs: torch.Tensor) -> int:
+    """Bytes that autograd keeps for the backward of ``fn(*inputs)``, besides the inputs.
+
+    Runs ``fn`` once (inputs that are floating tensors are detached and made to require grad)
+    and sums, over the distinct tensors saved for backward, those that share no storage with an
+    input: for :func:`sparse_gated_ffn` with inputs (x, w_gate, w_up, w_down) that is the ELL
+    rows, counts, the heavy rows' list, the hot units' mask and the schedule; for the dense FFN, its
+    ``[M, f]`` intermediates. x
+    and the weights, which both keep, are not counted.
+
+    Example::
+
+        saved_bytes(lambda *t: sparse_gated_ffn(*t, 64), x, w_gate, w_up, w_down)
+    """
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) if isinstance(t, torch.Tensor) else t for t in inputs]
+    input_storages = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+    seen: dict[tuple, int] = {}
+
+    def pack(t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in input_storages:
+            seen[(ptr, t.storage_offset(), tuple(t.shape), t.dtype)] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn(*leaves)
+    return sum(seen.values())
