@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# One device call on two H200s (kind nvidia-h200-x2): `twell train` under torchrun with DDP and
-# with FSDP, 2 micro-batches per step on each rank; reinit on under DDP and FSDP (FSDP's since the thirty-third session: the committed results predate it and ran FSDP without), against one process (reinit on) with the same global batch, and an FSDP resume.
-# Usage (repository root): bash benchmarks/multigpu_h200x2.sh [OUTDIR]. Prints a table last.
+# One device call on two H200s (kind nvidia-h200-x2): `twell train` under torchrun with DDP and with
+# FSDP, 2 micro-batches per step on each rank; reinit on under DDP and FSDP (the committed results
+# in results/multigpu_small_h200x2/ ran FSDP without it), against one process (reinit on) with the
+# same global batch, and an FSDP resume.
+# Usage (repository root): bash benchmarks/multigpu.sh [OUTDIR]. Prints a table last.
 set -u
 OUTDIR="${1:-${OUT:-runs/multigpu}}"
 mkdir -p "$OUTDIR"

@@ -1,6 +1,6 @@
-"""Where one prefill call of the module spends its GPU time, kernel by kernel (issue 10).
+"""Where one prefill call of the module spends its GPU time, kernel by kernel.
 
-    CASES=4096:29:even:eager,16384:29:even:eager python benchmarks/prefill_stage_probe.py OUTDIR
+    CASES=4096:29:even:eager,16384:29:even:eager python benchmarks/prefill_stage.py OUTDIR
 
 For each case ``M:k:distribution:mode`` (mode ``eager``, or ``graph``: the call captured in a
 CUDA graph and replayed) at d 2048, f 5632, bf16, ``track_stats`` off: the module and dense
@@ -12,7 +12,7 @@ waits) and each kernel's time. The question it answers: of the module's time at 
 tokens, how much is kernels and how much gaps, and which small kernels (zero fills, lists,
 launches with nothing to do) a shorter chain would drop.
 
-Writes OUTDIR/prefill_stage_probe.json; prints a table last.
+Writes OUTDIR/prefill_stage_<gpu>.json; prints a table last.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections import defaultdict
 
 import torch
 
+from twell.bench.cli import _gpu_tag
 from twell.bench.inference import bench_ms, dense_gated, machine_info
 from twell.bench.runtime import _pair, _warm
 from twell.bench.synthetic import make_ffn
@@ -112,7 +113,7 @@ def main() -> None:
               f"kernels {rec['dense']['busy_us']:.1f}", flush=True)
         for name, us in t["kernels_us"].items():
             print(f"    {us:8.1f} us  {name}", flush=True)
-        with open(os.path.join(outdir, "prefill_stage_probe.json"), "w") as fh:
+        with open(os.path.join(outdir, f"prefill_stage_{_gpu_tag()}.json"), "w") as fh:
             json.dump(out, fh, indent=1)
 
 

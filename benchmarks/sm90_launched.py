@@ -15,8 +15,8 @@ Needs the Triton the GPU machine has (3.6.0), e.g. in a side venv:
     /tmp/t36/bin/pip install torch --index-url https://download.pytorch.org/whl/cpu
     /tmp/t36/bin/python benchmarks/sm90_launched.py [group ...]   (groups: see GROUPS; default all)
 
-Unlike benchmarks/sm90_ptx.py (kernels compiled from hand-written signatures, without the
-launcher's divisibility facts), the PTX here is the one the launchers' calls compile to on the
+Unlike kernels compiled from hand-written signatures (without the launchers' divisibility
+facts), the PTX here is the one the launchers' calls compile to on the
 H200 at these shapes. Times are not predicted: it says nothing of speed.
 """
 
@@ -147,7 +147,7 @@ def compiling_launches(records: list):
 
 
 # ---------------------------------------------------------------------------------------------
-# The launches: the shipped defaults at the shapes the notes measure (d 2048, f 5632, bf16)
+# The launches: the shipped defaults at the shapes the benchmarks measure (d 2048, f 5632, bf16)
 # ---------------------------------------------------------------------------------------------
 
 D, F = 2048, 5632

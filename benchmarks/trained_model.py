@@ -1,4 +1,4 @@
-"""A sparse model we trained (issue 12, item 3): the 0.5b preset trained on one GPU with the L1
+"""A sparse model we trained: the 0.5b preset trained on one GPU with the L1
 recipe to at most 1% active units per token in every layer, a lambda = 0 run of the same budget,
 and the whole-model benchmark (:func:`twell.bench.model.bench_model`) of the sparse one.
 

@@ -6,6 +6,8 @@
   tests' tensors are tiny, and on a 2-core machine shared with another busy process two OpenMP
   threads wait for each other at every op (measured: the training tests took 55 to 67 s instead
   of 15 s; alone on the machine, the same with one thread or two).
+- The tests named in ``slow_tests.txt`` are marked ``slow``; ``python -m pytest -q`` skips them
+  and ``python -m pytest -q -m "slow or not slow"`` (the full suite, as CI runs it) does not.
 - Memory that twell allocates with torch.empty/empty_like/new_empty comes back filled with NaN
   (floats) or a large sentinel (integers), so that a kernel which leaves an element unwritten,
   or reads a slot nobody wrote, fails the test instead of passing on lucky zeros.
@@ -40,7 +42,17 @@ def nan_filled_empty(monkeypatch):
     yield
 
 
+SLOW = {line.strip() for line in open(os.path.join(os.path.dirname(__file__), "slow_tests.txt"))
+        if line.strip() and not line.startswith("#")}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects on the marks
 def pytest_collection_modifyitems(config, items):
+    # the tests listed in slow_tests.txt are marked slow: the default run (pyproject's addopts,
+    # -m "not slow") skips them; -m "slow or not slow" runs everything
+    for item in items:
+        if item.nodeid in SLOW:
+            item.add_marker(pytest.mark.slow)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

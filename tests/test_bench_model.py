@@ -113,7 +113,7 @@ def test_model_results_merge_keeps_other_models(tmp_path):
 
 
 def test_published_reference_figures_join_the_matching_records():
-    """The published kernels' figures (constants from issue 10's side-by-side run) go only to
+    """The published kernels' figures (constants from a side-by-side run) go only to
     the records of the same M, distribution, asked k and shape, and the table shows them."""
     from twell.bench.cli import _table
     from twell.bench.inference import PUBLISHED_H200, add_published

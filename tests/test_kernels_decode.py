@@ -597,8 +597,8 @@ def test_decode_split_validation():
         ffn_decode_split(x.double(), wg, wd.T.contiguous(), w_up=wu, scratch=sc)
 
 
-# --- host-side choices of the decode launchers (mutants that survived the tests above, fourteenth
-# session: each test below fails on a single-line change of decode_split.py / decode_fused.py) ---
+# --- host-side choices of the decode launchers (mutants that survived the tests above: each test
+# below fails on a single-line change of decode_split.py / decode_fused.py) ---
 
 
 def test_gate_loads_from_the_descriptor_tile():
@@ -729,7 +729,7 @@ def test_decode_split_gpu_dtypes_gated_and_statistics(dtype, M):
 
 def _rounding_case(d: int):
     """fp16, one token, whose exact output depends on every rounding the dense path does (written
-    after a mutation run of the twelfth session: dropping any of them passed every other test,
+    after a mutation run: dropping any of them passed every other test,
     which run in fp32 or compare within a tolerance that a missing rounding improves on).
 
     - Units 0 and 1 (gate 3): up = 1 + 3 * 2^-13, which fp16 rounds to 1, and up = -1; both add
@@ -858,7 +858,7 @@ def test_decode_configs_at_the_knobs_edges_are_exact(kind, config):
     assert rel_err(_decode_call(kind, x, wg, wd, wu, config), want) < 1e-5
 
 
-# From a mutation round on the decode kernels' bodies (twenty-ninth session, NOTES_decode): each
+# From a mutation round on the decode kernels' bodies: each
 # test below failed on a single-line change of a kernel body that every test above passed.
 
 

@@ -254,7 +254,7 @@ def test_fused_gate_pack_decides_activity_on_the_rounded_gate():
     """The fused gate's epilogue takes a unit as active when its gate *rounded to the storage
     dtype* is positive, as the dense path's relu of the fp16 product does: 2^-13 * 2^-13 = 2^-26
     is positive in fp32 and 0 in fp16 (a mutant testing the fp32 accumulator survived every other
-    test, twelfth session)."""
+    test)."""
     x = torch.zeros(5, 16, dtype=torch.float16)
     w = torch.zeros(40, 16, dtype=torch.float16)
     x[:, 0] = 2.0**-13

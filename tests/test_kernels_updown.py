@@ -408,8 +408,8 @@ def _spy_updown_shapes(monkeypatch) -> list:
 
 def test_updown_shape_follows_the_layers_density(monkeypatch):
     """A width listed in WIDE_STEP takes its second shape from the listed mean, the others keep
-    TUNED's at any density (d 2048's second shape lost below the split path's batch sizes and
-    was removed); the module's prefill calls pass the shape for the layer's estimate (none yet:
+    TUNED's at any density (d 2048's second shape lost below the split path's batch sizes, so
+    none is listed); the module's prefill calls pass the shape for the layer's estimate (none yet:
     the sparse shape)."""
     from twell.inference import dispatch
     from twell.kernels.updown import TUNED, WIDE_STEP, default_config
@@ -704,7 +704,7 @@ def test_module_on_a_gpu_that_is_not_current():
 def test_recomputed_tiles_round_the_gate_as_the_dense_path():
     """Overflowed tiles recomputed from x and w_first give, bit for bit, what reading the stored
     fp16 pre-activation gives: gates of 2049, 2051, ... are exact in fp32 and not in fp16 (a
-    mutant that skipped the rounding survived every other test, twelfth session)."""
+    mutant that skipped the rounding survived every other test)."""
     M, d, f = 4, 16, 48
     gen = torch.Generator().manual_seed(1)
     x = torch.zeros(M, d, dtype=torch.float16)

@@ -224,6 +224,34 @@ def test_export_of_an_unsharded_checkpoint(tmp_path):
     assert exported.config.use_cache and exported.generation_config.use_cache
 
 
+def test_an_export_of_a_byte_level_run_loads_and_generates_with_the_auto_classes(tmp_path):
+    """The README's generation example on a byte-level run: AutoTokenizer gives the run's byte
+    ids, AutoModelForCausalLM the trained logits, and the sparsified model generates as the
+    dense one does, stopping at the run's end-of-text id."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from twell import sparsify
+    from twell.recipe.data import ByteTokenizer
+
+    t = Trainer(config(tmp_path, steps=2, log_every=1, eval_every=2))
+    t.fit()
+    out = tmp_path / "hf"
+    main(["export", str(tmp_path / "run"), str(out)])
+    tok = AutoTokenizer.from_pretrained(out)
+    text = "def f():\n    return 'h\u00e9' \U0001F600"
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    assert ids[0].tolist() == ByteTokenizer().encode(text).tolist() and tok.decode(ids[0]) == text
+    assert tok.eos_token_id == ByteTokenizer.eos_id
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    t.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, t.model(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+        dense = model.generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+        sparse = sparsify(model).generate(input_ids=ids, max_new_tokens=8, do_sample=False)
+    assert torch.equal(sparse, dense) and dense.shape[1] > ids.shape[1]
+    assert isinstance(tok.decode(sparse[0, ids.shape[1]:]), str)
+
+
 # Units whose gate rows are zeroed never fire: dead from the first window. Some rows in each
 # rank's shard (88 units: rows 0-43 on rank 0, 44-87 on rank 1).
 ZEROED = [0, 1, 2, 3, 4, 50, 51, 52, 53, 54]

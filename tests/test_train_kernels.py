@@ -673,8 +673,8 @@ def test_hot_units_take_the_dense_columns(gated, align, monkeypatch):
 
 def test_hot_unit_cutoff_is_strict():
     """A unit is hot when it holds *more than* max(HOT_MIN, HOT_SHARE M, HOT_FACTOR x mean) slots: one at
-    exactly the limit stays on the per-unit kernel (a mutant with >= survived every other test,
-    twelfth session: both paths give the same gradients)."""
+    exactly the limit stays on the per-unit kernel (a mutant with >= survived every other test:
+    both paths give the same gradients)."""
     f = 100
     per_unit = torch.zeros(f, dtype=torch.int64)
     per_unit[0], per_unit[1] = T.HOT_MIN, T.HOT_MIN + 1  # the limit is HOT_MIN here

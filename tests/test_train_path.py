@@ -481,7 +481,7 @@ def _probe(**by_width):
 
 
 @pytest.mark.parametrize("name,probe,width", [
-    # measured on the H200 (twenty-fourth session, M 16384): (share, light) at W 32 / 64 / 128
+    # measured on the H200 (M 16384): (share, light) at W 32 / 64 / 128
     ("heavy k56, 1.78x at W64", _probe(w32=(0.218, 2.0), w64=(0.170, 4.3), w128=(0.123, 8.6)), 64),
     ("heavy k100, 1.39x at W64", _probe(w32=(0.337, 2.3), w64=(0.274, 5.2), w128=(0.206, 11.6)), 64),
     ("heavy k160, 1.17x at W64: kept dense", _probe(w32=(0.457, 2.4), w64=(0.386, 5.7), w128=(0.310, 12.8)), None),

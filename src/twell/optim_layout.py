@@ -7,7 +7,7 @@ in eval mode, and in training on CUDA (``twell.training.path.KERNEL_LAYOUT``): s
 ``eval()``) then has other strides than its parameter. Fused AdamW reads parameter, gradient
 and state as flat memory, so it pairs each element with another element's moments: on the CPU
 (torch 2.13) it does so silently; on CUDA (torch 2.11, H200) it raises "params, grads, exp_avgs,
-and exp_avg_sqs must have same dtype, device, and layout" (``benchmarks/fused_adamw_strides_probe.py``).
+and exp_avg_sqs must have same dtype, device, and layout".
 
 So every sparse module registers itself here (:func:`follow_layout`; a weak set of modules,
 not of tensors: a weak reference to a tensor would stop ``torch.utils.swap_tensors``), and one

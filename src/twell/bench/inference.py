@@ -100,7 +100,7 @@ def dense_gated(x, w_gate, w_up, w_down):
 
 
 # The published kernels (the paper's release), timed side by side with dense PyTorch in one
-# process on this project's H200 in an earlier session (issue 10: bf16, d 2048, f 5632, same
+# process on this project's H200 (bf16, d 2048, f 5632, same
 # weights and inputs, three alternating rounds, medians): (M, distribution, k asked) ->
 # (dense ms, published ms, note). Reference constants: the published code is not part of this
 # repository, and the benchmark does not rerun it.
@@ -263,7 +263,7 @@ def run_grid(
 def run_variants(
     M: int = 131072, d: int = 2048, f: int = 5632, log: Callable[[str], None] = print, device: str = "cuda", extras: bool = False
 ) -> list[dict]:
-    """Design variants at one shape: the pack pass (scan as shipped before; bits: rows per
+    """Design variants at one shape: the pack pass (scan; bits: rows per
     program, columns per step, warps; one tile per row vs 256-column tiles), the up/down
     kernels (one program per token with several step sizes and warps; token blocks on tensor
     cores), and the ceilings (device copy, cuBLAS bf16 rate).

@@ -206,10 +206,9 @@ def eager_decode_interleaved(dense, twell, prompt: torch.Tensor, new_tokens: int
     """Every-step-eager greedy decoding of ``dense`` and ``twell`` (same weights) step by step in
     lockstep: each step of one model is followed by the same step of the other (the order
     swapped every step), each timed alone by the host's clock between two device
-    synchronisations. An eager step is bound by the host, whose speed here moved a step by up to
-    a third between runs and by 15% between rounds a minute apart (benchmarks/NOTES_decode.md,
-    eighteenth and nineteenth sessions); paired steps see the same host phase, so their ratio
-    holds where separate runs do not.
+    synchronisations. An eager step is bound by the host, whose speed here moved a step by up to a
+    third between runs and by 15% between rounds a minute apart; paired steps see the same host
+    phase, so their ratio holds where separate runs do not.
 
     Returns ``{"dense": result, "twell": result}`` as :func:`greedy_decode` returns it (``graph``
     False), ``step_ms`` the median of the timed steps, with ``steps_ms`` each step's time and
@@ -463,8 +462,8 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
         paths.append(("lean", lean_ctx))
     # every-step-eager decoding is bound by the host, whose speed drifts by up to a third here:
     # dense (a copy kept for it) and twell decode in lockstep, step by step, not one after the
-    # other (benchmarks/NOTES_decode.md, eighteenth and nineteenth sessions)
-    # (kept on the CPU until then, so that no other measurement's peak memory counts it)
+    # other (the copy kept on the CPU until then, so that no other measurement's peak memory
+    # counts it)
     dense_twin = copy.deepcopy(model).cpu()
     torch.cuda.empty_cache()
     for variant in ("dense", "twell"):

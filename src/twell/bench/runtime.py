@@ -68,7 +68,7 @@ def _warm(twell, x, calls: int = 3) -> None:
 
 def batch_grid(Ms=(1, 4, 16, 64, 256, 1024, 4096, 16384, 131072), ks=(29, 280), dists=("even", "heavy"),
                log: Callable[[str], None] = print, d: int = D, f: int = F) -> list[dict]:
-    """Issue 8's grid: one record per (M, k, distribution) for an MLP of width ``d`` and ``f``
+    """The batch grid: one record per (M, k, distribution) for an MLP of width ``d`` and ``f``
     units; see ``twell bench batch --help``."""
     info = machine_info()
     out = []
@@ -196,16 +196,16 @@ GRAPH_ROUNDS = 3  # decode_grid's rounds of dense and twell in graphs, alternati
 
 def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed"), layers: int = CHAIN_LAYERS,
                 log: Callable[[str], None] = print, d: int = D, f: int = F) -> list[dict]:
-    """Issue 9's MLP records, both sides in CUDA graphs: twell with default settings (after eager
-    warm-up calls) and with the decode kernels forced, against dense.
+    """The decode grid's MLP records, both sides in CUDA graphs: twell with default settings (after
+    eager warm-up calls) and with the decode kernels forced, against dense.
 
     ``*_graph_us`` (and ``speedup``) time ``layers`` layers with their own copies of the weights
     back to back in one graph, per layer (:func:`twell.bench.timing.chain_graph_ms`): each
     layer's weights cold in L2 because the other layers' reads evicted them, as in a model's
     decoding step; dense and twell medians of GRAPH_ROUNDS alternating rounds, the forced
-    decode kernels' of one. ``*_flushed_us`` (and ``speedup_flushed``) time one layer's graph with L2
-    zeroed before each replay (``triton.testing.do_bench``; the grids before the twelfth
-    session), which leaves dirty lines a cold read must write back first."""
+    decode kernels' of one. ``*_flushed_us`` (and ``speedup_flushed``) time one layer's graph with
+    L2 zeroed before each replay (``triton.testing.do_bench``), which leaves dirty lines a cold read
+    must write back first."""
     info = machine_info()
     out = []
     for k in ks:
@@ -222,8 +222,8 @@ def decode_grid(Ms=(1, 4, 16, 64, 256), ks=(8, 29, 56), dists=("even", "skewed")
                     rec = dict(M=M, k=k, distribution=dist, d=d, f=f, chain_layers=layers, graph_rounds=GRAPH_ROUNDS)
                     union = int(((x.float() @ s.w_gate.float().T) > 0).any(dim=0).sum())
                     rec["union"] = union
-                    # three alternating rounds, medians: the grid of the fifty-second session timed
-                    # dense first, once, and read 0.94x at 256 tokens on the dense branch (H200, d 4096)
+                    # three alternating rounds, medians: timing dense first, once, read 0.94x at 256
+                    # tokens on the dense branch (H200, d 4096)
                     rec["dense_graph_us"], rec["twell_graph_us"] = (1e3 * v for v in alternating(
                         chain_graph_ms, [[lambda m=m: m(x) for m in denses], [lambda m=m: m(x) for m in twells]],
                         rounds=GRAPH_ROUNDS))

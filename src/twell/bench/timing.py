@@ -10,8 +10,7 @@
   graph, the time per layer, no flush: each layer's weights were evicted from L2 by the other
   layers' reads, as in a model. (The flush above zeroes a 256 MB buffer, which leaves L2 full of
   dirty lines that a cold read must first write back: on the H200 that made a 23 MB gate product
-  take 13.8 us where it takes 8.7 us in a chain of eight layers; see benchmarks/NOTES_decode.md,
-  twelfth session.)
+  take 13.8 us where it takes 8.7 us in a chain of eight layers.)
 - :func:`host_us`: CPU time to issue one call, from the wall time of issuing a burst of calls
   without synchronising (short enough that the launch queue never fills and blocks).
 - :func:`peak_bytes`: the largest ``torch.cuda.max_memory_allocated`` over one call.

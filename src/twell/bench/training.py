@@ -19,7 +19,7 @@ warm-up):
   with the L1 term: what ``"auto"`` runs on a layer the sparse kernels would not pay on;
 - ``plain_module_ms`` (only where ``plain_module`` asks, M 16384 by default): the module on
   its dense path with ``twell.training.path.FUSED_DENSE`` off, i.e. PyTorch ops for the relu, the
-  product, the L1 term and the statistics: what the dense path cost before the fused op;
+  product, the L1 term and the statistics: what the dense path costs without the fused op;
 - ``breakeven_path``, ``auto_width``: the rule :func:`twell.training.path.choose_path` for this
   sparsity (mean and share of rows above its width, else the light-row rule at the probe widths);
   ``auto_path``: what the modules' ``train_kernels = "auto"`` trains with (the same rule while

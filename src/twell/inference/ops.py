@@ -44,7 +44,7 @@ __all__ = [
 # up to 32768) with tile / 8 - 1 slots, so a row overflows only past about 1/8 of its units.
 # One tile lets the up/down kernel take each row's entries as one contiguous list and work on
 # token blocks with tensor cores; 256-column tiles cost 35% more in the up/down step on the
-# H200 (benchmarks/NOTES_inference.md).
+# H200.
 DEFAULT_COMPRESSION = 8
 
 

@@ -1,12 +1,11 @@
 """A layer's own timing of the prefill kernels against dense near its break-even (opt-in:
 ``twell.inference.dispatch.TIMED_CHOICE``).
 
-The static rule (:meth:`twell.inference.dispatch.LayerState.limit`) was measured at two shapes. Another
-GPU or shape moves the break-even: at d 4096, f 11008 with the fused up/down it fell at 52
-active units per token on an H100 against 68 on the H200 (benchmarks/NOTES_inference.md,
-thirtieth session); that shape now takes the split path and its own cap (96, H100). Both paths
-are exact, so which one runs changes only the time. Near the limit a layer with this on times
-both on its own calls and takes the faster.
+The static rule (:meth:`twell.inference.dispatch.LayerState.limit`) was measured at two shapes.
+Another GPU or shape moves the break-even: at d 4096, f 11008 with the fused up/down it fell at 52
+active units per token on an H100 against 68 on the H200; that shape takes the split path and its
+own cap (96, H100). Both paths are exact, so which one runs changes only the time. Near the limit a
+layer with this on times both on its own calls and takes the faster.
 
 - **Size classes.** Calls are grouped by ``M.bit_length()`` (a power of two of tokens). Times
   are compared per token, since one class spans calls of up to twice as many tokens.

@@ -6,7 +6,7 @@ whole: the up row and down column of a unit are needed only if the unit fires fo
 of the batch. Three steps:
 
 1. ``pre = x w_first^T [M, f]`` by cuBLAS (a GEMV at this size, at HBM bandwidth; a Triton
-   GEMV fused with step 2 measured 3 times slower on the H200: benchmarks/NOTES_decode.md).
+   GEMV fused with step 2 measured 3 times slower on the H200).
 2. ``_decode_up_kernel``, one program per (``BU`` units, ``BM`` tokens)::
 
        active[u] = any over the BM tokens of pre[m, u] > 0 (or NaN: relu keeps it)
@@ -172,7 +172,7 @@ DECODE_KNOBS = (("BM", 16, 256, True), ("BU", 16, 256, True), ("BK", 16, 4096, T
 
 # (BM tokens, BU units, BK, warps of the up kernel, BD columns of d, BE entries, warps of the
 # down kernel, shares of the entries) by tokens per call: the entry with the smallest key at or
-# above M (the largest for bigger M). From the H200 sweep (benchmarks/NOTES_decode.md). BM is at
+# above M (the largest for bigger M). From a sweep on the H200. BM is at
 # least 16, the smallest tensor-core tile; calls of more than BM tokens run in chunks of BM.
 DECODE_CONFIGS: dict[int, tuple[int, int, int, int, int, int, int, int]] = {
     4: (16, 32, 256, 4, 16, 32, 4, 1),

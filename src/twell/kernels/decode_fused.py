@@ -2,7 +2,7 @@
 
 :mod:`twell.kernels.decode` takes three launches (cuBLAS gate, up kernel, down kernel), and on
 the H200 each small launch costs a fixed 8 to 14 us after an L2 flush, more than its bytes: at
-M = 1, k = 29 the three sum to 26.8 us against a 5.4 us byte floor (benchmarks/NOTES_decode.md).
+M = 1, k = 29 the three sum to 26.8 us against a 5.4 us byte floor.
 Here one program per block of ``BU`` units does all of it::
 
     a[m, u]  = x[m] . w_first[u]                       the block's gate rows, read whole
@@ -24,9 +24,8 @@ interpreter cannot show), so the write-out is its own launch here.
 
 Up to ``GEMV_MAX_M`` tokens the same fused FFN runs as a CUDA-core GEMV instead
 (``_decode_gemv_kernel``): the tensor-core kernel walks d in dependent steps per program and
-read the gate at about 1 TB/s at one token (benchmarks/NOTES_decode.md, round 4; from 6 tokens
-its gate costs what any gate product does, about 13.5 us, and its up and down phases 5 to 6 us
-each: ninth session), while a
+read the gate at about 1 TB/s at one token (from 6 tokens its gate costs what any gate product
+does, about 13.5 us, and its up and down phases 5 to 6 us each), while a
 program of a few units that loads its whole ``[BU, d]`` gate rows at once issues every load of
 the call in one wave (hundreds of programs resident at a time), so the gate is bound by HBM
 bandwidth rather than by a chain of loads. Its FMA count grows with M: a few tokens only.
@@ -256,15 +255,14 @@ class DecodeScratch:
 
 # BU units per program, BK columns of d per gate/up step, BD columns per down step, warps,
 # stages. Per largest M: the fastest in CUDA graphs on the H200
-# (benchmarks/decode_fused_probe.py, d 2048, f 5632, bf16, k 8 to 56): 16-unit blocks at M = 1
+# (d 2048, f 5632, bf16, k 8 to 56): 16-unit blocks at M = 1
 # (25.1 to 26.9 us), 64-unit blocks with 8 warps from M = 4 (30.2 to 34.6 us; fewer atomic adds).
 # Adds over all 16 buffer rows (no row mask) were slower (27.8 to 36.5 us) and were dropped.
-# Sixth session (adds only for rows with an active unit in the block; up to 5 tokens the CUDA-core
-# variant runs instead): the same 64-unit shape was the fastest of 8 at M = 6 to 16 (28.1 to
-# 29.5 us) except k = 8 at 6 and 8 tokens (16-unit blocks: 26.7 against 28.1 us), and of 7 on 32-
-# and 64-row tiles at M = 24 to 64 (35.3 to 43.2 us; benchmarks/decode_gemv_probe.py --dot,
-# --wide). fp32 inputs on 32- and 64-row tiles take 2 stages: 3 would need up to 256 KB of shared
-# memory (more than the H100's 227 KB per block).
+# With adds only for rows with an active unit in the block (up to 5 tokens the CUDA-core variant
+# runs instead): the same 64-unit shape was the fastest of 8 at M = 6 to 16 (28.1 to 29.5 us) except
+# k = 8 at 6 and 8 tokens (16-unit blocks: 26.7 against 28.1 us), and of 7 on 32- and 64-row tiles
+# at M = 24 to 64 (35.3 to 43.2 us). fp32 inputs on 32- and 64-row tiles take 2 stages: 3 would need
+# up to 256 KB of shared memory (more than the H100's 227 KB per block).
 FUSED_CONFIGS = {64: (64, 256, 256, 8, 3)}
 FUSED_CONFIG = FUSED_CONFIGS[64]
 
@@ -280,12 +278,12 @@ class GemvConfig(NamedTuple):
 
 
 # Up to GEMV_MAX_M tokens the CUDA-core variant runs, with the shape for the largest M at most
-# each key. benchmarks/decode_gemv_probe.py (H200, bf16, d 2048, f 5632, k 8 to 56, CUDA graphs,
+# each key. Measured (H200, bf16, d 2048, f 5632, k 8 to 56, CUDA graphs,
 # kept accumulator): 2 units per program with 2 warps (whole rows at once, 2816 programs) took
 # 16.5 / 18.3 / 22.9 / 34.4 us at M = 1 / 2 / 4 / 8 against 24.7 / 27.3 / 28.9 / 29.0 for the
 # tensor-core kernel (dense: 40 to 41 us); 4, 8 or 16 units, or d in halves or quarters, were
 # slower. Its FMAs grow with M, so the tensor-core kernel wins from about 6 tokens.
-# With the write-out as a programmatic dependent launch (run 2, decode_gemv_pdl): one unit per
+# With the write-out as a programmatic dependent launch: one unit per
 # program took 14.8 to 15.2 us at M = 1 against 15.9 to 16.1 for two; at M = 5 the CUDA-core
 # kernel took 27.1 to 27.8 us, the tensor-core one 28.2 to 28.4, at M = 6 29.5 against 28.1.
 GEMV_MAX_M = 5

@@ -2,11 +2,10 @@
 hundreds of small programs do up and down one fire at a time.
 
 In :mod:`twell.kernels.decode_fused` one program per block of 64 units does gate, up and down
-in turn. From 6 tokens on the H200 its gate costs what any gate product does (about 13.5 us:
-23 MB with L2 flushed), but its up and down phases add 5 to 6 us each, whatever their bytes:
-88 programs, one per SM, each waiting on its own chain of loads (benchmarks/NOTES_decode.md,
-ninth session). Here the work after the gate is spread over about a thousand programs instead,
-each with one round of loads per fire::
+in turn. From 6 tokens on the H200 its gate costs what any gate product does (about 13.5 us: 23 MB
+with L2 flushed), but its up and down phases add 5 to 6 us each, whatever their bytes: 88 programs,
+one per SM, each waiting on its own chain of loads. Here the work after the gate is spread over
+about a thousand programs instead, each with one round of loads per fire::
 
     1. _fire_gate_kernel, one program per BU units, the batch's tokens as one tile:
            a^T[u, m] = w_first[u] . x[m]       tensor cores; rounded to x's dtype as the dense
@@ -34,13 +33,12 @@ its list empty. Or they are the call's own (:meth:`SplitScratch.for_one_call`, w
 The down sums run in fp32 in whatever order the programs finish: exact up to rounding, not
 bit-reproducible.
 
-Measured (H200, bf16, d 2048, f 5632, CUDA graphs, L2 flushed; benchmarks/NOTES_decode.md, tenth
-session): 18 to 20 us at 8 and 16 tokens for k 8 to 56 (dense 40 to 41 us, the fused kernel 28.5
-to 29.5), 20 to 27 us at 32 tokens and 23 to 35 us at 64; the time grows with the number of fires
-(about 4 to 5 ns each) over a gate of 17 to 21 us. At one token the fused CUDA-core kernel is
-faster (15 against 18 us). Timed as a model runs them (eight layers back to back in one graph,
-no flush; twelfth session): 13.5 to 17 us at 4 to 16 tokens and 19 to 31 us at 64, against
-dense's 31 to 35. The dispatcher (:mod:`twell.inference.dispatch`) takes these kernels from
+Measured (H200, bf16, d 2048, f 5632, CUDA graphs, L2 flushed): 18 to 20 us at 8 and 16 tokens for k
+8 to 56 (dense 40 to 41 us, the fused kernel 28.5 to 29.5), 20 to 27 us at 32 tokens and 23 to 35 us
+at 64; the time grows with the number of fires (about 4 to 5 ns each) over a gate of 17 to 21 us. At
+one token the fused CUDA-core kernel is faster (15 against 18 us). Timed as a model runs them (eight
+layers back to back in one graph, no flush): 13.5 to 17 us at 4 to 16 tokens and 19 to 31 us at 64,
+against dense's 31 to 35. The dispatcher (:mod:`twell.inference.dispatch`) takes these kernels from
 ``SPLIT_MIN_M`` to 64 tokens while the expected number of fires is at most ``SPLIT_MAX_FIRES``.
 """
 
@@ -280,11 +278,10 @@ class SplitConfig(NamedTuple):
     updown_warps: int
 
 
-# benchmarks/decode_gate_probe.py --split --fire (tenth session, call 1): 1056 programs with d in
-# one step were the fastest or within 0.5 us of it from 1 to 64 tokens (528 and 2112 programs
-# also tried); the gate's shape the fastest stand-alone gate of the ninth session (13.3 to 13.6
-# us at 8 tokens). benchmarks/split_chain_probe.py (twelfth session; eight layers back to back
-# in one graph, as a model runs them; 12 shapes): the up/down programs with 8 warps instead of 4
+# 1056 programs with d in one step were the fastest or within 0.5 us of it from 1 to 64 tokens
+# (528 and 2112 programs also tried); the gate's shape the fastest stand-alone gate (13.3 to 13.6
+# us at 8 tokens). In eight layers back to back in one graph, as a model runs them (12 shapes):
+# the up/down programs with 8 warps instead of 4
 # were the fastest in 14 of 15 records from 4 to 64 tokens, 0.1 to 0.5 us (1% to 3%) faster.
 SPLIT_CONFIG = SplitConfig(64, 128, 4, 6, 1056, 4096, 8)
 
@@ -294,12 +291,12 @@ SPLIT_KNOBS = (("BU", 16, 256, True), ("BK", 16, 4096, True), ("num_warps", 1, 3
 
 # The gate reads x and w_first through tensor descriptors (TMA) from this token tile on, where
 # both allow it (unit-stride rows, 16-byte aligned rows and base); pointer loads below it and
-# otherwise. Thirteenth session, eight layers back to back in a graph (split_chain_probe.py): the
+# otherwise. Eight layers back to back in a graph: the
 # 64-token tile 0.6 to 0.8 us faster with descriptors (k 29: 23.1 against 23.9 us), the 16-token
 # tile 0.6 to 0.8 us slower (k 29: 15.5 against 14.8).
 GATE_DESC_MIN_ROWS = 64
 # The shape of a call whose gate reads by descriptors (see above) when no config is given.
-# Fourteenth session, same chain (split_chain_probe.py, 64 tokens, k 8 / 29 / 56): 32 units per
+# In the same chain (64 tokens, k 8 / 29 / 56): 32 units per
 # gate program with 4 stages (176 programs, two of them fit an SM's shared memory) took 17.2 /
 # 22.2 / 29.2 us against 17.8 / 22.8 / 29.6 for SPLIT_CONFIG's 64 units and 6 stages; 32 units
 # with 6, 3 or 2 stages, 64 columns a step, 8 warps, 16 units, or 64 units with 3 stages were

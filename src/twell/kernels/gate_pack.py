@@ -19,11 +19,11 @@ Two implementations of the same op, both exact for every input:
 ``gate_pack_persistent(x, w)``
     The same epilogue on a persistent matmul that loads its operands through tensor
     descriptors (TMA on Hopper): one program per SM walks the output tiles in grouped order.
-    Checked on the H200 in bf16 and timed (benchmarks/NOTES_inference.md): its matmul alone
+    Checked on the H200 in bf16 and timed: its matmul alone
     reaches 0.89 to 0.94 of cuBLAS, but the epilogue, which nothing overlaps, costs as much as
     the separate pack pass or more, so it loses to cuBLAS + pack from M 16384: an opt-in.
 
-Which one is faster is measured (benchmarks/NOTES_inference.md): on the H200 here the plain
+Which one is faster is measured: on the H200 here the plain
 pointer-load Triton matmul runs below cuBLAS, so the unfused variant is the default.
 
 Layout written (see :class:`twell.format.TwELL`): ``values [M, n_tiles, slots]`` (same dtype as
@@ -151,14 +151,12 @@ def _check_pre(a: torch.Tensor, name: str) -> None:
     check_launchable(a, name)
 
 
-# (rows per program, columns per step, warps), from the H200 variant sweeps
-# (benchmarks/NOTES_inference.md). The bit-word pack takes one row per program up to
-# PACK_BITS_SMALL_M rows (more programs for a small call: 1024 programs of four rows left 4096
-# rows latency-bound), two rows in steps of 512 columns from there. Twenty-fifth session, the
-# one-pass kernel (pack_extract_probe.py, infer_pack_shapes_probe.py), k 29: 0.088 ms at 16384
-# rows and 0.597 at 131072, against 0.093 and 0.624 for two rows of 256 columns, 0.646 (131072)
-# for one row, 0.681 for four; 1024 columns were within 3% either way. One warp beat two at every
-# size, here and in the fifteenth session's sweep.
+# (rows per program, columns per step, warps), from the H200 variant sweeps. The bit-word pack
+# takes one row per program up to PACK_BITS_SMALL_M rows (more programs for a small call: 1024
+# programs of four rows left 4096 rows latency-bound), two rows in steps of 512 columns from
+# there. The one-pass kernel, k 29: 0.088 ms at 16384 rows and 0.597 at 131072, against 0.093
+# and 0.624 for two rows of 256 columns, 0.646 (131072) for one row, 0.681 for four; 1024 columns
+# were within 3% either way. One warp beat two at every size.
 PACK_CONFIG: tuple[int, int, int] = (4, 256, 2)
 PACK_BITS_CONFIG: tuple[int, int, int] = (2, 512, 1)
 PACK_BITS_SMALL_M_CONFIG: tuple[int, int, int] = (1, 256, 1)
@@ -186,8 +184,7 @@ def pack_relu(
         method: ``"bits"``: one bit word per 32 columns, each step's entries written from
             its words (needs tile >= 32); ``"scan"``: the s-th entry of each row found by a
             min-reduction over the current block of columns. ``"auto"``: bits where it can run
-            (0.62 against 1.08 ms at k = 29 and 131072 rows on the H200;
-            benchmarks/NOTES_inference.md), else scan.
+            (0.62 against 1.08 ms at k = 29 and 131072 rows on the H200), else scan.
         config: ``(rows per program, columns per step, warps)`` tuning knobs (default: by
             method, and for ``"bits"`` by ``M``: see ``PACK_BITS_SMALL_M``).
 

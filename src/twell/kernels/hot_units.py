@@ -1,12 +1,12 @@
 """Hot units: a layer's most frequently active units computed as one small dense block.
 
 The up/down kernels gather 4 d bytes of weight rows per (token, active unit): about 1 ns per
-pair at 131072 tokens on the H100 and H200 (benchmarks/NOTES_inference.md). A unit that fires
+pair at 131072 tokens on the H100 and H200. A unit that fires
 for a share ``p`` of the tokens costs ``p`` such gathers per token, while as a dense column of a
 cuBLAS product it costs about ``4 d`` flops per token whatever ``p`` (a hundredth of a gather).
 So past a share of about 1% a unit is cheaper dense. Layers whose units fire at skewed rates
 (trained models; the benchmark's ``skewed`` units) have a few such units, and they carry a large
-part of the pairs: about half at ``k = 29`` with 256 hot units (benchmarks/hot_units_probe.py).
+part of the pairs: about half at ``k = 29`` with 256 hot units.
 
 With a hot set ``H`` of ``nh`` units, one FFN call is::
 
@@ -24,12 +24,11 @@ part beyond 65504 that the cold units bring back into range), so the module take
 bfloat16 and float32 only (:meth:`twell.inference.dispatch.LayerState._hot_for`).
 
 Why this order (the hot product written first, the kernels adding to it) and the pack writing
-``h_H``: the first version added the hot product last (``addmm``, a second read and write of y),
-after a zero fill of ``g_hot`` and a separate ``g_hot * up_H`` pass. On the H100 at 131072
-tokens, skewed k 29 with 320 hot units (kernel medians, benchmarks/NOTES_inference.md,
-fifty-sixth session): the down product 0.53 -> 0.30 ms, the fill and the product pass (0.10 ms)
-gone, against the pack +0.06 ms and the down kernel +0.04 ms (it reads y's rows): the call's
-kernels 7.22 -> 7.00 ms.
+``h_H``, rather than the hot product added last (``addmm``, a second read and write of y) after a
+zero fill of ``g_hot`` and a separate ``g_hot * up_H`` pass: on the H100 at 131072 tokens, skewed k
+29 with 320 hot units (kernel medians): the down product 0.53 -> 0.30 ms, the fill and the product
+pass (0.10 ms) gone, against the pack +0.06 ms and the down kernel +0.04 ms (it reads y's rows): the
+call's kernels 7.22 -> 7.00 ms.
 """
 
 from __future__ import annotations

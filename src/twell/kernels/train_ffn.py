@@ -315,7 +315,7 @@ def _rows_up_kernel(
     # the input dtype (what dense autograd keeps); h = g u is formed from that rounded u in the
     # second launch and in the backward alike. Two launches, one weight matrix each: each
     # launch's gathered rows (23 MB at f 5632, d 2048) fit in the H200's L2, which the two
-    # together do not (benchmarks/NOTES_training.md, twenty-sixth session).
+    # together do not.
     m = tl.program_id(0).to(tl.int64)
     n = _light_count(cnt_ptr, m, W)
     es = tl.arange(0, BE)

@@ -20,8 +20,7 @@ The sparse training op (:mod:`twell.training.ops`) needs, after the pack (``cols
 
 Written as PyTorch element-wise ops these were about 25 launches per forward and 8 per backward:
 about 0.5 ms of host time per forward + backward on the H200 machine here, where the sparse op
-at 8192 to 16384 tokens is bound by its host (benchmarks/train_host_breakdown.py;
-benchmarks/NOTES_training.md, twenty-fourth session). The reference semantics are in the
+at 8192 to 16384 tokens is bound by its host. The reference semantics are in the
 docstrings, and tests/test_train_index.py compares each kernel with plain PyTorch.
 """
 
@@ -44,9 +43,8 @@ TRASH_KEYS = 1024
 
 def key_dtype(f: int) -> torch.dtype:
     """The slot keys' dtype: int16 while every key (at most ``f + TRASH_KEYS - 1``) fits, else
-    int32. PyTorch's radix sort on the GPU passes over the key's bytes, so 16-bit keys sort
-    faster: 0.063 against 0.096 ms for 1M keys on the H200 (benchmarks/NOTES_training.md,
-    twenty-sixth session); the order is the same, as the sort is stable."""
+    int32. PyTorch's radix sort on the GPU passes over the key's bytes, so 16-bit keys sort faster:
+    0.063 against 0.096 ms for 1M keys on the H200; the order is the same, as the sort is stable."""
     return torch.int16 if f + TRASH_KEYS - 1 <= torch.iinfo(torch.int16).max else torch.int32
 
 _BLOCK = 1024  # slots per program (unit counts, keys)

@@ -236,10 +236,10 @@ def _twell_up_kernel(
     D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr, WHOLE_ROWS: tl.constexpr,
 ):
     # Split path, first launch (gated): h = g (x[m] . w_up[j]) for each stored entry, kept in
-    # fp32 at the entry's place in a TwELL-shaped scratch. Only w_up rows are gathered here and
-    # only w_down^T rows in the second launch: each launch's rows (23 MB at f 5632, d 2048) fit
-    # in the H200's L2, the pair (46 MB) does not (benchmarks/NOTES_inference.md, twenty-sixth
-    # session). Same products in the same order as the fused kernel: the same y, bit for bit.
+    # fp32 at the entry's place in a TwELL-shaped scratch. Only w_up rows are gathered here and only
+    # w_down^T rows in the second launch: each launch's rows (23 MB at f 5632, d 2048) fit in the
+    # H200's L2, the pair (46 MB) does not. Same products in the same order as the fused kernel: the
+    # same y, bit for bit.
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
@@ -362,25 +362,22 @@ def _ffn_rows_dot_kernel(
             tl.atomic_add(uc_ptr + unit, tl.full([BE], 1, dtype=tl.int32), mask=valid & ((tl.zeros([BE], dtype=tl.int32) + dk) == 0))
 
 
-# Tuned (entries per step, warps) per padded d, from the H200 sweeps
-# (benchmarks/NOTES_inference.md); other sizes keep a [BE, D] block near 16K elements. At d 2048
-# two entries a step won below about 40 active units per token (131072 tokens: k 8 1.46 against
-# 1.64 ms with four, k 29 3.88 against 4.04, heavy rows 5.74 against 6.13; 4096 tokens, k 29:
-# 0.14 against 0.22), four from there at that batch (k 56: 6.90 against 7.12), which WIDE_STEP
-# (below) once encoded. Skewed units at k 29 ran 3.49 against 3.40 ms with two entries (2 x 2
-# programs: 3.29), and at 4096 tokens two entries still won at k 56 (0.247 against 0.263 ms).
-# At d 4096 (f 11008; benchmarks/updown_split_probe.py with SHAPE=4096x11008, NOTES_inference
-# thirty-third session) two and four entries with four warps tied and beat the (4, 8) shipped
-# before by 15 to 20% (H100, k 29: 4096 tokens 0.564 / 0.569 against 0.682 ms, 16384 tokens
-# 2.224 / 2.225 against 2.627, 65536 tokens 9.275 / 9.261 against 10.890); gated calls of that d
-# take the split path from SPLIT_MIN_M_BY_D tokens anyway. Non-gated calls at d 4096 were not
-# measured with the new shape.
+# Tuned (entries per step, warps) per padded d, from the H200 sweeps; other sizes keep a [BE, D]
+# block near 16K elements. At d 2048 two entries a step won below about 40 active units per token
+# (131072 tokens: k 8 1.46 against 1.64 ms with four, k 29 3.88 against 4.04, heavy rows 5.74
+# against 6.13; 4096 tokens, k 29: 0.14 against 0.22), four from there at that batch (k 56: 6.90
+# against 7.12; see WIDE_STEP below). Skewed units at k 29 ran 3.49 against 3.40 ms with two entries
+# (2 x 2 programs: 3.29), and at 4096 tokens two entries still won at k 56 (0.247 against 0.263 ms).
+# At d 4096 (f 11008) two and four entries with four warps tied and beat (4, 8) by 15 to 20% (H100,
+# k 29: 4096 tokens 0.564 / 0.569 against 0.682 ms, 16384 tokens 2.224 / 2.225 against 2.627, 65536
+# tokens 9.275 / 9.261 against 10.890); gated calls of that d take the split path from
+# SPLIT_MIN_M_BY_D tokens anyway. Non-gated calls at d 4096 were not measured with this shape.
 TUNED: dict[int, tuple[int, int]] = {2048: (2, 4), 4096: (2, 4)}
 # WIDE_STEP: per padded d, the mean active units per token from which the fused kernel takes a
-# second shape. d 2048 had (40, (4, 4)) from the 131072-token sweep above, but gated calls of
-# that size now take the split path, and below it four entries lost: the module at 16384 tokens
-# ran 1.631 / 1.792 ms with them against 1.544 / 1.701 with two at k 48 / 56 (H100,
-# benchmarks/module_overhead_probe.py, NOTES_inference thirty-third session). Empty for now.
+# second shape. At d 2048 the 131072-token sweep above favours (40, (4, 4)), but gated calls of
+# that size take the split path, and below it four entries lost: the module at 16384 tokens
+# ran 1.631 / 1.792 ms with them against 1.544 / 1.701 with two at k 48 / 56 (H100). Empty:
+# every d keeps its TUNED shape.
 WIDE_STEP: dict[int, tuple[float, tuple[int, int]]] = {}
 
 
@@ -395,45 +392,40 @@ EXACT_CONFIG: tuple[int, int] = (8, 8)
 # blocks of listed rows (twell.kernels.heavy_rows, at DENSE_ROWS_CONFIG). The per-row exact
 # launch is one program per token, and a row's overflowed tile is a serial walk over its units:
 # at 131072 tokens it took 0.17 ms with nothing overflowed and 2.3 ms for 361 heavy rows (k 29),
-# at 16384 tokens 1.4 ms for 25 heavy rows (benchmarks/exact_launch_probe.py, NOTES_inference
-# twenty-seventh session).
+# at 16384 tokens 1.4 ms for 25 heavy rows.
 DENSE_ROWS_CONFIG: dict = dict(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
 # Rows with more than this many active units take the dense-rows path too, overflowed or not: a
-# long row is the serial tail of the first launch (one program per token), while on tensor
-# cores a whole row costs about what a hundred entries cost there. The forced op with heavy
-# rows (benchmarks/dense_rows_probe.py, NOTES_inference twenty-seventh session; H200, bf16,
-# d 2048, f 5632) at limits 128 / 256 / 512 / none: 131072 tokens k 29 2.01x / 1.92x / 1.74x /
-# 1.48x dense, k 56 1.88x / 1.81x / 1.55x / 1.32x; 16384 tokens k 29 1.82x / 1.70x / 1.47x /
-# 1.17x. twell.inference.dispatch prices the layer's rows with it.
+# long row is the serial tail of the first launch (one program per token), while on tensor cores a
+# whole row costs about what a hundred entries cost there. The forced op with heavy rows (H200,
+# bf16, d 2048, f 5632) at limits 128 / 256 / 512 / none: 131072 tokens k 29 2.01x / 1.92x / 1.74x /
+# 1.48x dense, k 56 1.88x / 1.81x / 1.55x / 1.32x; 16384 tokens k 29 1.82x / 1.70x / 1.47x / 1.17x.
+# twell.inference.dispatch prices the layer's rows with it.
 DENSE_ROW_MIN = 128
 LIST_ROWS_BLOCK = 256
 
-# The split path (gated; up products in one launch, down rows in a second) from this many
-# tokens on, with (entries per step, warps) = SPLIT_CONFIG per padded d. H200, bf16, d 2048
-# (benchmarks/updown_split_probe.py, NOTES_inference twenty-sixth session): at 131072 tokens
-# split 4 x 4 against the fused 2 x 4 / 4 x 4: k 8 1.415 against 1.470 ms, k 29 3.99 against
-# 4.16, k 56 6.94 against 6.99, skewed 3.38 against 3.44, heavy rows 6.66 against 6.59; at 16384
-# tokens within 2% either way, at 4096 up to 25% slower (one entry a step with two warps was
-# fastest at 131072 for even and skewed units, up to 12%, but 11% slower with heavy rows).
+# The split path (gated; up products in one launch, down rows in a second) from this many tokens on,
+# with (entries per step, warps) = SPLIT_CONFIG per padded d. H200, bf16, d 2048: at 131072 tokens
+# split 4 x 4 against the fused 2 x 4 / 4 x 4: k 8 1.415 against 1.470 ms, k 29 3.99 against 4.16,
+# k 56 6.94 against 6.99, skewed 3.38 against 3.44, heavy rows 6.66 against 6.59; at 16384 tokens
+# within 2% either way, at 4096 up to 25% slower (one entry a step with two warps was fastest at
+# 131072 for even and skewed units, up to 12%, but 11% slower with heavy rows).
 SPLIT_MIN_M = 65536
 # ...except per padded d listed here. At d 4096, f 11008 the up and down weights (180 MB) are far
-# larger than L2 and the split path won at every batch measured (H100, bf16, k 29 / 56 against
-# the best fused shape): 4096 tokens 0.416 / 0.649 against 0.564 / 0.988 ms, 16384 tokens 1.696 /
-# 2.376 against 2.224 / 4.049, 65536 tokens 7.329 / 9.386 against 9.261 / 17.050 (the H200 at
-# 16384 tokens: k 29 1.297 against 1.539, k 56 2.224 against 2.808; NOTES_inference
-# thirty-second and thirty-third sessions). Below 4096 tokens not measured.
+# larger than L2 and the split path won at every batch measured (H100, bf16, k 29 / 56 against the
+# best fused shape): 4096 tokens 0.416 / 0.649 against 0.564 / 0.988 ms, 16384 tokens 1.696 / 2.376
+# against 2.224 / 4.049, 65536 tokens 7.329 / 9.386 against 9.261 / 17.050 (the H200 at 16384
+# tokens: k 29 1.297 against 1.539, k 56 2.224 against 2.808). Below 4096 tokens not measured.
 SPLIT_MIN_M_BY_D: dict[int, int] = {4096: 4096}
 # d 4096: two entries a step won at k 56 (16384 tokens 2.376 against 2.532 ms with one, 65536
 # tokens 9.386 against 10.773), one entry at k 29 (SPLIT_NARROW below).
 SPLIT_CONFIG: dict[int, tuple[int, int]] = {2048: (4, 4), 4096: (2, 4)}
 # ...and SPLIT_NARROW (one entry a step) when the rows are about equally long: the root mean
 # square of the active units per token at most SPLIT_NARROW_MAX_SPREAD times their mean, as the
-# module's probes measure them (evenly spread and skewed units: 1.01 to 1.07). Long rows run
-# their loop once per entry there, so rows of unequal length keep SPLIT_CONFIG. At 131072 tokens
-# (benchmarks/split_spread_probe.py, NOTES_inference twenty-seventh session), 1 x 2 against
-# 4 x 4: k 29 3.89 against 4.03 ms, k 56 6.87 against 7.05, skewed k 29 3.10 against 3.41,
-# skewed k 56 6.10 against 6.46, k 8 1.32 against 1.42; heavy rows at spread 1.26 4.12 against
-# 4.12, at 1.50 4.40 against 4.25, at 3.66 7.36 against 6.68.
+# module's probes measure them (evenly spread and skewed units: 1.01 to 1.07). Long rows run their
+# loop once per entry there, so rows of unequal length keep SPLIT_CONFIG. At 131072 tokens, 1 x 2
+# against 4 x 4: k 29 3.89 against 4.03 ms, k 56 6.87 against 7.05, skewed k 29 3.10 against 3.41,
+# skewed k 56 6.10 against 6.46, k 8 1.32 against 1.42; heavy rows at spread 1.26 4.12 against 4.12,
+# at 1.50 4.40 against 4.25, at 3.66 7.36 against 6.68.
 # At d 4096 one entry a step won only at low k (k 29: 1.696 against 1.909 ms with two at 16384
 # tokens, 7.329 with eight warps against 8.042 at 65536; k 56 lost, above), so there it needs a
 # mean below SPLIT_NARROW_MAX_K too.
@@ -569,7 +561,7 @@ def ffn_from_twell(
             takes ``"split"`` for gated calls of at least :func:`split_min_m` tokens, else ``"token"``;
             ``"rows"``: token blocks on tensor cores (needs a one-tile TwELL, ``tile >= f``),
             then the exact path for overflowed rows. ``"rows"`` measured 2.5 to 3 times slower
-            than ``"token"`` on the H200 (benchmarks/NOTES_inference.md) and is kept for study.
+            than ``"token"`` on the H200 and is kept for study.
 
         hot: ``(h_hot, units)`` from :func:`twell.kernels.gate_pack.pack_relu_hot`: ``g`` holds
             the cold units only and ``h_hot [M, nh]`` the hot units' hidden values, whose dense

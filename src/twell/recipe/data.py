@@ -90,7 +90,35 @@ class ByteTokenizer:
         return bytes(10 if i == self.eos_id else i for i in ids).decode("utf-8", errors="replace")
 
     def save(self, directory: Path) -> None:
+        """``twell_tokenizer.json`` (what :func:`load_tokenizer` reads back) and the same tokenizer
+        as Hugging Face files (``tokenizer.json``, ``tokenizer_config.json``), so that
+        ``AutoTokenizer.from_pretrained(directory)`` gives these ids too."""
         (Path(directory) / "twell_tokenizer.json").write_text(json.dumps({"type": "bytes"}))
+        self.as_hf().save_pretrained(directory)
+
+    def as_hf(self):
+        """This tokenizer as a ``transformers`` fast tokenizer: byte ``b`` is id ``b`` and
+        ``<|endoftext|>`` is :attr:`eos_id`, so it encodes and decodes as :meth:`encode` and
+        :meth:`decode` do (built with the ``tokenizers`` library: a byte-level BPE with no merges).
+
+        >>> tok = ByteTokenizer().as_hf()
+        >>> tok("h\u00e9")["input_ids"], tok.eos_token_id
+        ([104, 195, 169], 256)
+        """
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+        from transformers import PreTrainedTokenizerFast
+
+        # GPT-2's byte-to-character table, which the ByteLevel pre-tokenizer applies: printable
+        # bytes stand for themselves, the others for the characters from U+0100 on, in byte order
+        printable = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1),
+                     *range(ord("\u00ae"), ord("\u00ff") + 1)]
+        others = [b for b in range(256) if b not in printable]
+        char_of = {**{b: chr(b) for b in printable}, **{b: chr(256 + i) for i, b in enumerate(others)}}
+        tok = Tokenizer(models.BPE(vocab={char_of[b]: b for b in range(256)}, merges=[]))
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens(["<|endoftext|>"])
+        return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
 
 
 class HFTokenizer:

@@ -170,7 +170,7 @@ class Trainer:
         self.history: list[dict] = []
         # Throughput of this process's run: tokens of its steps over the time spent in them
         # (validation and checkpoints excluded); the progress bar and the summary show it.
-        self.train_seconds, self.session_tokens = 0.0, 0
+        self.train_seconds, self.tokens_since_start = 0.0, 0
         self.stop_signal: Optional[int] = None  # set by SIGINT/SIGTERM during fit
         # (step, samples_seen, folder) of the last checkpoint written or loaded: skipped steps
         # leave the step where it was but move the data position, so both name a state.
@@ -590,7 +590,7 @@ class Trainer:
                     r = self.train_step()
                     seconds = time.perf_counter() - t0
                     self.train_seconds += seconds
-                    self.session_tokens += self.tokens_per_step
+                    self.tokens_since_start += self.tokens_per_step
                     interval_seconds += seconds
                     interval_tokens += self.tokens_per_step
                     if not r.applied:
@@ -636,7 +636,7 @@ class Trainer:
     @property
     def throughput(self) -> Optional[float]:
         """Tokens per second of this process's steps so far (validation and checkpoints excluded)."""
-        return self.session_tokens / self.train_seconds if self.train_seconds > 0 else None
+        return self.tokens_since_start / self.train_seconds if self.train_seconds > 0 else None
 
     def _log_row(self, tokens_per_s: float) -> dict:
         """The log row of this step: means since the last row (reduced over ranks), then reset."""

@@ -16,9 +16,8 @@ pinned memory without blocking, right after the pack, and the backward reads it
 (:func:`_to_host`, :func:`_host_counts`), waiting only if the GPU has not yet reached that point of the forward (in
 a training step it did long before; right after a lone forward, the forward's row kernels are
 still queued behind it, so the GPU keeps working while the host waits). A stream synchronisation
-per layer, as before, drained the GPU's queue each time: in a whole training step of the 0.5b
-preset, removing it took the sparse kernels from 1.14x to 1.16x dense's tokens/s
-(benchmarks/NOTES_training.md).
+per layer instead would drain the GPU's queue each time: in a whole training step of the 0.5b
+preset, the sparse kernels read 1.16x dense's tokens/s without it, 1.14x with it.
 
 In the backward, the weight gradients of the light rows go unit by unit (a per-unit kernel over
 the slots sorted by unit, its programs taking the longest units first), except for hot units
@@ -73,19 +72,18 @@ __all__ = [
 # every loop of the kernels more than once.
 # block_d None: the whole row of d in registers (whole-row kernels) up to FULL_D_MAX columns, else
 # d in steps of 512 (row kernels) or 256 (weight gradients).
-# The pack: two rows per program in steps of 512 columns, one warp (benchmarks/train_pack_probe.py,
-# twenty-fifth session: 0.086 ms at M 16384, k 29, against 0.133 for the shape shipped with the
-# previous kernel; the fastest of seven shapes in four of five cases, within 5% in the fifth).
+# The pack: two rows per program in steps of 512 columns, one warp (0.086 ms at M 16384, k 29;
+# the fastest of seven shapes in four of five cases, within 5% in the fifth).
 PACK_CONFIG: dict = dict(block_m=2, block_f=512, num_warps=1)
 ROWS_CONFIG: dict = dict(block_e=2, block_d=None, num_warps=4)
 # The weight gradients in two launches (split: one gathering x rows, one dy rows; each gathers from
 # 64 MB at M 16384 instead of 128, and L2 holds 50 MB), four warps: 0.75 against 1.08 ms at M
-# 16384, k 29 on an H100 (benchmarks/train_wgrad_split_probe.py, fifty-fifth session).
+# 16384, k 29 on an H100.
 GRADS_CONFIG: dict = dict(block_t=2, block_d=None, num_warps=4, split=True)
 # The weight gradients' programs take the units longest first (the schedule of
 # twell.kernels.train_index.heavy_and_hot): on an H100 at M 16384 the kernel went from 0.74 to
-# 0.64 ms on even k 29 and from 0.72 to 0.49 ms on skewed k 29 (benchmarks/train_wgrad_order_probe.py,
-# a sort standing in for the schedule, fifty-fifth session).
+# 0.64 ms on even k 29 and from 0.72 to 0.49 ms on skewed k 29 (a sort standing in for the
+# schedule).
 GRADS_LONGEST_FIRST: bool = True
 # The heavy rows' tiles (twell.kernels.heavy_rows): rows, columns, reduction step. Not tuned: on
 # the sparse path heavy rows are a small share of a call (a layer with many trains dense, see
@@ -227,12 +225,11 @@ def _host_counts(saved: torch.Tensor, own: torch.Tensor, device: torch.device, l
 # light-row slots gets its weight gradients from cuBLAS over a dense [M, n_hot] block instead of
 # the per-unit kernel, whose one program per unit would otherwise walk thousands of tokens
 # serially (skewed layers: a few units fire for a large share of the tokens). The column
-# counterpart of the heavy rows. A unit's share of the dense block costs about the same at any
-# fill (M d flops and a column of M values), its gathers about 1.6 ns per slot (M 16384, k 29 on
-# an H100): the block pays from 1% to 2% of the tokens. On the H100 (benchmarks/train_skewed_ab.py,
-# fifty-fifth session; forward + backward, forced sparse, against dense PyTorch; skewed layers,
-# with the longest-first schedule below):
-# - max(256, 2% M, 2 x mean) against the earlier max(256, 8 x mean): k 29 at M 16384 1.64x
+# counterpart of the heavy rows. A unit's share of the dense block costs about the same at any fill
+# (M d flops and a column of M values), its gathers about 1.6 ns per slot (M 16384, k 29 on an
+# H100): the block pays from 1% to 2% of the tokens. On the H100 (forward + backward, forced sparse,
+# against dense PyTorch; skewed layers, with the longest-first schedule below):
+# - max(256, 2% M, 2 x mean) against max(256, 8 x mean): k 29 at M 16384 1.64x
 #   against 1.48x (both in unit order), k 56 0.97x against 0.88x, k 29 at M 65536 1.69x
 #   against 1.45x;
 # - then HOT_SHARE 1/64 against 2%: k 8 2.23x against 2.21x, k 29 1.86x against 1.76x, k 56
@@ -245,8 +242,7 @@ HOT_SHARE = 1 / 64
 HOT_FACTOR = 2.0
 # The hot units' dense blocks are [M, n] with n = n_hot rounded up to a multiple of HOT_ALIGN
 # (zero columns past the hot units). 8 would give bf16 rows cuBLAS's 16-byte alignment, which
-# the inference hot units needed (NOTES_inference, fifty-fourth session); not yet measured in
-# training, so 1 (no padding) ships: benchmarks/train_skewed_ab.py takes it as a setting.
+# the inference hot units need; not measured in training, so the default is 1 (no padding).
 HOT_ALIGN = 1
 
 

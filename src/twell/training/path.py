@@ -45,8 +45,8 @@ TRAIN_MODES = ("auto", "dense", "sparse")
 # Break-even share of active units per token: the sparse kernels' forward + backward beat dense
 # below it (H200, bf16, d 2048, f 5632, M 16384: at k = 29 of 5632 even / skewed / heavy 1.31x /
 # 1.07x / 1.31x, at k = 56 0.87x / 0.78x / 1.35x; M 65536: k = 29 1.54x / 1.56x / 2.27x, k = 56
-# 0.89x / 0.95x / 1.60x; run 5 of benchmarks/NOTES_training.md). 0.006 f = 34 units. Timed call
-# by call in turn with dense (run 6, training_mlp_h200.json) the sparse op reads less at M 16384
+# 0.89x / 0.95x / 1.60x). 0.006 f = 34 units. Timed call by call in turn with dense
+# (benchmarks/results/training_mlp_h200.json) the sparse op reads less at M 16384
 # (k 29 even / skewed / heavy 1.20x / 1.01x / 1.44x), so there this rule keeps skewed k 29 sparse
 # at 0.98x of dense; at M 65536 1.46x / 1.40x / 2.32x.
 MAX_DENSITY = 0.006
@@ -55,31 +55,29 @@ MAX_DENSITY = 0.006
 # Whether "auto" may take the sparse kernels at all. On: in a whole training step of the 0.5b
 # preset (8 x 2048 tokens, 29.5 active units per layer by construction, lr 0 so that it holds)
 # the sparse kernels gave 1.14x dense's tokens/s (110.0k against 96.6k) with 0.92x the peak
-# memory (benchmarks/results/training_mlp_h200.json). (An earlier measurement, 0.86x, ran at lr
-# 3e-4, where the constructed sparsity did not hold: most rows went heavier than the width.)
+# memory (benchmarks/results/training_mlp_h200.json). (At lr 3e-4 the constructed sparsity does
+# not hold, most rows going heavier than the width: 0.86x.)
 AUTO_SPARSE = True
 
 
 # Whether a layer's dense training path runs twell.training.ops.dense_gated_ffn (True) or the
 # module's PyTorch ops (relu, product, |h| and the active mask as separate passes over [M, f]).
 # Measured in `twell bench training` (dense_path_ms and twell_ms against plain_module_ms, at
-# M 16384: 4.70 against 6.43 ms, k 8 even; benchmarks/NOTES_training.md, run 6).
+# M 16384: 4.70 against 6.43 ms, k 8 even).
 FUSED_DENSE = True
 
 
 # Fewest tokens per call (the module's input, all leading dimensions together) for which "auto"
 # takes the sparse kernels. Below it a call is bound by the host: on the H200 machine here the
 # sparse op's Python and its 63 CUDA launches took about 3.3 ms per forward + backward (an upper
-# bound: its backward waits until the GPU has passed the forward's pack), dense PyTorch's 0.4 ms
-# (benchmarks/train_small_m_profile.py). In whole 0.5b training steps (k 29 constructed, lr 0)
-# the sparse kernels read 0.77x to 0.96x of the fused dense path at 1 and 2 x 2048 tokens per
-# call and 1.02x to 1.06x at 4 x 2048 (benchmarks/train_auto_rule_probe.py --steps;
-# benchmarks/NOTES_training.md, twenty-third session). At 8192 tokens, k 29, one layer read 1.00x
-# and 1.35x in two runs: the floor sits near the break-even on this host. Measured at d 2048, f
-# 5632 only; at larger d and f the GPU work per token grows and the break-even falls. With the
-# op's bookkeeping in three Triton kernels (twell.kernels.train_index, twenty-fourth session)
-# the forced sparse op read 0.67x of dense PyTorch at 4096 tokens and 1.33x at 8192 (k 29, one
-# layer, benchmarks/train_op_ab.py): the floor stays.
+# bound: its backward waits until the GPU has passed the forward's pack), dense PyTorch's 0.4 ms. In
+# whole 0.5b training steps (k 29 constructed, lr 0) the sparse kernels read 0.77x to 0.96x of the
+# fused dense path at 1 and 2 x 2048 tokens per call and 1.02x to 1.06x at 4 x 2048. At 8192 tokens,
+# k 29, one layer read 1.00x and 1.35x in two runs: the floor sits near the break-even on this host.
+# Measured at d 2048, f 5632 only; at larger d and f the GPU work per token grows and the break-even
+# falls. With the op's bookkeeping in three Triton kernels (twell.kernels.train_index) the forced
+# sparse op read 0.67x of dense PyTorch at 4096 tokens and 1.33x at 8192 (k 29, one layer): the
+# floor stays.
 MIN_SPARSE_TOKENS = 8192
 
 
@@ -88,10 +86,9 @@ MIN_SPARSE_TOKENS = 8192
 # ``SparseGatedMLP.train``). The sparse training op then reads a unit's down column with no
 # ``w_down^T`` copy in each forward and each backward (0.08 ms each at d 2048, f 5632, M 16384),
 # and the training ops' ``[f, d]`` weight gradient is the parameter's own layout (no copy into
-# it either). On the H200 (benchmarks/train_layout_probe.py, benchmarks/NOTES_training.md,
-# seventeenth session; bf16, d 2048, f 5632, forward + backward) it is faster in every
+# it either). On the H200 (bf16, d 2048, f 5632, forward + backward) it is faster in every
 # like-for-like timing: M 16384 k 8 2.06 against 2.14 ms, k 29 3.27 to 3.29 against 3.50 to 3.52,
-# M 65536 k 29 12.85 to 12.93 against 13.06 to 13.25. (The sixteenth session's "loss at k 8" was
+# M 65536 k 29 12.85 to 12.93 against 13.06 to 13.25. (An apparent loss at k 8 in another timing was
 # the timing order: the variant timed right after another sparse call read 0.9 ms slower,
 # whichever layout it was.) Optimizer state made in the other layout follows the parameter's
 # (twell.optim_layout).
@@ -111,8 +108,7 @@ HEAVY_SHARE_MAX = 0.3
 # mean past MAX_DENSITY f while the ELL rows stay light (heavy-tailed layers). At each width W of
 # PROBE_WIDTHS the probe measures the light rows' entries per token (light_W: units of rows with
 # at most W, over all tokens) and the share of rows above W (share_W). On the H200 (bf16, d 2048,
-# f 5632, M 16384, forward + backward; benchmarks/train_auto_rule_probe.py, twenty-fourth
-# session) the sparse op's time over dense PyTorch's fitted
+# f 5632, M 16384, forward + backward) the sparse op's time over dense PyTorch's fitted
 #     r = 0.25 + 0.0155 light_W + (0.06 + 1.2 share_W if any row is heavy)
 # within 0.02 on 15 layers (even k 8 to 48; light k 29 with 1% to 20% of the rows at about 600
 # units; synthetic heavy k 29 to 160 at W 32 to 128). Written in units of f, as MAX_DENSITY is:
