@@ -91,7 +91,7 @@ def main() -> None:
                              dict(BM=128, TILE=tile, BK=64, GROUP_M=8, PACK=pack, PREC="tf32"), 8, 3))
     if heavy_rows is not None:
         for dtype, ieee in ((BF, False), ("*fp32", True)):
-            # from 2026-12-04 s28 the precision is a PREC string (twell.kernels._dot)
+            # where the precision is a PREC string (twell.kernels._dot)
             prec = {"PREC": "ieee" if ieee else "tf32"} if "PREC" in heavy_rows._heavy_up_kernel.arg_names else {"IEEE": ieee}
             for gated in (True, False):
                 variants.append((f"heavy_up {dtype[1:]} g{gated:d}", heavy_rows._heavy_up_kernel,
@@ -100,7 +100,7 @@ def main() -> None:
             variants.append((f"heavy_down {dtype[1:]}", heavy_rows._heavy_down_kernel,
                              dict(h_ptr=dtype, wd_ptr=dtype, y_ptr=dtype, idx_ptr="*i64", n_ptr="*i64"),
                              dict(BM=64, BD=128, BK=64, **prec), 4, 3))
-    if decode_split is not None and hasattr(decode_split, "_fire_gate_kernel"):  # from s10: the shipped shape, PDL
+    if decode_split is not None and hasattr(decode_split, "_fire_gate_kernel"):  # the shipped shape, PDL
         c = decode_split.SPLIT_CONFIG
         T = decode_split.SPLIT_MAX_M
 
@@ -114,7 +114,7 @@ def main() -> None:
                     descs = (False,)
                     types = dict(x_ptr=dtype, wf_ptr=dtype, wu_ptr=dtype, wd_ptr=dtype, entry_ptr="*i32", gate_ptr=dtype,
                                  count_ptr="*i32", acc_ptr="*fp32", counts_ptr="*i32", uc_ptr="*i32", nnz_ptr="*i32")
-                    if "DESC" in decode_split._fire_gate_kernel.arg_names:  # from 2026-12-02 s13
+                    if "DESC" in decode_split._fire_gate_kernel.arg_names:  # gate loads through tensor descriptors
                         descs = (False, True)
                     for desc in descs:
                         extra, tys = ({"DESC": desc}, dict(types)) if len(descs) == 2 else ({}, types)
@@ -136,7 +136,7 @@ def main() -> None:
                                      dict(BD=2048, ONE_STEP=one, TOK=T, GATED=gated, GDC=True), c.updown_warps, 3))
     if decode_split is not None:
         args = decode_fused._write_out_reset_kernel.arg_names
-        extra = {"TOK": 64, "PER_TOKEN": False} if "PER_TOKEN" in args else {}  # s10, with the per-token lists
+        extra = {"TOK": 64, "PER_TOKEN": False} if "PER_TOKEN" in args else {}  # with the per-token lists
         variants.append(("write_out_reset bf16", decode_fused._write_out_reset_kernel,
                          dict(acc_ptr="*fp32", y_ptr=BF, count_ptr="*i32"), dict(BLOCK=1024, GDC=True, **extra), 4, 3))
     for name, fn, types, consts, nw, ns in variants:

@@ -8,25 +8,30 @@ Convention for README.md, docs/*.md and benchmarks/README.md (docs/contributing.
   ``GB/s``, ``TFLOP/s``, ``nats/byte``, ``bits/byte``; a ``k`` or ``M`` right after the number
   means thousands or millions (``105.1k tokens/s``). In a block that cites results, a bare decimal
   number (``0.7397``, ``2.3e-3``) is a figure too. Numbers in code spans, fenced code, headings,
-  link targets and HTML comments are not figures.
+  link targets and HTML comments are not figures, nor those of a block right below the line
+  ``<!-- settings -->``: thresholds of the code stated in prose ("at most 0.6% of f").
 - Every paragraph, list item or table row that states a figure links to the file it comes from:
   ``benchmarks/results/<file>`` (a ``.json``, ``.csv`` or ``.log``), relative to the page. A table
   row or a list item with no link of its own takes the links of the paragraph right above its
   table or list (its caption).
 - Every *unit* of a cited block (a table row, or a sentence of prose) must be found in ONE record
   of the cited files, or in a PAIR of records of one list (dense and twell, or the two ends of a
-  range). A record is any JSON object with numbers (nested lists and objects are flattened into
-  it); a ``.csv`` row is a record; a ``.log`` file is one record.
+  range). A record is any JSON object with numbers (nested objects and lists of numbers are
+  flattened into it; lists of objects are records of their own; the timing rounds behind a
+  median are left out); a ``.csv`` row is a record; a ``.log`` file is one record.
 - A figure matches a number of the record when it equals that number rounded to the precision
   shown (``1.62x`` matches 1.6176 to 1.6249), after the unit's conversions (bytes to GiB, a share
-  to %, s / ms / us, tokens/s to tokens/ms). A ratio ``Nx`` also matches ``a / b`` (either way
-  round) of two times, throughputs or sizes that are the same quantity: two fields of one record
-  whose names differ only by ``dense`` / ``twell`` / ``sparse`` / ``published`` /
-  ``plain_module`` (``dense_ms`` and ``twell_ms``, ``peak_bytes`` and ``dense_peak_bytes``), or
-  one field of two records that differ in one setting only (``variant`` dense and twell).
+  to %, s / ms / us, tokens/s to tokens/ms), and only from fields whose names fit the unit: a
+  ratio ``Nx`` from a ``*speedup*`` field, ``ms`` from ``*_ms`` (or ``_us``, ``_s``) fields, GiB from
+  ``*bytes*`` fields, and so on (``UNITS``). A ratio also matches ``a / b`` (either way round) of
+  one time, throughput, size or energy field in two records that differ in one setting only
+  (``variant`` dense and twell, ``kernels`` dense and sparse).
 - A pair must share a quantity: a field that figures of the unit read from both records, or a
   ratio across them. So a row cannot take its dense time from one record and its twell time from
   an unrelated one.
+- A table whose rows are mostly single records of the same files is a grid: every row must be one
+  record, and every column must read one field in all its rows (a figure taken from the wrong
+  column, or a typo that happens to equal another field of the record, breaks that).
 
 The second test keeps build history out of the repository's text files: no issue numbers, no
 work-period words or ordinals, no run tags of that kind. History lives in git.
@@ -34,13 +39,13 @@ work-period words or ordinals, no run tags of that kind. History lives in git.
 
 from __future__ import annotations
 
-import bisect
 import csv
 import itertools
 import json
 import math
 import os
 import re
+import subprocess
 from functools import lru_cache
 from pathlib import Path
 
@@ -52,25 +57,29 @@ PAGES = ["README.md", "benchmarks/README.md"] + sorted(
     str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")
 )
 
-# unit -> scales that turn a stored number into the unit shown
+# unit -> (pattern of the field names it may come from, scale that turns the stored number into
+# the unit shown); a text file's numbers have no names and take any scale of their unit
+_MS, _US = r"(^|[_.])ms($|[_.\[])", r"(^|[_.])us($|[_.\[])"
+_SEC = r"(wall|compile|run)_s($|[_.\[])"
+_PER_S = r"(tok_s|per_s)($|[_.\[])"
 UNITS = {
-    "x": (1.0,),
-    "%": (100.0, 1.0),
-    "ms": (1.0, 1e3, 1e-3),
-    "us": (1.0, 1e3),
-    "s": (1.0, 1e-3),
-    "mJ": (1.0,),
-    "GiB": (2.0**-30, 1.0),
-    "MiB": (2.0**-20, 1.0),
-    "KiB": (2.0**-10, 1.0),
-    "tokens/ms": (1.0, 1e-3),
-    "tokens/s": (1.0, 1e3),
-    "TB/s": (1.0, 1e-3),
-    "GB/s": (1.0, 1e3),
-    "TFLOP/s": (1.0,),
-    "nats/byte": (1.0,),
-    "bits/byte": (1.0,),
-    "": (1.0,),  # a bare decimal number in a cited block
+    "x": ((r"speedup|ratio|rel_to", 1.0),),
+    "%": ((r"share|sparsity|frac|target|increase|density|rate", 100.0),),
+    "ms": ((_MS, 1.0), (_SEC, 1e3), (_US, 1e-3)),
+    "us": ((_US, 1.0), (_MS, 1e3)),
+    "s": ((_SEC, 1.0), (_MS, 1e-3)),
+    "mJ": ((r"mj", 1.0),),
+    "GiB": ((r"bytes", 2.0**-30),),
+    "MiB": ((r"bytes", 2.0**-20),),
+    "KiB": ((r"bytes", 2.0**-10),),
+    "tokens/ms": ((r"per_ms", 1.0), (_PER_S, 1e-3)),
+    "tokens/s": ((_PER_S, 1.0), (r"per_ms", 1e3)),
+    "TB/s": ((r"tbps", 1.0), (r"gbps", 1e-3)),
+    "GB/s": ((r"gbps", 1.0), (r"tbps", 1e3)),
+    "TFLOP/s": ((r"tflops", 1.0),),
+    "nats/byte": ((r"loss", 1.0),),
+    "bits/byte": ((r"bits_per_byte", 1.0),),
+    "": ((r"", 1.0),),  # a bare decimal number in a cited block: any field
 }
 _NUM = r"(?<![\w.])(?P<sign>[-+]?)(?P<num>\d+(?:\.(?P<dec>\d+))?(?:e(?P<exp>[-+]?\d+))?)(?P<mult>[kM])?"
 _UNIT_RE = "|".join(re.escape(u) for u in sorted((u for u in UNITS if u and u != "x"), key=len, reverse=True))
@@ -78,7 +87,7 @@ FIGURE = re.compile(
     _NUM + r"(?:(?P<ratio>x)(?![\w])|\s?(?P<unit>" + _UNIT_RE + r")(?![\w/])|(?P<bare>)(?![\w]|\.\d))"
 )
 LINK = re.compile(r"\[([^\]]*)\]\(([^)\s]+)\)")
-RATIO_WORDS = re.compile(r"(?:^|_)(?:dense|twell|sparse|published|plain_module)(?=_|$)")
+SETTINGS_MARK = "<!-- settings -->"  # on the line above a block whose figures are settings, not measurements
 
 
 class Figure:
@@ -128,7 +137,7 @@ def _numbers(obj, prefix: str, out: dict) -> None:
     if isinstance(obj, bool) or obj is None:
         return
     if isinstance(obj, (int, float)):
-        if math.isfinite(obj):
+        if math.isfinite(obj) and "_rounds[" not in prefix:  # the timing rounds behind a median: not figures
             out[prefix] = float(obj)
     elif isinstance(obj, dict):
         for k, v in obj.items():
@@ -145,6 +154,7 @@ class Record(dict):
 
     group: object = None
     settings: dict = {}
+    text = False  # numbers of a .log or .csv file: no field names
 
 
 def _records_of(obj, out: list, group) -> None:
@@ -167,7 +177,9 @@ def _records_of(obj, out: list, group) -> None:
 def _text_numbers(text: str) -> Record:
     text = re.sub(r"(?<=\d),(?=\d{3}\b)", "", text)  # 235,153 -> 235153
     nums = re.findall(r"[-+]?\d+(?:\.\d+)?(?:e[-+]?\d+)?", text)
-    return Record({f"n{i}": float(n) for i, n in enumerate(nums)})
+    rec = Record({f"n{i}": float(n) for i, n in enumerate(nums)})
+    rec.text = True
+    return rec
 
 
 @lru_cache(maxsize=None)
@@ -194,42 +206,34 @@ def pairable(a: Record, b: Record) -> bool:
     return a.group is b.group or a.group == b.group == "top"
 
 
-def _stem(key: str):
-    """The quantity a field measures, for ratios within a record: a time, a throughput or a size
-    (``dense_ms`` and ``twell_ms`` are one); None for other fields."""
-    head, _, last = key.rpartition(".")
-    stem = RATIO_WORDS.sub("", last).strip("_")
-    return head + "." + stem if re.search(r"(?:^|_)(?:ms|us|bytes|tok_s|per_s|per_ms)$", stem) else None
+def _ratio_quantity(key: str) -> bool:
+    """Whether a field is a time, a throughput, a size or an energy: a ratio across two variants
+    of a run may be taken of it."""
+    return re.search(r"(^|_)(ms|us|bytes|tok_s|per_s|per_ms|mj)($|_)", key.rpartition(".")[2]) is not None
 
 
-def _close(fig: Figure, v: float) -> bool:
-    return any(abs(v * s - fig.value) <= fig.tol for s in UNITS[fig.unit])
+@lru_cache(maxsize=None)
+def _scales(unit: str, key) -> tuple:
+    """The scales by which field ``key`` (None: any field) may show in ``unit``."""
+    return tuple({s for pattern, s in UNITS[unit] if key is None or re.search(pattern, key.lower())})
 
 
-_STEMS: dict = {}
+def _close(fig: Figure, v: float, key: str = None) -> bool:
+    """Whether the stored number ``v`` (of field ``key``; None: a ratio, or a text file's number)
+    shows as ``fig``."""
+    return any(abs(v * s - fig.value) <= fig.tol for s in _scales(fig.unit, key))
 
 
-def _stems(rec: Record) -> tuple:
-    """The groups of fields of one record that are the same quantity (see the module's text)."""
-    hit = _STEMS.get(id(rec))
-    if hit is None or hit[0] is not rec:
-        groups: dict = {}
-        for k, v in rec.items():
-            if _stem(k) is not None:
-                groups.setdefault(_stem(k), []).append(v)
-        hit = _STEMS[id(rec)] = (rec, tuple((stem, vs) for stem, vs in groups.items() if len(vs) > 1))
-    return hit[1]
+def _value_close(fig: Figure, rec: "Record", key: str) -> bool:
+    if rec.text:
+        scales = {s for _, s in UNITS[fig.unit]} | ({100.0, 1.0} if fig.unit == "%" else set())
+        return any(abs(rec[key] * s - fig.value) <= fig.tol for s in scales)
+    return _close(fig, rec[key], key)
 
 
 def fields(fig: Figure, rec: Record) -> set:
-    """The fields of ``rec`` that ``fig`` matches: by value, or (a ratio) as a / b of two fields
-    of one quantity (named by that quantity)."""
-    out = {k for k, v in rec.items() if _close(fig, v)}
-    if fig.unit == "x":
-        for stem, vs in _stems(rec):
-            if any(b != 0 and _close(fig, a / b) for a, b in itertools.permutations(vs, 2)):
-                out.add("ratio of " + stem)
-    return out
+    """The fields of ``rec`` that ``fig`` matches."""
+    return {k for k in rec if _value_close(fig, rec, k)}
 
 
 def variants(a: Record, b: Record) -> bool:
@@ -242,33 +246,59 @@ def cross(fig: Figure, a: Record, b: Record) -> set:
     """The fields k with ``fig`` = a[k] / b[k] or b[k] / a[k], for two variants of one run."""
     if fig.unit != "x" or not variants(a, b):
         return set()
-    return {k for k in a.keys() & b.keys() if any(y != 0 and _close(fig, x / y) for x, y in ((a[k], b[k]), (b[k], a[k])))}
+    return {k for k in a.keys() & b.keys() if _ratio_quantity(k)
+            and any(y != 0 and _close(fig, x / y) for x, y in ((a[k], b[k]), (b[k], a[k])))}
 
 
 def _fits(fig: Figure, recs: tuple) -> bool:
     return any(fields(fig, r) for r in recs) or (len(recs) == 2 and bool(cross(fig, *recs)))
 
 
-def unit_found(figs: list[Figure], recs: tuple) -> bool:
-    """Whether every figure of ``figs`` is found in one record of ``recs``, or in one pair: two
-    records of one list (or the top-level objects of two files) that share a quantity, that is
-    a field which figures of the unit read from both, or a ratio across them."""
-    if not figs:
-        return True
-    if any(all(fields(f, r) for f in figs) for r in recs):
-        return True
+def match(figs: list[Figure], recs: tuple):
+    """How the figures of one unit are found in ``recs``: ``("single", fields)`` when one record
+    holds them all (``fields``: for each figure, the fields it matches in any such record),
+    ``("pair", None)`` when a pair does: two records of one list (or the top-level objects of
+    two files) that share a quantity, a field which figures of the unit read from both or a ratio
+    across them; None when neither does."""
+    singles = [r for r in recs if all(fields(f, r) for f in figs)]
+    if singles:
+        return "single", [set().union(*(fields(f, r) for r in singles)) for f in figs]
     holders = [r for r in recs if any(fields(f, r) for f in figs)]
     for a, b in itertools.combinations(holders, 2):
         if not pairable(a, b):
             continue
         fa = [fields(f, a) for f in figs]
         fb = [fields(f, b) for f in figs]
-        fx = [cross(f, a, b) for f in figs]
+        read = set().union(*fa, *fb)
+        fx = [cross(f, a, b) & read if read else cross(f, a, b) for f in figs]  # a ratio of what the unit reads
         if not all(x or y or z for x, y, z in zip(fa, fb, fx)):
             continue
         if set().union(*fa) & set().union(*fb) or set().union(*fx):
-            return True
-    return False
+            return "pair", None
+    return None
+
+
+def column_problems(rows: list) -> list[str]:
+    """A table whose rows are each one record of the same files reads each column from one field:
+    ``rows`` holds (line, positions), positions mapping (column, figure in the cell) to the fields
+    the figure matches. A column whose rows share no field mixes quantities (a figure copied from
+    the wrong column, or a typo that happens to equal another field)."""
+    out = []
+    columns: dict = {}
+    for no, positions in rows:
+        for pos, names in positions.items():
+            columns.setdefault(pos, []).append((no, names))
+    for (col, i), cells in columns.items():
+        if len(cells) < 2 or set.intersection(*(names for _, names in cells)):
+            continue
+        counts: dict = {}
+        for _, names in cells:
+            for n in names:
+                counts[n] = counts.get(n, 0) + 1
+        best = max(counts, key=counts.get)
+        odd = [str(no) for no, names in cells if best not in names]
+        out.append(f"column {col + 1} reads {best!r} except on line(s) {', '.join(odd)}")
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -276,8 +306,11 @@ def unit_found(figs: list[Figure], recs: tuple) -> bool:
 
 
 class Block:
-    def __init__(self, kind: str, lines: list[tuple[int, str]]):
-        self.kind, self.lines = kind, lines
+    """A paragraph, a list item, a table, a heading or the start of a fenced code block;
+    ``settings``: marked as stating settings of the code, not measurements."""
+
+    def __init__(self, kind: str, lines: list[tuple[int, str]], settings: bool = False):
+        self.kind, self.lines, self.settings = kind, lines, settings
 
     @property
     def text(self) -> str:
@@ -285,17 +318,18 @@ class Block:
 
 
 def blocks(markdown: str) -> list[Block]:
-    """Paragraphs, list items and tables (each row a line), with their line numbers; fenced code,
-    headings and HTML comments dropped."""
+    """The blocks of a page with their line numbers: paragraphs, list items, tables (a row per
+    line), headings and code blocks (their text dropped); HTML comments dropped."""
     out: list[Block] = []
     cur: list = []
     kind = ""
-    fenced = comment = False
+    fenced = comment = settings = False
 
     def close():
-        nonlocal cur
+        nonlocal cur, settings
         if cur:
-            out.append(Block(kind, cur))
+            out.append(Block(kind, cur, settings))
+            settings = False
         cur = []
 
     for no, line in enumerate(markdown.splitlines(), 1):
@@ -310,6 +344,9 @@ def blocks(markdown: str) -> list[Block]:
             continue
         if comment or s.startswith("<!--"):
             comment = "-->" not in s
+            if s == SETTINGS_MARK:
+                close()
+                settings = True  # the next block states settings
             continue
         if not s:
             close()
@@ -359,13 +396,17 @@ def units(block: Block) -> list[tuple[int, str, str]]:
     return [(block.lines[0][0], s, block.text) for s in re.split(r"(?<=[.!?;])\s+(?=[A-Z(*])", text) if s.strip()]
 
 
+def _cells(text: str) -> list[list[Figure]]:
+    return [figures(_strip(c)) for c in text.strip().strip("|").split("|")]
+
+
 def check_page(page: Path) -> list[str]:
     """Every problem of one page, as ``file:line: what``."""
     problems = []
     name = page.relative_to(ROOT)
     caption: list[Path] = []  # the links of the last paragraph, for the table or list right below it
     for block in blocks(page.read_text()):
-        if block.kind in ("heading", "code"):
+        if block.kind in ("heading", "code") or block.settings:
             caption = []
             continue
         for path in cited_files(block.text, page):
@@ -374,19 +415,46 @@ def check_page(page: Path) -> list[str]:
         own = [p for p in cited_files(block.text, page) if p.is_file()]
         if block.kind == "paragraph":
             caption = own
+        grid: list = []  # a table's rows found as single records: (line, links, positions)
         for no, text, cites in units(block):
             links = [p for p in cited_files(cites, page) if p.is_file()] if block.kind == "table" else own
             links = links or (caption if block.kind != "paragraph" else [])
             recs = tuple(r for p in links for r in records(str(p)))
             figs = figures(_strip(text), bare=bool(links))
-            if figs and not links:
+            if not figs:
+                continue
+            if not links:
                 problems.append(f"{name}:{no}: {figs} but no results file cited: {text.strip()[:90]}")
-            elif figs and not unit_found(figs, recs):
+                continue
+            found = match(figs, recs)
+            if found is None:
                 files = ", ".join(p.name for p in links)
                 missing = [f for f in figs if not any(_fits(f, (r,)) for r in recs)]
                 problems.append(f"{name}:{no}: {figs} not found together in one record (or a pair) of {files}"
                                 + (f"; in none: {missing}" if missing else "") + f": {text.strip()[:90]}")
+            elif block.kind == "table":
+                kind, names = found
+                spots = [(c, i) for c, cell in enumerate(_cells(text)) for i in range(len(cell))]
+                positions = dict(zip(spots, names)) if kind == "single" and len(spots) == len(figs) else None
+                grid.append((no, tuple(links), positions, text))
+        problems += [f"{name}:{p}" for p in grid_problems(grid)]
     return problems
+
+
+def grid_problems(grid: list) -> list[str]:
+    """A table whose rows are mostly single records of the same files is a grid: each row one
+    record, each column one field. A row of it that only a pair of records explains, or a column
+    whose rows share no field, is reported."""
+    out = []
+    for links in {links for _, links, _, _ in grid}:
+        rows = [(no, pos, text) for no, li, pos, text in grid if li == links]
+        singles = [(no, pos) for no, pos, _ in rows if pos is not None]
+        if len(singles) < 2 or 2 * len(singles) <= len(rows):
+            continue
+        out += [f"{no}: one record per row, as in the rest of its table, does not hold {text.strip()[:80]}"
+                for no, pos, text in rows if pos is None]
+        out += [f"{singles[0][0]}: {p}" for p in column_problems(singles)]
+    return out
 
 
 @pytest.mark.parametrize("page", PAGES)
@@ -419,8 +487,8 @@ def fake_results(monkeypatch, tmp_path):
     results = tmp_path / "benchmarks" / "results"
     results.mkdir(parents=True)
     (results / "fake.json").write_text(json.dumps({"records": [
-        {"M": 131072, "k": 29, "dense_ms": 14.4487, "twell_ms": 8.9077, "speedup": 1.6221, "peak_bytes": 3 * 2**30,
-         "dense_peak_bytes": 4 * 2**30},
+        {"M": 131072, "k": 29, "dense_ms": 14.4487, "twell_ms": 8.9077, "speedup": 1.6221, "kernels_speedup": 1.5512,
+         "peak_bytes": 3 * 2**30, "dense_peak_bytes": 4 * 2**30},
         {"M": 16384, "k": 29, "dense_ms": 1.8186, "twell_ms": 1.1932, "speedup": 1.5242},
         {"variant": "dense", "tok_per_ms": 87.836, "mj_per_token": 7.8529},
         {"variant": "twell", "tok_per_ms": 99.837, "mj_per_token": 6.9257},
@@ -432,14 +500,15 @@ def fake_results(monkeypatch, tmp_path):
 
 def test_figures_extracted():
     got = [(f.text, f.value, f.unit) for f in figures("1.62x and 14.45 ms, 7.85 mJ, 105.1k tokens/s, 3.0 GiB, 40%, "
-                                                      "k 29, d 2048, bf16, H100, 16 x 2048, 0.7397 and 2.3e-3, 0.5b")]
+                                                      "k 29, d 2048, bf16, H100, 16 x 2048, 0.7397 and 2.3e-3, 0.5b, "
+                                                      "5.39 / 68.96 GiB, Triton 3.6.0")]
     assert got == [("1.62x", 1.62, "x"), ("14.45 ms", 14.45, "ms"), ("7.85 mJ", 7.85, "mJ"),
                    ("105.1k tokens/s", 105100.0, "tokens/s"), ("3.0 GiB", 3.0, "GiB"), ("40%", 40.0, "%"),
-                   ("0.7397", 0.7397, ""), ("2.3e-3", 0.0023, "")]
+                   ("0.7397", 0.7397, ""), ("2.3e-3", 0.0023, ""), ("5.39", 5.39, "GiB"), ("68.96 GiB", 68.96, "GiB")]
 
 
 def test_checker_accepts_right_figures(tmp_path, fake_results):
-    page = _page(tmp_path, "At 131072 tokens twell takes 8.91 ms against 14.45 ms: 1.62x, with 3.0 GiB at peak (0.75x).\n"
+    page = _page(tmp_path, "At 131072 tokens twell takes 8.91 ms against 14.45 ms: 1.62x, with 3.0 GiB at peak.\n"
                            "The whole model reads 87.8 and 99.8 tokens/ms (1.14x), 7.85 and 6.93 mJ (0.88x).\n"
                            "From 1.52x to 1.62x ([fake](../benchmarks/results/fake.json)).\n\n"
                            "| M | dense | twell |\n|---|---|---|\n| 16384 | 1.819 ms | 1.193 ms (1.52x) |\n")
@@ -458,8 +527,18 @@ def test_checker_catches_uncited_and_missing(tmp_path, fake_results):
                            "| M | twell |\n|---|---|\n| 16384 | 1.52x |\n")
     problems = check_page(page)
     assert len(problems) == 4, problems  # uncited; missing file; its figure uncited; the table inherits none
-    assert _page(tmp_path, "Settings only: k 29, M 131072, `14.45 ms` in code.\n") and check_page(
-        tmp_path / "docs" / "page.md") == []
+    page = _page(tmp_path, "Settings only: k 29, M 131072, d 2048; `14.45 ms` in code.\n\n```\n3.0 GiB\n```\n\n"
+                           "<!-- settings -->\nA threshold: at most 0.6% of f.\n")
+    assert check_page(page) == []
+    assert len(check_page(_page(tmp_path, "A threshold: at most 0.6% of f.\n"))) == 1
+
+
+def test_checker_catches_a_column_that_mixes_fields(tmp_path, fake_results):
+    table = ("From [fake](../benchmarks/results/fake.json):\n\n| M | dense | twell | ratio |\n|---|---|---|---|\n"
+             "| 131072 | 14.45 ms | 8.91 ms | {} |\n| 16384 | 1.819 ms | 1.193 ms | 1.52x |\n")
+    assert check_page(_page(tmp_path, table.format("1.62x"))) == []
+    problems = check_page(_page(tmp_path, table.format("1.55x")))  # the record's kernels_speedup, not its speedup
+    assert len(problems) == 1 and "column 4" in problems[0], problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -489,11 +568,20 @@ def history_words(text: str) -> list[tuple[int, str, str]]:
 
 
 def _text_files():
-    for dirpath, dirnames, filenames in os.walk(ROOT):
-        dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info")]
-        for name in filenames:
-            if name.endswith((".md", ".py", ".sh")):
-                yield Path(dirpath) / name
+    """The repository's .md, .py and .sh files: tracked or new, not ignored (git's own list when
+    git is there; else a walk that skips virtual environments, caches and build folders)."""
+    try:
+        listed = subprocess.run(["git", "-C", str(ROOT), "ls-files", "-co", "--exclude-standard"], capture_output=True,
+                                text=True, timeout=30, check=True).stdout.splitlines()
+        paths = [ROOT / p for p in listed]
+    except (OSError, subprocess.SubprocessError):
+        paths = []
+        for dirpath, dirnames, filenames in os.walk(ROOT):
+            dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info")]
+            paths += [Path(dirpath) / name for name in filenames]
+    for path in paths:
+        if path.suffix in (".md", ".py", ".sh") and path.is_file():
+            yield path
 
 
 def test_no_build_history_in_text_files():
