@@ -15,6 +15,7 @@
 #   decoded4096  twell bench decode --shape 4096x11008 -> decode_<gpu>_d4096.{json,png}
 #   model        twell bench model (2b shape)      -> model_<gpu>.{json,png}
 #   training     twell bench training              -> training_mlp_<gpu>.{json,png} (TRAINING_ARGS)
+#   compiled     twell bench compiled              -> compiled_<gpu>.{json,png} (COMPILED_ARGS)
 #   prefillstage benchmarks/prefill_stage.py: one prefill call's kernels and idle gaps, profiled
 #   hotab        benchmarks/hot_units_ab.py: the prefill path with and without hot units
 # Results sit under OUTDIR/STEP/ and together in OUTDIR/results.tar.gz. Prints each step's last lines.
@@ -42,6 +43,7 @@ for step in "$@"; do
     decoded4096) cmd=(timeout "${DECODE_S:-150}" "${BENCH[@]}" decode --out "$dir" --shape 4096x11008) ;;
     model)       cmd=(timeout "${MODEL_S:-300}" "${BENCH[@]}" model --out "$dir") ;;
     training)    cmd=(timeout "${TRAINING_S:-330}" "${BENCH[@]}" training --out "$dir" ${TRAINING_ARGS:-}) ;;
+    compiled)    cmd=(timeout "${COMPILED_S:-540}" "${BENCH[@]}" compiled --out "$dir" ${COMPILED_ARGS:-}) ;;
     prefillstage) cmd=(timeout "${PREFILLSTAGE_S:-240}" $PY benchmarks/prefill_stage.py "$dir") ;;
     hotab)       cmd=(timeout "${HOTAB_S:-300}" $PY benchmarks/hot_units_ab.py "$dir") ;;
     *) echo "unknown step $step"; continue ;;

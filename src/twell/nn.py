@@ -14,7 +14,8 @@ Both modules keep ``nn.Linear`` weights under the Hugging Face names and layouts
   statistics it does not take); they come back, zeroed, at the first call that records
   statistics or on return to training mode.
 
-Statistics are kept in training mode; in eval mode only when ``track_stats = True`` (serving
+Statistics are kept in training steps (training mode with gradients on); in eval mode, or under
+``torch.no_grad()`` / ``torch.inference_mode()``, only when ``track_stats = True`` (serving
 should not pay for counts nobody reads). None of these forces a host synchronisation: they are
 tensors on the module's device.
 
@@ -79,7 +80,7 @@ _CLASS_DEFINES: dict = {}
 
 def _class_defines(cls: type, name: str) -> bool:
     # a plain dict, not functools.lru_cache: torch.compile traces through this function and
-    # warns about an lru_cache's wrapper (seen on the H200, twelfth session)
+    # warns about an lru_cache's wrapper (seen on the H200)
     key = (cls, name)
     known = _CLASS_DEFINES.get(key)
     if known is None:
@@ -121,8 +122,8 @@ class _SparseFFN(nn.Module):
     intermediate_size: int
 
     def _init_tracking(self, device) -> None:
-        # None: statistics in training mode only (nobody reads them while serving); True/False
-        # force them on or off
+        # None: statistics in training steps only (training mode, gradients on: nobody reads
+        # them while serving); True/False force them on or off
         self.track_stats: Optional[bool] = None
         # Inference path on CUDA (see twell.inference.dispatch): "auto" picks decode kernels, prefill
         # kernels or dense cuBLAS per call; "dense", "twell", "decode", "prefill" force one.
@@ -213,7 +214,9 @@ class _SparseFFN(nn.Module):
 
     def _tracking(self) -> bool:
         t = self.track_stats
-        return self.training if t is None else bool(t)
+        # None: in training steps only (training mode with gradients on); a training-mode module
+        # called under no_grad or inference_mode serves, and serving reads no statistics
+        return (self.training and torch.is_grad_enabled()) if t is None else bool(t)
 
     # -- weight layout --------------------------------------------------------------------------
 

@@ -5,8 +5,9 @@
     twell bench decode [--out DIR] [--fused] [--shape 2048x5632]
     twell bench model [--out DIR] [--preset 2b] [--k 29] [--batch 16] [--model RUN_OR_CHECKPOINT]
     twell bench training [--out DIR] [--quick] [--variants] [--no-grid]
+    twell bench compiled [--out DIR] [--quick] [--no-grid] [--no-model] [--preset 2b] [--layers 16]
 
-``inference`` times the inference FFN (issue 3's grid: d 2048, f 5632, bf16,
+``inference`` times the inference FFN (the grid: d 2048, f 5632, bf16,
 M in {16384, 131072}, k in {8, ..., 5632}, three unit distributions, plus d 4096, f 11008) and
 writes ``inference_mlp_<gpu>.json`` (flat records), the same as CSV, and a PNG plot of speedup
 against k (dense = 1) into ``--out``. ``--variants`` also times the design variants (gate
@@ -34,6 +35,13 @@ its run's validation split; records of other models already in the JSON are kept
 training kernels (M 16384 and 65536, k 8 to 5632, three distributions), with every gradient's
 error and the bytes saved for backward, then training steps of the 0.5b preset with constructed
 sparsity on dense and on sparse kernels: ``training_mlp_<gpu>.{json,csv,png}``.
+
+``compiled`` measures twell under ``torch.compile`` as users run it (:mod:`twell.bench.compiled`):
+the batch grid (1 to 131072 tokens, k 29 and 280, even and heavy rows) eager, in CUDA graphs,
+compiled and compiled with ``mode="reduce-overhead"``, with the path each took; then a model of
+``--layers`` decoder layers of ``--preset``'s shape, dense, twell with default settings and twell
+with statistics off, eager and compiled: prefill time, peak memory, and greedy ``generate`` at
+batch 1 with a static cache and a compiled forward: ``compiled_<gpu>.{json,png}``.
 """
 
 from __future__ import annotations
@@ -131,7 +139,7 @@ def _table(records: list[dict]) -> str:
 
 def bench_main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["inference", "batch", "decode", "model", "training"], help="which benchmark")
+    parser.add_argument("what", choices=["inference", "batch", "decode", "model", "training", "compiled"], help="which benchmark")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the result files")
     parser.add_argument("--quick", action="store_true", help="a small grid (M 16384, k 29/56/280, even)")
     parser.add_argument("--variants", action="store_true", help="also time the design variants")
@@ -145,6 +153,8 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--k", type=float, default=29, help="model: active units per token to construct (default 29)")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences of 2048 tokens per forward (default 16)")
     parser.add_argument("--no-lean", action="store_true", help="model: skip the compiled lean path")
+    parser.add_argument("--no-model", action="store_true", help="compiled: skip the whole model")
+    parser.add_argument("--layers", type=int, default=16, help="compiled: decoder layers of the model (default 16)")
     parser.add_argument("--fused", action="store_true", help="decode: with the split decode kernels off, the "
                         "fused kernel up to 64 tokens (twell.inference.dispatch.DECODE_SPLIT; results written as "
                         "decode_<gpu>_fused.json)")
@@ -176,6 +186,9 @@ def bench_main(argv=None) -> None:
         return
     if args.what in ("batch", "decode"):
         _runtime_bench(args, tag, log, t0)
+        return
+    if args.what == "compiled":
+        _compiled_bench(args, tag, log, t0)
         return
     if args.variants:
         var = run_variants(log=log)
@@ -219,6 +232,40 @@ def bench_main(argv=None) -> None:
     plot_speedup(records, os.path.splitext(path)[0] + ".png")
     log(f"grid done in {time.time() - t0:.0f}s; wrote {path}")
     log(_table(records))
+
+
+def _compiled_bench(args, tag: str, log, t0: float) -> None:
+    """``twell bench compiled``: compiled_<gpu>.{json,png}. A part skipped (``--no-grid``,
+    ``--no-model``) keeps what the file already holds for it."""
+    from .compiled import compiled_grid, compiled_model
+
+    path = os.path.join(args.out, f"compiled_{tag}.json")
+    res = {"records": [], "model": []}
+    if os.path.exists(path):
+        with open(path) as fh:
+            res.update(json.load(fh))
+    if not args.no_grid:
+        Ms = args.M or ((1, 64, 4096) if args.quick else None)
+        res["records"] = compiled_grid(log=log, **({"Ms": Ms} if Ms else {}))
+        with open(path, "w") as fh:
+            json.dump(res, fh, indent=1)
+        plot_batch(res["records"], os.path.splitext(path)[0] + ".png", "M",
+                   ("eager_speedup", "compiled_speedup", "compiled_graph_speedup"), "tokens per call M",
+                   titles={"eager_speedup": "eager", "compiled_speedup": "torch.compile (default mode)",
+                           "compiled_graph_speedup": 'torch.compile(mode="reduce-overhead")'})
+    if not args.no_model:
+        res["model"] = compiled_model(args.preset or "2b", layers=args.layers, k=args.k, batch=args.batch, log=log)
+        with open(path, "w") as fh:
+            json.dump(res, fh, indent=1)
+    log(f"done in {time.time() - t0:.0f}s; wrote {path}")
+    for r in res["records"]:
+        log(f"M={r['M']:6d} k={r['k']:3d} {r['distribution']:6s} eager {r['eager_speedup']:.2f}x "
+            f"compiled {r['compiled_speedup']:.2f}x ({r['compiled_path']}) reduce-overhead "
+            f"{r['compiled_graph_speedup']:.2f}x ({r['compiled_graph_path']}) graph {r['graph_speedup']:.2f}x")
+    for r in res["model"]:
+        log(f"{r['variant']:16s} {r['mode']:8s} prefill {r['prefill_ms']:.1f} ms ({r['prefill_speedup']:.3f}x) "
+            f"peak {r['peak_vs_dense']:.3f} of dense"
+            + (f" generate b1 {r['generate_speedup_b1']:.2f}x tokens equal {r['tokens_match']}" if "generate_speedup_b1" in r else ""))
 
 
 def _model_bench(args, tag: str, log, t0: float) -> None:

@@ -5,11 +5,24 @@
 - ``x [M, d]`` (unit-stride rows), ``w_first [f, d]`` (gate, or up for the non-gated MLP),
   ``w_down [d, f]`` (nn.Linear layout, as the module stores it), ``w_up [f, d]`` or None
   (non-gated);
-- returns ``y [M, d]``, computed by :meth:`twell.inference.dispatch.LayerState.run` of the module that
-  owns ``w_first`` (:func:`twell.inference.dispatch.layer_of_weight`): the same per-call choice of decode
-  kernels, prefill kernels or dense as in eager mode. The layer is found from its weight, not
-  passed as an integer, so that per-layer compilation shares one graph across layers. Weights
-  no live module owns (a compiler that copied them) get the dense computation, with a warning.
+- returns ``y [M, d]``, computed as an eager call of the module that owns ``w_first``
+  (:func:`twell.inference.dispatch.layer_of_weight`, then
+  :meth:`twell.inference.dispatch.LayerState.call`): the same per-call choice of decode kernels,
+  prefill kernels or dense as in eager mode, small calls replayed from the layer's own CUDA
+  graphs (:mod:`twell.inference.eager_graphs`) as in eager mode, and the same probes of the
+  layer's sparsity. The layer is found from its weight, not passed as an integer, so that
+  per-layer compilation shares one graph across layers. Weights no live module owns (a compiler
+  that copied them) get the dense computation, with a warning.
+
+Under ``mode="reduce-overhead"`` inductor captures the compiled graph in CUDA graphs of its own
+(cudagraph trees), warming each up first on a side stream with its allocations routed to the
+graphs' memory pool. A call on a stream other than the device's default one (that warm-up, or a
+caller's own stream) and a call inside a capture run :meth:`LayerState.run` directly: no eager
+graph of twell's nested in inductor's, no buffer kept from the graphs' pool (the decode kernels
+take buffers of the call's own there). The capture then records the path the layer's measured
+sparsity picks, as twell's own graphs do: the layer's first estimate is waited for at its first
+call (:meth:`LayerState.run`), so a model compiled before it ever ran eagerly captures the decode
+or prefill kernels where they pay, not a blind dense path.
 
 The fake (meta) implementation gives the output's shape, so ``torch.compile(fullgraph=True)``
 traces a twell model without a graph break in the MLP, and inductor calls the op at run time.
@@ -19,11 +32,10 @@ needed.
 
 from __future__ import annotations
 
+import warnings
 from typing import Optional
 
 import torch
-
-import warnings
 
 from .dispatch import layer_of_weight
 
@@ -40,7 +52,10 @@ def ffn_infer(x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up
         raise ValueError(f"twell::ffn_infer: x must be 2-D [M, d], got shape {list(x.shape)}")
     state = layer_of_weight(w_first)
     if state is not None:
-        return state.run(x, w_first, w_down, w_up, make_scratch=False)
+        if x.is_cuda and (torch.cuda.current_stream(x.device) != torch.cuda.default_stream(x.device)
+                          or torch.cuda.is_current_stream_capturing()):
+            return state.run(x, w_first, w_down, w_up, make_scratch=False)
+        return state.call(x, w_first, w_down, w_up, fresh_output=True)
     warnings.warn("twell::ffn_infer: no twell module owns these weights (copied by a compiler?); "
                   "computing the FFN densely", RuntimeWarning, stacklevel=2)
     a = torch.mm(x, w_first.t())

@@ -93,19 +93,19 @@ def _for_width(table: dict, d: Optional[int], default):
 # (twell.kernels.decode_fused, FUSED_MAX_M = DECODE_MAX_M), while the expected share of units
 # active for some token of the batch is at most FUSED_MAX_UNION (FUSED_WIDE_MAX_UNION above
 # FUSED_WIDE_M tokens, where the kernel's 64-row tiles leave a thin margin); with no estimate
-# yet, only up to DECODE_BLIND_M tokens. In CUDA graphs on the H200 (benchmarks/NOTES_decode.md,
-# sixth session; d 2048, f 5632, bf16): 1.37x to 1.43x dense at 6 to 16 tokens for shares up to
-# 0.15 (1.49x at 4 tokens with a share of about 0.18: k 280), 1.09x to 1.17x at 24 and 32 tokens
-# for shares up to 0.27; at 48 and 64 tokens 1.06x to 1.08x for shares up to 0.09, but 0.94x to
-# 1.08x for shares of 0.11 to 0.28 from run to run. (At 17 to 32 tokens and shares below 0.05
-# the three-launch path was 1 to 2 us faster still; not worth a second rule.)
+# yet, only up to DECODE_BLIND_M tokens. In CUDA graphs on the H200 (d 2048, f 5632, bf16): 1.37x to
+# 1.43x dense at 6 to 16 tokens for shares up to 0.15 (1.49x at 4 tokens with a share of about 0.18:
+# k 280), 1.09x to 1.17x at 24 and 32 tokens for shares up to 0.27; at 48 and 64 tokens 1.06x to
+# 1.08x for shares up to 0.09, but 0.94x to 1.08x for shares of 0.11 to 0.28 from run to run. (At 17
+# to 32 tokens and shares below 0.05 the three-launch path was 1 to 2 us faster still; not worth a
+# second rule.)
 DECODE_MAX_M = 64
 DECODE_BLIND_M = 4
 FUSED_MAX_UNION = 0.25
 FUSED_WIDE_M = 32
 FUSED_WIDE_MAX_UNION = 0.10
-# Wider layers, by width_key(d): FUSED_WIDE_M there. At d 4096, f 11008 (H200, the split-fires
-# probe of the fifty-second session) the fused kernel read 1.14x and 1.21x at 16 tokens with a
+# Wider layers, by width_key(d): FUSED_WIDE_M there. At d 4096, f 11008 (H200, bf16, the module
+# in graphs) the fused kernel read 1.14x and 1.21x at 16 tokens with a
 # share of 0.34, but 0.85x at 32 tokens with 0.21 (and 0.67x to 0.79x at 32 and 64 tokens with
 # larger shares).
 FUSED_WIDE_M_BY_D: dict[int, int] = {4096: 16}
@@ -115,7 +115,7 @@ FUSED_WIDE_M_BY_D: dict[int, int] = {4096: 16}
 # H200, of a 25 us call at M = 1). Every call leaves it zeroed (and the split kernels' list empty),
 # so one set of these buffers serves every layer of a device (per d; the list also per f and
 # dtype: _shared_scratch): calls on one stream run in order. One per layer had cost the 2b shape's
-# 38 layers 22.5 MiB, which put its decoding peak above dense's (tenth session). So calls that
+# 38 layers 22.5 MiB, which put its decoding peak above dense's. So calls that
 # take the decode kernels from two streams at once (two CUDA graphs replayed concurrently on one
 # device, two models served from threads with their own streams) would mix their sums: set
 # SHARE_DECODE_BUFFERS = False before their first calls to give each layer its own set again.
@@ -135,10 +135,9 @@ SHARE_DECODE_BUFFERS = True
 # host, if there are at least HOT_MIN_UNITS. A
 # dense column costs about 4 d flops per token, an entry about 1 ns of gathers; HOT_UNIT_COST
 # is a hot unit's time in active units per token (H100, d 2048, f 5632, 131072 tokens: 256 hot
-# units took 0.9 ms, about 7 units' gathers; benchmarks/hot_units_probe.py, NOTES_inference
-# fifty-fourth session). Not inside CUDA graph captures: a replay would keep the set it was
-# captured with while the layer's set moves on. HOT_MIN_M: the hot block's launches (seven when
-# this was measured, four since the fifty-sixth session) cost the host about 0.1 ms; at 16384
+# units took 0.9 ms, about 7 units' gathers). Not inside CUDA graph captures: a replay would
+# keep the set it was captured with while the layer's set moves on. HOT_MIN_M: the hot block's
+# launches cost the host about 0.1 ms (measured with seven launches; the block takes four); at 16384
 # tokens, where an eager call's host time is close to its GPU time, it read +10% on one H100
 # machine and -10% on another (8192: -20%).
 HOT_UNITS = True
@@ -156,30 +155,29 @@ HOT_UNIT_STEP = 64
 HOT_UNIT_COST = 0.03
 # The split decode kernels (twell.kernels.decode_split) instead of the fused kernel, from
 # SPLIT_MIN_M to their SPLIT_MAX_M (64) tokens while the batch's expected fires (its tokens times
-# the root mean square of the layer's active units per token) are at most SPLIT_MAX_FIRES. In
-# CUDA graphs on the H200 (benchmarks/NOTES_decode.md, tenth session; bf16, d 2048, f 5632, L2
-# flushed) they took about 17 to 21 us plus 4 to 5 ns per fire: 18 to 20 us at 8 and 16 tokens
-# for k 8 to 56 (the fused kernel 28.5 to 29.5, dense 40 to 41), 35.4 us at 64 tokens and k 56
-# (3584 fires; dense 42.6); at one token 17.8 against the fused CUDA-core kernel's 15.1. At 4096
-# fires the time is about 0.9 of dense's. Heavy tokens cost more: at 64 tokens with a few tokens
-# of about a thousand active units (3649 fires, mean 57 per token) they took 51.4 us against
-# dense's 43.0 (fires adding into one accumulator row queue there), so the rule counts fires by
-# the root mean square of the active units per token when a probe measured it. From how many
-# tokens (benchmarks/decode_split_small_m.py, the module in graphs, k 8 to 56, two rounds): at 2
-# tokens 19.0 to 19.6 us against the fused kernel's 16.9 to 17.8, at 3 tokens 19.1 to 19.8
-# against 19.7 to 20.7, at 4 tokens 19.1 to 20.0 against 21.7 to 22.8.
-# DECODE_SPLIT False: the fused kernel everywhere (as before the tenth session).
+# the root mean square of the layer's active units per token) are at most SPLIT_MAX_FIRES. In CUDA
+# graphs on the H200 (bf16, d 2048, f 5632, L2 flushed) they took about 17 to 21 us plus 4 to 5 ns
+# per fire: 18 to 20 us at 8 and 16 tokens for k 8 to 56 (the fused kernel 28.5 to 29.5, dense 40 to
+# 41), 35.4 us at 64 tokens and k 56 (3584 fires; dense 42.6); at one token 17.8 against the fused
+# CUDA-core kernel's 15.1. At 4096 fires the time is about 0.9 of dense's. Heavy tokens cost more:
+# at 64 tokens with a few tokens of about a thousand active units (3649 fires, mean 57 per token)
+# they took 51.4 us against dense's 43.0 (fires adding into one accumulator row queue there), so the
+# rule counts fires by the root mean square of the active units per token when a probe measured it.
+# From how many tokens (the module in graphs, k 8 to 56, two rounds): at 2 tokens 19.0 to 19.6 us
+# against the fused kernel's 16.9 to 17.8, at 3 tokens 19.1 to 19.8 against 19.7 to 20.7, at 4
+# tokens 19.1 to 20.0 against 21.7 to 22.8.
+# DECODE_SPLIT False: the fused kernel everywhere.
 DECODE_SPLIT = True
 SPLIT_MIN_M = 3
 SPLIT_MAX_FIRES = 4096
 # Wider layers, by width_key(d): (most expected fires counted by the mean active units per
-# token, most counted by their root mean square). d 2048 takes SPLIT_MAX_FIRES for both. At
-# d 4096, f 11008 (benchmarks/decode_split_fires_probe.py, H200, bf16, module in graphs, fifty-
-# second session) the split kernels took about 29 us plus 10 ns a fire against dense's 82 to 87:
-# even batches at 1.95x / 1.48x / 1.08x for 1280 / 2560 / 5120 fires (break-even near 5800), and
-# 1.17x at 16 tokens of k 280 (4480); heavy batches with a root-mean-square count of 4862 to
-# 6748 at 1.37x to 1.74x (where 4096 had sent 64 tokens of k 29 to dense, 1.02x, and 32 tokens
-# of k 80 to the fused kernel, 0.85x), but 0.94x and 1.01x at 10738 and 14567.
+# token, most counted by their root mean square). d 2048 takes SPLIT_MAX_FIRES for both. At d 4096,
+# f 11008 (H200, bf16, module in graphs) the split kernels took about 29 us plus 10 ns a fire
+# against dense's 82 to 87: even batches at 1.95x / 1.48x / 1.08x for 1280 / 2560 / 5120 fires
+# (break-even near 5800), and 1.17x at 16 tokens of k 280 (4480); heavy batches with a
+# root-mean-square count of 4862 to 6748 at 1.37x to 1.74x (where 4096 would send 64 tokens of k 29
+# to dense, 1.02x, and 32 tokens of k 80 to the fused kernel, 0.85x), but 0.94x and 1.01x at 10738
+# and 14567.
 SPLIT_MAX_FIRES_BY_D: dict[int, tuple[int, int]] = {4096: (5400, 7500)}
 # ...and while a token's active units (their root mean square over the batch's tokens) are at
 # most SPLIT_MAX_ROW_FIRES: a guard against a few tokens of thousands of fires each, whose adds
@@ -193,7 +191,7 @@ PREFILL_MIN_M = 4096
 # Triton launches and their checks: 0.4 to 0.5 ms per call on the H200 machine here in its slow
 # phases, as long as the kernels' GPU time at 4096 tokens (0.3 ms at k = 29), so that eager calls
 # there read 0.85x to 0.93x dense even at k = 8 while in graphs the same kernels gave 1.22x to
-# 1.81x at k <= 29 (benchmarks/NOTES_inference.md, run 7).
+# 1.81x at k <= 29.
 EAGER_PREFILL_MIN_M = 8192
 # Opt-in: near the prefill limit (eager calls of at least EAGER_PREFILL_MIN_M tokens, default
 # kernel_max_density), each layer times the prefill kernels and dense on its own calls and takes
@@ -337,14 +335,14 @@ class LayerState:
     launch runs one program per token, so its time is at least the longest row's (about 1 us
     per entry on the H200, against about 1.2 ns per entry of throughput: the ``850 * max / M``
     term), and a heavy-tailed layer loses more than its mean says (the rms term). The threshold
-    and the weights come from the H200 benchmark (benchmarks/NOTES_inference.md: break-even at
-    64 to 70 active units per token on evenly spread units, twenty-seventh session).
+    and the weights come from the H200 benchmark (break-even at 64 to 70 active units per token
+    on evenly spread units).
 
     The default limit is the lower of ``DEFAULT_MAX_DENSITY * f`` and a cap in units,
     ``MAX_UNITS_BY_D`` for the model widths measured, else ``DEFAULT_MAX_UNITS`` (:meth:`limit`).
     Break-even fell at 63 to 74 units at d 2048, f 5632 (H200 and H100), and at d 4096, f 11008
-    at 101 to 109 units on the H100 once the up/down took the split path there (it had been 51
-    to 97 with the fused kernel's shape; NOTES_inference thirtieth to thirty-third sessions); the
+    at 101 to 109 units on the H100 with the up/down on the split path there (51 to 97 with the
+    fused kernel's shape); the
     share alone would allow 121 there, where the kernels ran 0.91x to 0.96x dense at 112 units.
     Widths are padded to a power of two, so d 2049 to 4096 take d 4096's cap. A layer's
     ``kernel_max_density`` replaces both.
@@ -360,7 +358,7 @@ class LayerState:
     # A row computed whole costs about 2.4 times the default limit: 150 units at d 2048, f 5632
     # (limit 62; H200), and at d 4096, f 11008 (limit 96) 212 to 240 on the H100, where heavy rows
     # at 314 active units per token on average (35% of the rows computed whole) ran 0.83x dense at
-    # 4096 tokens and 0.96x at 16384 with 150 (thirty-fifth session). A whole row's time and the
+    # 4096 tokens and 0.96x at 16384 with 150. A whole row's time and the
     # break-even both grow with f (d cancels against an entry's), so the ratio carries over.
     DENSE_ROW_LIMITS = 2.42
     HYSTERESIS = 1.05
@@ -368,7 +366,7 @@ class LayerState:
     PROBE_EVERY_SMALL = 64  # the same for calls of fewer than PREFILL_MIN_M tokens
     SMALL_M = 1024  # up to here the dense path multiplies with PyTorch ops, above with relu_mul_
     # The same inside a CUDA graph capture, where issuing time does not count: in graphs on the
-    # H200 (benchmarks/dense_elementwise_probe.py, bf16, d 2048, f 5632) the whole dense branch
+    # H200 (bf16, d 2048, f 5632) the whole dense branch
     # took 39.7 to 40.1 us with relu_mul_ against 41.7 to 42.0 with the two PyTorch ops at 64
     # tokens, 46.4 to 46.5 against 48.4 to 49.0 at 256, 111 to 112 against 116 to 117 at 1024
     # (PyTorch's relu(g) * u MLP: 41.8 to 42.1, 48.6 to 49.2, 116 to 117). Below 64 not measured.
@@ -621,10 +619,11 @@ class LayerState:
     # -- the paths ------------------------------------------------------------------------------
 
     def call(self, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor,
-             w_up: Optional[torch.Tensor]) -> torch.Tensor:
+             w_up: Optional[torch.Tensor], fresh_output: bool = False) -> torch.Tensor:
         """An eager call of the module (arguments as :meth:`run`): replayed from the layer's own
         CUDA graph where :mod:`twell.inference.eager_graphs` keeps one for this many tokens, else
-        :meth:`run`."""
+        :meth:`run`. ``fresh_output``: a replay returns a copy of the graph's output buffer, never
+        the buffer itself (the custom op's contract: its output aliases nothing)."""
         graphs = self.graphs
         M = x.shape[0]
         if eager_graphs.ENABLED and x.is_cuda and graphs.disabled is None and (
@@ -632,7 +631,7 @@ class LayerState:
             m = self.module
             if m.kernel_mode == "auto" and not m._tracking() and not torch.cuda.is_current_stream_capturing() \
                     and not _distributed():
-                y = graphs.call(self, x, w_first, w_down, w_up)
+                y = graphs.call(self, x, w_first, w_down, w_up, fresh_output)
                 if y is not None:
                     return y
         graphs.last = False
@@ -696,6 +695,12 @@ class LayerState:
             y = self._dense(m, x, w_first, w_down, w_up, track, probe, capturing, out)
         if timing is not None:
             self.timer.stop(timing)
+        if probe and self.k_est is None and self._event is not None:
+            # The layer's first estimate, waited for (once per layer): a model compiled before it
+            # ever ran eagerly captures its CUDA graphs (mode="reduce-overhead") at its second
+            # call, where nothing is polled, and would capture the dense path blind.
+            self._event.synchronize()
+            self._poll()
         return y
 
     def _decode(self, m, x, w_first, w_down_t, w_up, track):
@@ -743,25 +748,30 @@ class LayerState:
 
     def _split_ok(self, x: torch.Tensor, M: int, f: int) -> bool:
         """Whether this decode call of ``M`` tokens takes the split kernels: they pay (see
-        :meth:`_split_pays`) and there are buffers for it (the layer's, made for x's d, dtype and
-        device and ``f``; with DECODE_SCRATCH off, the call makes its own on CUDA or in the
-        interpreter)."""
-        if DECODE_SCRATCH:
-            sc = self.split_scratch
-            if sc is None or sc.gates.dtype != x.dtype or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1] \
-                    or sc.f != f:
-                return False
-        elif not (x.is_cuda or triton_interpreting()):
+        :meth:`_split_pays`) and there are buffers for it: the layer's (made for x's d, dtype and
+        device and ``f``), or where it keeps none that fit, the call's own on CUDA or in the
+        interpreter."""
+        if self._kept_split(x, f) is None and not (x.is_cuda or triton_interpreting()):
             return False
         return self._split_pays(M, f, x.shape[-1])
 
+    def _kept_split(self, x: torch.Tensor, f: int):
+        """The layer's kept SplitScratch when DECODE_SCRATCH is on and it fits ``x`` and ``f``."""
+        sc = self.split_scratch if DECODE_SCRATCH else None
+        if sc is None or sc.gates.dtype != x.dtype or sc.acc.device != x.device or sc.acc.shape[1] != x.shape[1] \
+                or sc.f != f:
+            return None
+        return sc
+
     def _split_for(self, x: torch.Tensor, M: int, f: int):
         """The split kernels' buffers for this call when it takes them (:meth:`_split_ok`): the
-        layer's SplitScratch, or with DECODE_SCRATCH off one of the call's own; else None."""
+        layer's kept SplitScratch, or (DECODE_SCRATCH off, or none kept yet, as in a graph
+        captured by torch.compile's mode="reduce-overhead") one of the call's own; else None."""
         if not self._split_ok(x, M, f):
             return None
-        if DECODE_SCRATCH:
-            return self.split_scratch
+        kept = self._kept_split(x, f)
+        if kept is not None:
+            return kept
         from ..kernels.decode_split import SplitScratch
 
         return SplitScratch.for_one_call(M, x.shape[1], f, x.dtype, x.device)

@@ -3,17 +3,18 @@
 Why. Up to about a thousand tokens per call, an eager FFN call is bound by the host, not the GPU:
 the dense PyTorch MLP issues five kernels, 45 to 140 us of CPU time per call on the H200 machine
 here, for 31 to 118 us of GPU work, and twell's decode kernels, about 10 us of GPU time at one
-token, take longer still to issue (Triton launches: 160 to 250 us,
-``benchmarks/eager_decode_probe.py``). Inside a CUDA graph the same call is one launch.
+token, take longer still to issue (Triton launches: 160 to 250 us). Inside a CUDA graph the same
+call is one launch.
 
 What. Each layer (:class:`twell.inference.dispatch.LayerState`) captures its call of ``M`` tokens in a CUDA
 graph the ``CAPTURE_AFTER``-th time it sees ``M`` (``1 <= M <= MAX_M``) and later calls of ``M``
 copy their input into the graph's input buffer, replay the graph and return its output (see
 "Memory"): two host operations, whatever the path inside. The path is chosen as inside a user's
 capture (:meth:`twell.inference.dispatch.LayerState.choose`): the decode kernels where the layer's measured
-sparsity makes them pay, else dense. A call takes this route only in eager mode (not while
-``torch.compile`` traces, not inside a capture), on CUDA, with ``kernel_mode`` "auto", statistics
-off (the default in eval mode) and no process group initialised.
+sparsity makes them pay, else dense. A call takes this route in eager mode and from a compiled
+graph's custom op on the default stream (:mod:`twell.inference.custom_op`; never inside a
+capture, inductor's included), on CUDA, with ``kernel_mode`` "auto", statistics off (the default
+outside training steps) and no process group initialised.
 
 When a replay is right. A graph reads the weights at the addresses they had when it was captured,
 so it reads in-place updates (``load_state_dict``, an optimizer step) as they are; a layer drops
@@ -66,29 +67,26 @@ ENABLED = True
 # Whether a replay returns the graph's output buffer itself (safe: see "Memory" above) or a copy.
 # The copy is one more pass over [M, d] and one more launch per call.
 HAND_OUT = True
-# Up to this many tokens per call. On the H200 (bf16, d 2048, f 5632, k 29; benchmarks/NOTES_decode.md,
-# sixteenth session) replays read 2.56x, 1.72x, 1.63x and 1.34x dense's eager call at 1, 4, 16 and
-# 64 tokens (host time 28 to 30 us against 68 to 73), but 0.97x and 0.98x at 256 and 1024 tokens,
-# where the call is nearly bound by the GPU: the output's two copies (into the shared buffer inside
-# the graph, out of it after) cost more than the launches saved. With the output written in place
-# and handed out (twenty-first session, benchmarks/eager_graph_range_probe.py, k 29 and 280, two
-# rounds): 1.01x to 1.11x at 128 to 1024 tokens, against 0.88x to 1.04x eagerly and 0.97x to
-# 1.04x replayed with the copy; host time 23 to 28 us against dense's 69 to 77. Memory: the first
-# graph of the dense path on a device makes cuBLAS's workspace for the capture stream (32 MiB on
-# the H200) in the graphs' pool, kept while the graphs live (benchmarks/capture_memory_probe.py,
-# twenty-second session: one layer's first 128-token capture kept 33 MiB); the 2b model's lean
-# batch-1 decoding, whose 128-token prompts are captured, peaked 4.8 MiB above dense's (0.7 MiB
-# with MAX_M 64). Set 64 to keep larger calls out of graphs.
+# Up to this many tokens per call. On the H200 (bf16, d 2048, f 5632, k 29) replays read 2.56x,
+# 1.72x, 1.63x and 1.34x dense's eager call at 1, 4, 16 and 64 tokens (host time 28 to 30 us against
+# 68 to 73), but 0.97x and 0.98x at 256 and 1024 tokens, where the call is nearly bound by the GPU:
+# the output's two copies (into the shared buffer inside the graph, out of it after) cost more than
+# the launches saved. With the output written in place and handed out (k 29 and 280, two rounds):
+# 1.01x to 1.11x at 128 to 1024 tokens, against 0.88x to 1.04x eagerly and 0.97x to 1.04x replayed
+# with the copy; host time 23 to 28 us against dense's 69 to 77. Memory: the first graph of the
+# dense path on a device makes cuBLAS's workspace for the capture stream (32 MiB on the H200) in the
+# graphs' pool, kept while the graphs live (one layer's first 128-token capture kept 33 MiB); the 2b
+# model's lean batch-1 decoding, whose 128-token prompts are captured, peaked 4.8 MiB above dense's
+# (0.7 MiB with MAX_M 64). Set 64 to keep larger calls out of graphs.
 MAX_M = 1024
 # Eager calls of dispatch.PREFILL_MIN_M to dispatch.EAGER_PREFILL_MIN_M - 1 tokens (4096 to 8191)
 # are replayed too, where the path a capture would take there is the prefill kernels. Eagerly
 # those sizes run dense, because issuing the prefill kernels took the host about as long as
-# they save (0.4 to 0.5 ms against 0.3 ms of GPU time at 4096 tokens, k 29). Replayed, on the
-# H200 (benchmarks/eager_graph_range_probe.py --prefill, seventeenth session, two rounds): k 29
-# 1.29x to 1.30x dense's eager call at 4096 and 6144 tokens against 1.06x to 1.07x with the band
-# off, k 8 1.75x to 1.77x against 1.06x; host time 40 to 68 us against 94 to 139, peak memory
-# lower (82 to 90 MiB against 198 to 264). The copies in and out cost the rest of the graph's
-# 1.46x.
+# they save (0.4 to 0.5 ms against 0.3 ms of GPU time at 4096 tokens, k 29). Replayed, on the H200
+# (two rounds): k 29 1.29x to 1.30x dense's eager call at 4096 and 6144 tokens against 1.06x to
+# 1.07x with the band off, k 8 1.75x to 1.77x against 1.06x; host time 40 to 68 us against 94 to
+# 139, peak memory lower (82 to 90 MiB against 198 to 264). The copies in and out cost the rest of
+# the graph's 1.46x.
 PREFILL_BAND = True
 # Batch sizes of the band kept per layer (their own slots: prompt lengths must not take the decode
 # sizes' MAX_SIZES), and after how many more calls a size whose capture would not run the prefill
@@ -195,7 +193,7 @@ def _capture_stream(device: torch.device) -> torch.cuda.Stream:
     the first capture that calls cuBLAS, in the pool, alive as long as the graphs that use it.
     The warm-up before a capture runs on the caller's stream instead, whose workspace exists
     wherever the model has run a matmul: a warm-up stream of its own would add a second
-    workspace (32 MiB more kept, twenty-second session, benchmarks/capture_memory_probe.py)."""
+    workspace (32 MiB more kept)."""
     if device not in _STREAMS:
         _STREAMS[device] = torch.cuda.Stream(device)
     return _STREAMS[device]
@@ -243,15 +241,16 @@ class EagerGraphs:
         self._seen.clear()
 
     def call(self, state, x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor,
-             w_up: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+             w_up: Optional[torch.Tensor], fresh_output: bool = False) -> Optional[torch.Tensor]:
         """``y [M, d]`` from this layer's graph for ``x [M, d]`` (capturing it when its time has
-        come), or None: the caller runs the call eagerly."""
+        come), or None: the caller runs the call eagerly. ``fresh_output``: a copy of the graph's
+        output buffer even where ``HAND_OUT`` would hand the buffer out."""
         if self.disabled is not None:
             return None
         with _LOCKS[x.get_device()]:
-            return self._call(state, x, w_first, w_down, w_up)
+            return self._call(state, x, w_first, w_down, w_up, fresh_output)
 
-    def _call(self, state, x, w_first, w_down, w_up) -> Optional[torch.Tensor]:
+    def _call(self, state, x, w_first, w_down, w_up, fresh_output=False) -> Optional[torch.Tensor]:
         weights = (w_first.data_ptr(), w_first.shape, w_first.stride(), w_down.data_ptr(), w_down.shape,
                    w_down.stride(), None if w_up is None else (w_up.data_ptr(), w_up.shape, w_up.stride()), x.dtype)
         if weights != self._weights:
@@ -295,7 +294,7 @@ class EagerGraphs:
         self.replays += 1
         self.last = True
         state.last_path, state.last_decode_kernels = g.path, g.kernels
-        return g.out.y.clone() if not HAND_OUT or g.out.key in _COPY_KEYS else g.out.y.detach()
+        return g.out.y.clone() if fresh_output or not HAND_OUT or g.out.key in _COPY_KEYS else g.out.y.detach()
 
     def _capture(self, state, x, w_first, w_down, w_up, key) -> Optional[_Graph]:
         # a capture's path choices must not move the prefill hysteresis of the layer's eager calls
