@@ -4,7 +4,7 @@ medians), on the cases the hot block is for (skewed units) and those it must lea
 
     python benchmarks/hot_units_ab.py OUTDIR
 
-Writes OUTDIR/hot_units_ab.json; prints one line per record and flag.
+Writes OUTDIR/hot_units_ab_<gpu>.json; prints one line per record and flag.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import os
 import sys
 
 from twell.inference import dispatch
+from twell.bench.cli import _gpu_tag
 from twell.bench.inference import machine_info, run_grid
 
 OUT = sys.argv[1]
@@ -29,5 +30,5 @@ for Ms, ks, dists in CASES:
             print(f"[hot {flag}] M {r['M']} k {r['k']} {r['distribution']}: dense {r['dense_ms']:.3f} twell {r['twell_ms']:.3f} ms "
                   f"({r['speedup']:.3f}x, {r['twell_path']}, hot {r['hot_units']}) rel_err {r['rel_err']:.1e} "
                   f"row {r['max_row_err']:.1e} / dense {r['dense_max_row_err']:.1e}", flush=True)
-        with open(os.path.join(OUT, "hot_units_ab.json"), "w") as fh:
+        with open(os.path.join(OUT, f"hot_units_ab_{_gpu_tag()}.json"), "w") as fh:
             json.dump(dict(machine=machine_info(), records=records), fh, indent=1)
