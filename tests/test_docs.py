@@ -7,10 +7,11 @@ import torch
 
 import twell.format
 import twell.nn
-import twell.training.ops
+import twell.recipe.data
+import twell.training.path
 
 
-@pytest.mark.parametrize("module", [twell.format, twell.nn, twell.training.ops], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [twell.format, twell.nn, twell.training.path, twell.recipe.data], ids=lambda m: m.__name__)
 def test_docstring_examples(module):
     torch.manual_seed(0)
     result = doctest.testmod(module, extraglobs={"torch": torch}, optionflags=doctest.NORMALIZE_WHITESPACE)

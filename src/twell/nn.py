@@ -370,33 +370,34 @@ class _SparseFFN(nn.Module):
     def _train_choice(self, x: torch.Tensor) -> Optional[tuple[str, int]]:
         """``(path, width)`` of a call that wants gradients and may take the training kernels
         (CUDA, or the Triton interpreter with ``train_kernels`` "sparse" or "dense" for tests; no
-        bias; fp32/fp16/bf16 after autocast; not while ``torch.compile`` traces; no forward hooks on
-        the projections); None: the plain dense math, no choice made."""
+        bias; fp32/fp16/bf16 after autocast; no forward hooks on the projections); None: the
+        plain dense math, no choice made. While ``torch.compile`` traces: ``("layer",
+        LAYER_CHOICE)``, the choice left to the training op at run time
+        (:func:`twell.training.ops.layer_ffn`)."""
         if not torch.is_grad_enabled() or self.down_proj.bias is not None or _hooked(self._modules.values()):
             return None
-        if torch.compiler.is_compiling():
-            return None  # the training ops are not custom ops yet: compiled training runs the dense math
         if not x.is_cuda and not (self.train_kernels != "auto" and triton_interpreting() and not x.is_meta):
             return None
         dev = x.device.type
         dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else x.dtype
         if dtype not in KERNEL_DTYPES:
             return None  # float64 and the like: the dense math
-        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-        path, width = self._twell_train.choose(self.train_kernels, self.intermediate_size, self.train_max_density,
-                                               capturing, x.numel() // max(self.hidden_size, 1))
-        if capturing and self.train_kernels == "auto":
-            path = "dense"  # the sparse ops cannot be captured (see twell.training.ops); the dense op can
-        return path, width
+        if torch.compiler.is_compiling():
+            # The choice reads this layer's measured sparsity on the host and changes with it: made
+            # in the op at run time, so that one compiled graph serves every layer and every choice
+            return "layer", train_path.LAYER_CHOICE
+        return train_path.call_choice(self, x.numel() // max(self.hidden_size, 1), x.is_cuda)
 
     def _train_kernels(self, x: torch.Tensor, path: str, width: int, weights: tuple) -> torch.Tensor:
         """The FFN of ``x [..., d]`` by twell's training ops, with the L1 term and the statistics
         from the same kernels: ``path`` "sparse", the sparse training kernels at ELL width
         ``width`` (:func:`twell.training.ops.sparse_gated_ffn`); "dense", every row dense in fused
-        passes (:func:`twell.training.ops.dense_gated_ffn`). ``weights``: (first, up, down) gated,
-        (up, down) non-gated. Under autocast the input and the weights are cast to its dtype here
-        (differentiably: gradients reach fp32 weights in fp32)."""
-        from .training.ops import dense_ffn, dense_gated_ffn, sparse_ffn, sparse_gated_ffn
+        passes (:func:`twell.training.ops.dense_gated_ffn`); "layer" (under ``torch.compile``),
+        either, as the layer chooses at run time (:func:`twell.training.ops.layer_ffn`).
+        ``weights``: (first, up, down) gated, (up, down) non-gated. Under autocast the input and
+        the weights are cast to its dtype here (differentiably: gradients reach fp32 weights in
+        fp32)."""
+        from .training.ops import dense_ffn, dense_gated_ffn, layer_ffn, sparse_ffn, sparse_gated_ffn
 
         shape = x.shape
         x2 = _token_rows(x)
@@ -405,17 +406,18 @@ class _SparseFFN(nn.Module):
             dt = torch.get_autocast_dtype(dev)
             x2, weights = x2.to(dt), tuple(w.to(dt) for w in weights)
         with torch.autocast(dev, enabled=False):
-            if path == "sparse":
+            if path == "layer":
+                first, down, up = weights[0], weights[-1], (weights[1] if len(weights) == 3 else None)
+                out = layer_ffn(x2.contiguous(), first, down, up, owner=self._first_projection().weight)
+            elif path == "sparse":
                 out = (sparse_gated_ffn if len(weights) == 3 else sparse_ffn)(x2.contiguous(), *weights, width)
             else:
                 out = (dense_gated_ffn if len(weights) == 3 else dense_ffn)(x2.contiguous(), *weights)
         self.l1 = out.l1 if self.training else None
         if self._tracking():
             self._record_counts(out.row_counts, out.unit_counts)
-        state = self._twell_train
-        if state.want_probe() and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            state.publish(out.row_counts, self.intermediate_size)
-        state.last_path = path
+        if path != "layer":  # (the layer's op notes its own choice)
+            self._twell_train.note_call(path, out.row_counts, self.intermediate_size)
         return out.y.reshape(shape)
 
     def _train_dense_done(self, first: torch.Tensor) -> None:
@@ -587,7 +589,7 @@ class SparseGatedMLP(_SparseFFN):
         if self._inference_ok(x, w_down):
             return self._infer(x, _param(linear["gate_proj"]), w_down, _param(linear["up_proj"]))
         choice = self._train_choice(x)
-        if choice is not None and (choice[0] == "sparse" or train_path.FUSED_DENSE):
+        if choice is not None and (choice[0] != "dense" or train_path.FUSED_DENSE):
             return self._train_kernels(x, *choice, (self.gate_proj.weight, self.up_proj.weight, w_down))
         shape = x.shape
         x2 = _token_rows(x)
@@ -631,7 +633,7 @@ class SparseMLP(_SparseFFN):
         if self._inference_ok(x, w_down):
             return self._infer(x, _param(linear["up_proj"]), w_down, None)
         choice = self._train_choice(x)
-        if choice is not None and (choice[0] == "sparse" or train_path.FUSED_DENSE):
+        if choice is not None and (choice[0] != "dense" or train_path.FUSED_DENSE):
             return self._train_kernels(x, *choice, (self.up_proj.weight, w_down))
         shape = x.shape
         x2 = _token_rows(x)

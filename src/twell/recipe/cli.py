@@ -109,6 +109,10 @@ def train_parser() -> argparse.ArgumentParser:
                    "for each layer while its measured sparsity makes them faster, on micro-batches of at least "
                    "twell.training.path.MIN_SPARSE_TOKENS = 8192 tokens)")
     r.add_argument("--grad-checkpointing", action="store_true", help="recompute activations in the backward pass")
+    r.add_argument("--compile", action="store_true", help="torch.compile each decoder layer before training (as "
+                   "torchtitan does: one graph that every layer shares, built during the first steps); the MLPs "
+                   "keep training on twell's kernels, each layer choosing sparse or dense at run time inside "
+                   "twell's custom ops (twell.training.ops). Works with --fsdp and --grad-checkpointing")
     r.add_argument("--fsdp", action="store_true", help="under torchrun: shard parameters, optimizer state and "
                    "checkpoints with FSDP2 instead of DDP (built on the meta device: no rank holds the whole model)")
     r.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")

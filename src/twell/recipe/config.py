@@ -64,6 +64,7 @@ class TrainConfig:
     kernels: str = "auto"  # the MLPs' training kernels on CUDA: auto, dense or sparse (twell.training.path)
     grad_checkpointing: bool = False
     fsdp: bool = False
+    compile: bool = False  # torch.compile each decoder layer (see Trainer.__init__)
     progress: bool = True
     plot: bool = True
 
@@ -105,6 +106,7 @@ class TrainConfig:
             (c.keep >= 0, f"keep (--keep) must be >= 0 (0: keep every checkpoint), got {c.keep}"),
             (c.precision in (None, "bf16", "fp32"), f"precision must be bf16 or fp32, got {c.precision!r}"),
             (c.kernels in ("auto", "dense", "sparse"), f"kernels must be auto, dense or sparse, got {c.kernels!r}"),
+            (c.compile in (True, False), f"compile must be true or false, got {c.compile!r}"),
         ]
         for ok, msg in checks:
             if not ok:

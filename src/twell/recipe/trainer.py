@@ -141,6 +141,26 @@ class Trainer:
             m.train_kernels = cfg.kernels
         self.n_params = count_params(self.model)
         self.wrapped = self._wrap(self.model, recipe)
+        if cfg.compile:
+            # Each decoder layer on its own (regional compilation, as torchtitan does): the layers
+            # share their code and shapes, so one graph serves them all, compiled in seconds where
+            # the whole model would take minutes. In place, after FSDP's wrapping (dynamo leaves
+            # its hooks to run eagerly). Each MLP's choice of sparse or dense kernels stays per
+            # layer and per call, made inside twell's custom op (twell.training.ops).
+            if cfg.grad_checkpointing:
+                # transformers takes the checkpoint inside each layer's forward, so dynamo traces
+                # it, and would break the graph (running the whole layer eagerly) at the side
+                # effects in it that a recomputation would replay: the MLPs' l1, statistics and
+                # fire counts, and transformers' own kernel-context variable. Not replayed here;
+                # eager checkpointing does not replay the MLPs' either (its recomputation stops
+                # once their op has saved its tensors).
+                import torch._dynamo as dynamo
+
+                option = "skip_fwd_side_effects_in_bwd_under_checkpoint"
+                if hasattr(dynamo.config, option):  # (an older torch has no such option: the layers break there)
+                    setattr(dynamo.config, option, True)
+            for layer in self.model.model.layers:
+                layer.compile()
 
         decay = [p for n, p in self.model.named_parameters() if p.dim() >= 2]
         no_decay = [p for n, p in self.model.named_parameters() if p.dim() < 2]

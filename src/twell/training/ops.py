@@ -36,11 +36,22 @@ The results equal dense autograd up to rounding, for every input: any M, d, f, a
 :func:`dense_gated_ffn` / :func:`dense_ffn` are the same FFN with every row dense (cuBLAS and
 one fused element-wise pass each way, with the L1 term and the statistics): what a layer trains
 with where the sparse kernels would not pay.
+
+Under ``torch.compile`` these functions are the custom ops ``twell::train_ffn_fwd`` and
+``twell::train_ffn_bwd`` (:func:`train_ffn_fwd`, :func:`train_ffn_bwd`), one pair for every path:
+the forward returns what the backward needs as outputs of its own (a custom op keeps no state
+between the two), and the host-side counts stay inside the ops. ``width`` >= 1 is the sparse
+path, 0 the dense one, and ``LAYER_CHOICE`` (:func:`layer_ffn`, what a compiled twell module
+calls) the path and width its layer picks at run time from its measured sparsity
+(:mod:`twell.training.path`), so that one compiled graph serves every layer whatever each
+picks. Eager calls run the same forward and backward through an autograd.Function instead,
+which costs less host time per call.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -49,18 +60,21 @@ from torch.autograd.function import once_differentiable
 from ..checks import KERNEL_DTYPES, check_launchable, check_mlp_args, check_tensor
 from ..kernels.dense_rows import dense_rows_backward, dense_rows_forward
 from ..kernels.heavy_rows import heavy_rows_forward, weights_addressable
-from ..kernels.train_ffn import ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, pack_rows
+from ..kernels.train_ffn import col_dtype, ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, pack_rows
 from ..kernels.train_index import heavy_and_hot, light_unit_counts, unit_index
+from . import path as train_path
+from .path import LAYER_CHOICE, choose_width  # (choose_width: exported here too)
 
 __all__ = [
     "TrainFFNOutput",
-    "SparseGatedFFNFunction",
-    "SparseFFNFunction",
-    "DenseTrainFFNFunction",
+    "TrainFFNFunction",
     "sparse_gated_ffn",
     "sparse_ffn",
     "dense_gated_ffn",
     "dense_ffn",
+    "layer_ffn",
+    "train_ffn_fwd",
+    "train_ffn_bwd",
     "choose_width",
     "saved_bytes",
 ]
@@ -110,27 +124,6 @@ class TrainFFNOutput(NamedTuple):
     n_heavy: torch.Tensor
 
 
-def choose_width(active_mean: float, active_max: Optional[int] = None, f: Optional[int] = None) -> int:
-    """ELL width W for a layer whose tokens have ``active_mean`` active units on average.
-
-    Rule: the multiple of 16 at or above twice the mean, clamped to [16, 512]; narrower when
-    ``active_max`` says every row fits in less (rounded up to 16); at most ``f``. Rows heavier
-    than W are exact anyway (dense backup): W trades the ELL buffers' size (and the row kernels'
-    padding) against how many rows go dense. At the paper's 29 of 5632 units: W = 64.
-
-    >>> choose_width(29.0), choose_width(29.0, active_max=40), choose_width(3.0, f=10)
-    (64, 48, 10)
-    """
-    if active_mean < 0 or active_mean != active_mean:
-        raise ValueError(f"active_mean must be a number >= 0, got {active_mean}")
-    w = min(max(16, 16 * -(-int(2 * active_mean + 0.999999) // 16)), 512)
-    if active_max is not None:
-        w = min(w, max(16, 16 * -(-int(active_max) // 16)))
-    if f is not None:
-        w = min(w, max(1, int(f)))
-    return w
-
-
 def _check_args(x, w_up, w_down, w_gate, width) -> int:
     d, f = check_mlp_args(x, w_up, w_down, w_gate)
     check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
@@ -143,8 +136,7 @@ def _check_args(x, w_up, w_down, w_gate, width) -> int:
         raise ValueError(f"the sparse training ops take weights of fewer than 2^31 elements (d {d}, f {f}); "
                          "use the dense path (train_kernels='dense')")
     check_launchable(x, "x")
-    if isinstance(width, bool) or not isinstance(width, int) or width < 1:
-        raise ValueError(f"width must be an int >= 1, got {width!r}")
+    _check_width(width)
     return min(width, max(f, 1))  # a row never has more than f entries
 
 
@@ -212,6 +204,13 @@ def _host_counts(saved: torch.Tensor, own: torch.Tensor, device: torch.device, l
         return all(0 <= v <= lim for v, lim in zip(values, limits))
 
     values, spins = host[:-1].tolist(), 0
+    if not landed(values) and int(host[-1]) != host.data_ptr():
+        # A copy taken before the counts landed (another buffer's tag): they never will in it. A
+        # compiled graph under save_on_cpu hands the backward such a copy alone (it keeps no
+        # forward buffer of its own to fall back on, as the eager ops do).
+        raise RuntimeError("the sparse training op's backward got a copy of its forward's host counts taken before "
+                           "they landed (saved-tensor hooks such as save_on_cpu around a compiled model?); "
+                           "train such a model on the dense path (train_kernels='dense')")
     while not landed(values):
         spins += 1
         if spins % 4096 == 0 and device.type == "cuda":
@@ -386,133 +385,296 @@ def _heavy_backward(x, dy, heavy, n_heavy, c, w_first, w_up, w_down):
     return _dense_rows_backward(x_h, dy[rows], a_h, torch.mm(x_h, w_up.t()), c, w_first, w_up, w_down)
 
 
-class SparseGatedFFNFunction(torch.autograd.Function):
-    """``y = (relu(x w_gate^T) * (x w_up^T)) w_down^T`` and its L1 term on the hybrid format.
-
-    ``apply(x, w_gate, w_up, w_down, width)`` -> ``(y, l1, row_counts, unit_counts, n_heavy)``;
-    use :func:`sparse_gated_ffn`.
-    """
-
-    @staticmethod
-    def forward(ctx, x, w_gate, w_up, w_down, width):
-        W = _check_args(x, w_up, w_down, w_gate, width)
-        _refuse_capture(x)
-        a = torch.mm(x, w_gate.t())
-        cols, g, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, schedule, host = _light_forward(x, a, W, w_down, w_up)
-        del a
-        ctx.host = host
-        ctx.save_for_backward(x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, schedule, host)
-        ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
-        return y, l1, counts, unit_counts, n_heavy
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy, dl1, *_):
-        x, w_gate, w_up, w_down, cols, g, u, counts, heavy, hot_mask, schedule, host = ctx.saved_tensors
-        _refuse_capture(x)
-        M, d = x.shape
-        f = w_up.shape[0]
-        n_heavy, n_hot, n_hot_slots = _host_counts(host, ctx.host, x.device, (M, f, cols.numel()))
-        dy = dy.contiguous()
-        c = _l1_scale(dl1, M, x.device)
-        dx, du, da = ffn_rows_backward(dy, cols, g, u, counts, _rows_of(w_down), w_up, w_gate, c, **ROWS_CONFIG)
-        base = None
-        if n_heavy:
-            dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_gate, w_up, w_down)
-        dw_up, dw_gate, dw_down_t = _unit_weight_grads(x, dy, cols, counts, g, u, du, da, hot_mask, schedule, n_hot,
-                                                       n_hot_slots, base, f, w_up.dtype)
-        # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
-        return dx, dw_gate, dw_up, dw_down_t.t(), None
+def _check_width(width, modes: bool = False) -> None:
+    """A clear error unless ``width`` is an ELL width (an int >= 1; not a bool); with ``modes``
+    also 0 (every row dense) or ``LAYER_CHOICE`` (the layer's choice), as the custom op takes."""
+    if isinstance(width, bool) or not isinstance(width, int) or not (width >= 1 or (modes and width in (0, LAYER_CHOICE))):
+        raise ValueError(f"width must be an int >= 1{' (or 0, or LAYER_CHOICE)' if modes else ''}, got {width!r}")
 
 
-class SparseFFNFunction(torch.autograd.Function):
-    """``y = relu(x w_up^T) w_down^T`` and its L1 term on the hybrid format.
-
-    ``apply(x, w_up, w_down, width)`` -> ``(y, l1, row_counts, unit_counts, n_heavy)``; use
-    :func:`sparse_ffn`.
-    """
-
-    @staticmethod
-    def forward(ctx, x, w_up, w_down, width):
-        W = _check_args(x, w_up, w_down, None, width)
-        _refuse_capture(x)
-        a = torch.mm(x, w_up.t())
-        cols, h, counts, y, _, l1, unit_counts, heavy, n_heavy, hot_mask, schedule, host = _light_forward(x, a, W, w_down)
-        del a
-        ctx.host = host
-        ctx.save_for_backward(x, w_up, w_down, cols, h, counts, heavy, hot_mask, schedule, host)
-        ctx.mark_non_differentiable(counts, unit_counts, n_heavy)
-        return y, l1, counts, unit_counts, n_heavy
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy, dl1, *_):
-        x, w_up, w_down, cols, h, counts, heavy, hot_mask, schedule, host = ctx.saved_tensors
-        _refuse_capture(x)
-        M, d = x.shape
-        f = w_up.shape[0]
-        n_heavy, n_hot, n_hot_slots = _host_counts(host, ctx.host, x.device, (M, f, cols.numel()))
-        dy = dy.contiguous()
-        c = _l1_scale(dl1, M, x.device)
-        dx, dh, _ = ffn_rows_backward(dy, cols, h, None, counts, _rows_of(w_down), w_up, None, c, **ROWS_CONFIG)
-        base = None
-        if n_heavy:
-            dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_up, None, w_down)
-        dw_up, _, dw_down_t = _unit_weight_grads(x, dy, cols, counts, h, None, dh, None, hot_mask, schedule, n_hot,
-                                                 n_hot_slots, base, f, w_up.dtype)
-        return dx, dw_up, dw_down_t.t(), None
+# --- one forward and one backward, behind two entry points ---------------------------------------
+#
+# Eager calls take TrainFFNFunction (an autograd.Function); calls that torch.compile traces take
+# the custom ops twell::train_ffn_fwd / twell::train_ffn_bwd, which it keeps in its graph (an
+# autograd.Function that launches Triton kernels and reads counts on the host cannot be traced).
+# Both run _forward and _backward. Eager calls do not go through the custom ops: their dispatch
+# (schema defaults, the generated autograd wrapper, a redispatch) took 80 us more host time than
+# the autograd.Function's per forward and as much per backward (measured on a 2-core CPU: 115
+# against 35 us per forward), which every layer of an eager step would pay.
 
 
-class DenseTrainFFNFunction(torch.autograd.Function):
-    """The FFN with every row held dense, and its L1 term and statistics: cuBLAS products and one
-    fused element-wise pass each way (:mod:`twell.kernels.dense_rows`). What a layer trains with
-    where the sparse kernels would not pay (``train_kernels = "dense"``, or ``"auto"`` on a layer
-    with many active units, early in training before the L1 term has made it sparse, or on a
-    call of fewer than ``twell.training.path.MIN_SPARSE_TOKENS`` tokens).
+def _forward(x, w_first, w_down, w_up, width, owner=None) -> tuple:
+    """The FFN ``y = (relu(x w_first^T) * (x w_up^T)) w_down^T`` (gated; non-gated, ``w_up``
+    None: ``relu(x w_first^T) w_down^T``), its L1 term and statistics, and what its backward
+    needs: ``(y, l1, row_counts, unit_counts, n_heavy, values, u, cols, heavy, hot_mask,
+    schedule, host)``, the first five as :class:`TrainFFNOutput` describes them.
+
+    ``width`` >= 1: the sparse kernels at ELL width ``W = min(width, f)``: ``values [M, W]``
+    (g gated, h non-gated), ``u [M, W]`` (gated), ``cols [M, W]``, ``heavy [M]`` int64,
+    ``hot_mask [f]`` bool, ``schedule [f]`` int64, ``host [4]`` int64 on the CPU (pinned on
+    CUDA; :func:`_to_host`). ``width`` 0: every row dense (:func:`_dense_forward`): ``values
+    [M, f]`` (a gated, h non-gated), ``u [M, f]`` (gated), the rest None. ``LAYER_CHOICE``: the
+    path and width that the module owning ``owner`` chooses (:func:`_layer_forward`). ``u`` is
+    None non-gated."""
+    _check_width(width, modes=True)
+    if width == LAYER_CHOICE:
+        return _layer_forward(x, w_first, w_down, w_up, owner)
+    gated = w_up is not None
+    W = _check_args(x, w_up if gated else w_first, w_down, w_first if gated else None, max(width, 1))
+    if width == 0:
+        return _dense_forward(x, w_first, w_down, w_up)
+    _refuse_capture(x)
+    a = torch.mm(x, w_first.t())
+    cols, values, counts, y, u, l1, unit_counts, heavy, n_heavy, hot_mask, schedule, host = _light_forward(x, a, W, w_down, w_up)
+    del a
+    return y, l1, counts, unit_counts, n_heavy, values, u, cols, heavy, hot_mask, schedule, host
+
+
+def _dense_forward(x, w_first, w_down, w_up) -> tuple:
+    """The FFN with every row held dense, with its L1 term and statistics: cuBLAS products and
+    one fused element-wise pass each way (:mod:`twell.kernels.dense_rows`). What a layer trains
+    with where the sparse kernels would not pay (``train_kernels = "dense"``, or ``"auto"`` on a
+    layer with many active units, early in training before the L1 term has made it sparse, or
+    on a call of fewer than ``twell.training.path.MIN_SPARSE_TOKENS`` tokens).
 
     Against dense autograd of the same math, which walks ``[M, f]`` tensors for relu, the
     product, ``|h|``, the active mask and their gradients (six to nine passes), this makes one
     pass each way and saves two ``[M, f]`` tensors (a and u; non-gated h) where autograd saves
     three; and it keeps the L1 term's gradient in fp32 until it meets g and u (in bf16 it would
-    round away, see :func:`_dense_rows_backward`).
+    round away, see :func:`_dense_rows_backward`). Returns :func:`_forward`'s tuple."""
+    M = x.shape[0]
+    # the inputs' dtype throughout (autocast would recast the products, not the backward's)
+    with torch.autocast(x.device.type, enabled=False):
+        a = torch.mm(x, w_first.t())
+        s, u, y, l1_rows, unit_counts, row_counts = _dense_rows(x, a, w_up, w_down)
+    del a
+    n_heavy = torch.zeros((), dtype=torch.int64, device=x.device)
+    return (y, l1_rows.sum() / max(M, 1), row_counts, unit_counts, n_heavy, s, u) + (None,) * 5
 
-    ``apply(x, w_first, w_down, w_up)`` -> ``(y, l1, row_counts, unit_counts, n_heavy)``; w_first
-    is w_gate gated, w_up non-gated (then w_up is None); use :func:`dense_gated_ffn` /
-    :func:`dense_ffn`.
-    """
 
-    @staticmethod
-    def forward(ctx, x, w_first, w_down, w_up):
-        _check_args(x, w_first if w_up is None else w_up, w_down, None if w_up is None else w_first, 1)
-        M = x.shape[0]
-        # the inputs' dtype throughout (autocast would recast the products, not the backward's)
-        with torch.autocast(x.device.type, enabled=False):
-            a = torch.mm(x, w_first.t())
-            s, u, y, l1_rows, unit_counts, row_counts = _dense_rows(x, a, w_up, w_down)
-        del a
-        ctx.save_for_backward(x, w_first, w_down, w_up, s, u)
-        n_heavy = torch.zeros((), dtype=torch.int64, device=x.device)
-        ctx.mark_non_differentiable(row_counts, unit_counts, n_heavy)
-        return y, l1_rows.sum() / max(M, 1), row_counts, unit_counts, n_heavy
+def _layer_forward(x, w_first, w_down, w_up, owner) -> tuple:
+    """:func:`_forward` on the path and at the width that the twell module whose first
+    projection's stored weight is ``owner`` chooses for this call
+    (:func:`twell.training.path.call_choice`), which is noted in its state afterwards (its last
+    path; on probe calls its row counts published). How a compiled module trains: the choice
+    reads the layer's measured sparsity on the host at run time, inside the custom op, so that
+    one compiled graph serves every layer and every choice. The layer is found from ``owner``
+    (the module's own parameter, not the autocast copy the op computes with) as the inference op
+    finds it (:func:`twell.inference.dispatch.layer_of_weight`). Weights no live module owns get
+    the dense path, with a warning."""
+    from ..inference.dispatch import layer_of_weight
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy, dl1, *_):
-        x, w_first, w_down, w_up, s, u = ctx.saved_tensors
-        need_x, need_first, need_down, need_up = ctx.needs_input_grad[:4]
+    state = None if owner is None else layer_of_weight(owner)
+    if state is None:
+        warnings.warn("twell::train_ffn_fwd: no twell module owns this weight (copied by a compiler?); "
+                      "training this call on the dense path", RuntimeWarning, stacklevel=2)
+        return _forward(x, w_first, w_down, w_up, 0)
+    module = state.module
+    path, width = train_path.call_choice(module, x.shape[0], x.is_cuda)
+    out = _forward(x, w_first, w_down, w_up, width if path == "sparse" else 0)
+    module._twell_train.note_call(path, out[2], module.intermediate_size)
+    return out
+
+
+def _backward(dy, dl1, x, w_first, w_down, w_up, counts, values, u, cols, heavy, hot_mask, schedule, host, own,
+              needs) -> tuple:
+    """``(dx [M, d], dw_first [f, d], dw_down [d, f], dw_up [f, d] or None)`` of a
+    :func:`_forward` call, from the gradients of its y and l1 (``dy [M, d]``, ``dl1`` a scalar;
+    None: zero) and what it saved (``counts`` is its row_counts; zero-size ``cols`` stand for
+    None, as the custom op passes them). ``own``: the host buffer of this node's own forward
+    (see :func:`_host_counts`). ``needs``: whether x's, w_first's, w_down's and w_up's gradients
+    are wanted; the others come back None (the dense path skips their products, as dense
+    autograd does). ``dw_down`` comes ``[f, d]``-major (a transposed view) from the sparse path
+    and from the dense path where w_down is held so (:func:`kernel_layout`)."""
+    need_x, need_first, need_down, need_up = needs
+    gated = w_up is not None
+    u = u if gated else None
+    if dy is None:
+        dy = torch.zeros_like(x)
+    if cols is None or cols.shape[1] == 0:  # every row dense
         c = _l1_scale(dl1, x.shape[0], x.device)
         # w_down held as the transpose of a contiguous [f, d] matrix (the kernels' layout): its
         # gradient is made [f, d] and handed back transposed, in the parameter's own layout
         down_t = kernel_layout(w_down)
         with torch.autocast(x.device.type, enabled=False):  # a backward run inside autocast too
-            # only the gradients asked for: a frozen weight costs no product, as in dense autograd
-            dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), s, u, c, w_first, w_up, w_down, down_t=down_t,
-                                                             needs=(need_x, need_first, need_up, need_down))
+            dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), values, u, c, w_first, w_up, w_down,
+                                                             down_t=down_t, needs=(need_x, need_first, need_up, need_down))
         if down_t and dw_down is not None:
             dw_down = dw_down.t()
-        if w_up is None:  # dw_a is w_first's (w_up's) gradient
-            return dx, dw_a, dw_down, None
-        return dx, dw_b, dw_down, dw_a  # gated: dw_a is w_up's, dw_b w_gate's
+        return (dx, dw_b, dw_down, dw_a) if gated else (dx, dw_a, dw_down, None)  # gated: dw_a is w_up's
+    _refuse_capture(x)
+    M = x.shape[0]
+    f = w_first.shape[0]
+    n_heavy, n_hot, n_hot_slots = _host_counts(host, own, x.device, (M, f, cols.numel()))
+    dy = dy.contiguous()
+    c = _l1_scale(dl1, M, x.device)
+    up, gate = (w_up, w_first) if gated else (w_first, None)
+    dx, du, da = ffn_rows_backward(dy, cols, values, u, counts, _rows_of(w_down), up, gate, c, **ROWS_CONFIG)
+    base = None
+    if n_heavy:
+        dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_first, w_up, w_down)
+    dw_a, dw_b, dw_down_t = _unit_weight_grads(x, dy, cols, counts, values, u, du, da, hot_mask, schedule, n_hot,
+                                               n_hot_slots, base, f, w_first.dtype)
+    # dw_down_t is [f, d]; autograd lays the [d, f] view out as w_down's .grad
+    grads = (dx, dw_b, dw_down_t.t(), dw_a) if gated else (dx, dw_a, dw_down_t.t(), None)
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
+class TrainFFNFunction(torch.autograd.Function):
+    """The training FFN in eager mode: ``apply(x, w_first, w_down, w_up, width, owner)`` ->
+    ``(y, l1, row_counts, unit_counts, n_heavy)``, :func:`_forward`'s first five (the rest is
+    saved for the backward, :func:`_backward`). ``w_first`` is w_gate gated, w_up non-gated (then
+    ``w_up`` is None); ``width`` as :func:`_forward` takes it. Use :func:`sparse_gated_ffn`,
+    :func:`sparse_ffn`, :func:`dense_gated_ffn` or :func:`dense_ffn`.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_first, w_down, w_up, width, owner):
+        out = _forward(x, w_first, w_down, w_up, width, owner)
+        # This forward's own host buffer, beside the saved one (see _host_counts): under
+        # save_on_cpu the saved one is a copy that may have been taken before the counts landed.
+        ctx.host = out[11]
+        sparse = out[7] is not None  # (the dense path's backward needs no row counts)
+        ctx.save_for_backward(x, w_first, w_down, w_up, out[2] if sparse else None, *out[5:])
+        ctx.mark_non_differentiable(*out[2:5])
+        return out[:5]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy, dl1, *_):
+        return (*_backward(dy, dl1, *ctx.saved_tensors, ctx.host, ctx.needs_input_grad[:4]), None, None)
+
+
+# twell::train_ffn_fwd returns _forward's twelve tensors; where _forward gives None it returns a
+# zero-size tensor (a custom op's outputs are tensors of a fixed count). Its fake implementation
+# gives each output's shape: fixed for a width >= 1 or 0; for LAYER_CHOICE the sizes that depend
+# on the layer's choice (ELL width or f, and which of the sparse path's tensors exist) are
+# unbacked sizes, so that the compiled graph takes whichever path the layer picks at run time.
+_FWD_SCHEMA = ("(Tensor x, Tensor w_first, Tensor w_down, Tensor? w_up, int width, Tensor? owner) -> "
+               "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)")
+_BWD_SCHEMA = ("(Tensor? dy, Tensor? dl1, Tensor x, Tensor w_first, Tensor w_down, Tensor? w_up, Tensor row_counts, "
+               "Tensor values, Tensor u, Tensor cols, Tensor heavy, Tensor hot_mask, Tensor schedule, Tensor host, "
+               "Tensor own_host, bool[] needs) -> Tensor[]")
+
+
+@torch.library.custom_op("twell::train_ffn_fwd", mutates_args=(), schema=_FWD_SCHEMA)
+def train_ffn_fwd(x, w_first, w_down, w_up, width, owner):
+    """:func:`_forward` as a custom op (see ``_FWD_SCHEMA``): ``(y [M, d], l1 [], row_counts [M]
+    int32, unit_counts [f] int64, n_heavy [] int64, values, u, cols, heavy, hot_mask, schedule,
+    host)``, zero-size where :func:`_forward` gives None (``u [M, 0]``, ``cols [M, 0]``, the
+    rest ``[0]``). ``host`` is ``[3]``: the buffer of :func:`_to_host` less its tag (the
+    buffer's address, which no two calls share: not a result), a view that keeps it in its
+    storage for the backward (:func:`_tagged`)."""
+    out = _forward(x, w_first, w_down, w_up, width, owner)
+    M, f = x.shape[0], w_first.shape[0]
+    none = (x.new_empty(M, 0), x.new_empty((M, 0), dtype=col_dtype(f)), x.new_empty(0, dtype=torch.int64),
+            x.new_empty(0, dtype=torch.bool), x.new_empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64))
+    out = out[:6] + tuple(n if t is None else t for t, n in zip(out[6:], none))
+    return out[:11] + (out[11][:-1] if out[7].shape[1] else out[11],)
+
+
+def _tagged(host: torch.Tensor) -> torch.Tensor:
+    """The whole :func:`_to_host` buffer, tag included, behind the op's ``host`` output (a view
+    of it less its last element), as :func:`_host_counts` reads it; a copy that a saved-tensor
+    hook made of the view holds no tag: it gets -1 (no buffer's address)."""
+    n = host.numel() + 1
+    if host.storage_offset() == 0 and host.untyped_storage().nbytes() >= n * host.element_size():
+        return host.as_strided((n,), (1,))
+    return torch.cat([host, host.new_full((1,), -1)])
+
+
+@train_ffn_fwd.register_fake
+def _train_ffn_fwd_fake(x, w_first, w_down, w_up, width, owner):
+    _check_width(width, modes=True)
+    gated = w_up is not None
+    # the same checks as the real op: meta tensors (which take this implementation) fail here too
+    W = _check_args(x, w_up if gated else w_first, w_down, w_first if gated else None, max(width, 1))
+    M, d = x.shape
+    f = w_first.shape[0]
+    if width == LAYER_CHOICE:  # values' and u's width (W or f), cols' (W or 0), heavy's, hot_mask's, host's
+        k, kc, kh, kf, kn = (_run_time_size() for _ in range(5))
+    elif width == 0:
+        k, kc, kh, kf, kn = f, 0, 0, 0, 0
+    else:
+        k, kc, kh, kf, kn = W, W, M, f, 3
+    i64 = torch.int64
+    return (x.new_empty(M, d), x.new_empty((), dtype=torch.float32), x.new_empty(M, dtype=torch.int32),
+            x.new_empty(f, dtype=i64), x.new_empty((), dtype=i64), x.new_empty(M, k), x.new_empty(M, k if gated else 0),
+            x.new_empty((M, kc), dtype=col_dtype(f)), x.new_empty(kh, dtype=i64), x.new_empty(kf, dtype=torch.bool),
+            x.new_empty(kf, dtype=i64), torch.empty(kn, dtype=i64, device="cpu"))
+
+
+def _run_time_size():
+    """A size the layer's choice sets at run time, in a fake implementation (an unbacked SymInt).
+    ``ctx.new_dynamic_size()`` makes one only where dynamo captures operators of data-dependent
+    output shape (``fullgraph=True``, or ``capture_dynamic_output_shape_ops``); elsewhere it
+    raises, and dynamo would break the graph at every compiled layer's MLP. Every backend that
+    runs this op handles such sizes (inductor binds them from the op's outputs; the sparse op
+    cannot be captured in CUDA graphs anyway), so it is made directly in that case."""
+    ctx = torch.library.get_ctx()
+    shape_env = getattr(ctx, "_shape_env", None)
+    try:
+        from torch._library.fake_impl import allocate_size
+    except ImportError:  # (a torch without it: a graph break, as new_dynamic_size makes)
+        allocate_size = None
+    if shape_env is None or shape_env.allow_dynamic_output_shape_ops or allocate_size is None:
+        return ctx.new_dynamic_size()
+    return allocate_size(shape_env)
+
+
+@torch.library.custom_op("twell::train_ffn_bwd", mutates_args=(), schema=_BWD_SCHEMA)
+def train_ffn_bwd(dy, dl1, x, w_first, w_down, w_up, row_counts, values, u, cols, heavy, hot_mask, schedule, host,
+                  own_host, needs):
+    """:func:`_backward` as a custom op (see ``_BWD_SCHEMA``): ``[dx [M, d], dw_first [f, d],
+    dw_down [d, f]]`` and ``dw_up [f, d]`` gated; a gradient not in ``needs`` comes back as a
+    ``[0]`` tensor. ``dw_down`` is laid out as w_down is (:func:`kernel_layout`: ``[f, d]``-major,
+    else contiguous), whichever path ran, as the fake implementation says."""
+    if cols.shape[1]:
+        host, own_host = _tagged(host), _tagged(own_host)
+    grads = list(_backward(dy, dl1, x, w_first, w_down, w_up, row_counts, values, u, cols, heavy, hot_mask, schedule,
+                           host, own_host, needs))
+    if grads[2] is not None and not kernel_layout(w_down):
+        grads[2] = grads[2].contiguous()  # the sparse path's is [f, d]-major (autograd would copy it so too)
+    return [x.new_empty(0) if g is None else g for g in grads[:3 if w_up is None else 4]]
+
+
+@train_ffn_bwd.register_fake
+def _train_ffn_bwd_fake(dy, dl1, x, w_first, w_down, w_up, row_counts, values, u, cols, heavy, hot_mask, schedule,
+                        host, own_host, needs):
+    M, d = x.shape
+    f = w_first.shape[0]
+    dw_down = w_down.new_empty(f, d).t() if kernel_layout(w_down) else w_down.new_empty(d, f)
+    grads = (x.new_empty(M, d), w_first.new_empty(f, d), dw_down, w_first.new_empty(f, d))
+    return [g if need else x.new_empty(0) for g, need in zip(grads[:3 if w_up is None else 4], needs)]
+
+
+def _op_setup(ctx, inputs, output):
+    x, w_first, w_down, w_up, _, _ = inputs
+    # No zero gradients made for the outputs that only the backward reads (or for an unused y)
+    ctx.set_materialize_grads(False)
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.host = output[11]  # this forward's own host buffer, as TrainFFNFunction keeps it
+    ctx.save_for_backward(x, w_first, w_down, w_up, output[2], *output[5:])
+
+
+def _op_backward(ctx, dy, dl1, *_):
+    needs = [bool(n) for n in ctx.needs_input_grad[:4]]
+    grads = torch.ops.twell.train_ffn_bwd(dy, dl1, *ctx.saved_tensors, ctx.host, needs)
+    grads = [g if need else None for g, need in zip(grads, needs)]
+    return (*grads, *[None] * (4 - len(grads)), None, None)
+
+
+train_ffn_fwd.register_autograd(_op_backward, setup_context=_op_setup)
+
+
+def _train_ffn(x, w_first, w_down, w_up, width, owner=None) -> TrainFFNOutput:
+    """:func:`_forward` with autograd: through the custom op while torch.compile traces, else
+    through :class:`TrainFFNFunction` (the same computation)."""
+    if torch.compiler.is_compiling():
+        out = torch.ops.twell.train_ffn_fwd(x, w_first, w_down, w_up, width, owner)
+    else:
+        out = TrainFFNFunction.apply(x, w_first, w_down, w_up, width, owner)
+    return TrainFFNOutput(*out[:5])
 
 
 def sparse_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:
@@ -529,29 +691,42 @@ def sparse_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, 
     Returns:
         :class:`TrainFFNOutput`; ``y`` and ``l1`` carry gradients to x and the three weights
         equal to dense autograd's of ``(relu(x w_gate^T) * (x w_up^T)) w_down^T`` and
-        ``l1_penalty(h)`` up to rounding. With M = 0, l1 is 0.
+        ``l1_penalty(h)`` up to rounding. With M = 0, l1 is 0. Under ``torch.compile`` the call
+        is the custom op ``twell::train_ffn_fwd`` (no graph break).
     """
-    return TrainFFNOutput(*SparseGatedFFNFunction.apply(x, w_gate, w_up, w_down, width))
+    _check_width(width)
+    return _train_ffn(x, w_gate, w_down, w_up, width)
 
 
 def sparse_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor, width: int) -> TrainFFNOutput:
     """Non-gated FFN ``y = relu(x w_up^T) w_down^T`` for training; as :func:`sparse_gated_ffn`."""
-    return TrainFFNOutput(*SparseFFNFunction.apply(x, w_up, w_down, width))
+    _check_width(width)
+    return _train_ffn(x, w_up, w_down, None, width)
 
 
 def dense_gated_ffn(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> TrainFFNOutput:
-    """Gated FFN for training with every row dense (:class:`DenseTrainFFNFunction`), with its L1
-    term and statistics; arguments and result as :func:`sparse_gated_ffn` (no width; ``n_heavy``
-    is 0: no row takes a backup, all are dense). It runs in the inputs' dtype whatever autocast
-    says (cast them first, as the modules do); its backward is not itself differentiable
-    (no double backward), as with the sparse op."""
-    return TrainFFNOutput(*DenseTrainFFNFunction.apply(x, w_gate, w_down, w_up))
+    """Gated FFN for training with every row dense (:func:`_dense_forward`), with its L1 term
+    and statistics; arguments and result as :func:`sparse_gated_ffn` (no width; ``n_heavy`` is
+    0: no row takes a backup, all are dense). It runs in the inputs' dtype whatever autocast
+    says (cast them first, as the modules do); its backward is not itself differentiable (no
+    double backward), as with the sparse op."""
+    return _train_ffn(x, w_gate, w_down, w_up, 0)
 
 
 def dense_ffn(x: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> TrainFFNOutput:
     """Non-gated FFN ``y = relu(x w_up^T) w_down^T`` for training, every row dense; as
     :func:`dense_gated_ffn`."""
-    return TrainFFNOutput(*DenseTrainFFNFunction.apply(x, w_up, w_down, None))
+    return _train_ffn(x, w_up, w_down, None, 0)
+
+
+def layer_ffn(x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up: Optional[torch.Tensor],
+              owner: torch.Tensor) -> TrainFFNOutput:
+    """The training FFN of a twell module on the path and at the width the module chooses at run
+    time (:func:`_layer_forward`): how a module traced by ``torch.compile`` trains. ``x [M, d]``
+    contiguous; ``w_first [f, d]`` (w_gate gated, w_up non-gated), ``w_down [d, f]``, ``w_up
+    [f, d]`` or None (non-gated), as the module computes with them (autocast copies included);
+    ``owner``: the module's own first-projection weight, which names the layer."""
+    return _train_ffn(x, w_first, w_down, w_up, LAYER_CHOICE, owner)
 
 
 def saved_bytes(fn: Callable[..., object], *inputs: torch.Tensor) -> int:

@@ -5,7 +5,7 @@ forward. With ``train_kernels = "auto"`` (the default) the sparse kernels
 (:mod:`twell.training.ops`) run while the call has at least ``MIN_SPARSE_TOKENS`` tokens, the
 layer's measured mean of active units per token is at
 most ``MAX_DENSITY * f`` (:func:`use_sparse`), at most ``HEAVY_SHARE_MAX`` of its tokens have more
-active units than the ELL width that mean gives (:func:`twell.training.ops.choose_width`, about
+active units than the ELL width that mean gives (:func:`choose_width`, about
 twice the mean: the rows the sparse op computes dense), and ``AUTO_SPARSE`` is on (the
 default), with that width. A layer with a heavy tail (a few rows with hundreds of units that raise
 the mean) goes sparse too where its light rows are light enough and its heavy rows few enough, at
@@ -29,6 +29,12 @@ copies to the host); ``"sparse"`` forced raises there.
 The choice changes only in a forward that runs outside a backward pass: the recomputation of
 an activation-checkpointed forward (which runs inside the backward) takes the same path, with
 the same width, as the forward it recomputes, so its saved tensors match.
+
+Under ``torch.compile`` the choice cannot be made while tracing (it reads the measurement on the
+host, and a choice fixed in the graph would make one graph per layer and per width): a traced
+module calls the custom op ``twell::train_ffn_fwd`` with ``LAYER_CHOICE``, and the op makes the
+same choice (:func:`call_choice`) at run time, for each call, and notes it
+(:meth:`TrainPath.note_call`); its dense path there is always the fused dense op.
 """
 
 from __future__ import annotations
@@ -38,9 +44,13 @@ from typing import Optional
 import torch
 
 __all__ = ["TrainPath", "use_sparse", "light_rule_width", "choose_path", "probe_values", "read_probe", "large_enough", "device_width", "TRAIN_MODES",
-           "MAX_DENSITY", "HEAVY_SHARE_MAX", "MIN_SPARSE_TOKENS", "PROBE_WIDTHS", "HEAVY_FIXED", "HEAVY_COST"]
+           "call_choice", "LAYER_CHOICE", "MAX_DENSITY", "HEAVY_SHARE_MAX", "MIN_SPARSE_TOKENS", "PROBE_WIDTHS", "HEAVY_FIXED", "HEAVY_COST"]
 
 TRAIN_MODES = ("auto", "dense", "sparse")
+
+# The width argument of the training custom op (twell.training.ops.train_ffn_fwd) that leaves the
+# path and width to the layer, at run time (see the module's text).
+LAYER_CHOICE = -1
 
 # Break-even share of active units per token: the sparse kernels' forward + backward beat dense
 # below it (H200, bf16, d 2048, f 5632, M 16384: at k = 29 of 5632 even / skewed / heavy 1.31x /
@@ -123,8 +133,29 @@ HEAVY_FIXED = 0.0007
 HEAVY_COST = 0.0137
 
 
+def choose_width(active_mean: float, active_max: Optional[int] = None, f: Optional[int] = None) -> int:
+    """ELL width W for a layer whose tokens have ``active_mean`` active units on average.
+
+    Rule: the multiple of 16 at or above twice the mean, clamped to [16, 512]; narrower when
+    ``active_max`` says every row fits in less (rounded up to 16); at most ``f``. Rows heavier
+    than W are exact anyway (dense backup): W trades the ELL buffers' size (and the row kernels'
+    padding) against how many rows go dense. At the paper's 29 of 5632 units: W = 64.
+
+    >>> choose_width(29.0), choose_width(29.0, active_max=40), choose_width(3.0, f=10)
+    (64, 48, 10)
+    """
+    if active_mean < 0 or active_mean != active_mean:
+        raise ValueError(f"active_mean must be a number >= 0, got {active_mean}")
+    w = min(max(16, 16 * -(-int(2 * active_mean + 0.999999) // 16)), 512)
+    if active_max is not None:
+        w = min(w, max(16, 16 * -(-int(active_max) // 16)))
+    if f is not None:
+        w = min(w, max(1, int(f)))
+    return w
+
+
 def device_width(mean: torch.Tensor, f: int) -> torch.Tensor:
-    """:func:`twell.training.ops.choose_width` of ``mean`` (a float32 scalar on the device; no
+    """:func:`choose_width` of ``mean`` (a float32 scalar on the device; no
     ``active_max``), computed on the device: the multiple of 16 at or above twice the mean,
     clamped to [16, 512], at most f."""
     t = torch.floor(2 * mean.double() + 0.999999)  # in float64, as Python computes it (fp32 rounds 48.999999 up)
@@ -157,7 +188,6 @@ def choose_path(mean: float, heavy_share: float, shares, lights, f: int, max_den
     """``(path, width)`` that ``"auto"`` takes for a layer measured so (before the token floor and
     ``AUTO_SPARSE``): the mean rule (:func:`use_sparse`) at the width of the mean, else the
     light-row rule (:func:`light_rule_width`), else dense at the width of the mean."""
-    from .ops import choose_width
 
     width = choose_width(mean, None, f)
     if use_sparse(mean, f, max_density, heavy_share):
@@ -194,6 +224,19 @@ def large_enough(tokens: Optional[int]) -> bool:
     """Whether a call of ``tokens`` tokens (None: unknown) may take the sparse kernels under
     ``"auto"``: at least ``MIN_SPARSE_TOKENS``."""
     return tokens is None or tokens >= MIN_SPARSE_TOKENS
+
+
+def call_choice(module, tokens: int, is_cuda: bool) -> tuple[str, int]:
+    """``(path, width)`` of one training call of ``module`` (a twell FFN) on ``tokens`` tokens:
+    its :meth:`TrainPath.choose` for its ``train_kernels`` and ``train_max_density``. Inside a
+    CUDA graph capture "auto" takes the dense path (the sparse ops cannot be captured, see
+    :mod:`twell.training.ops`; the dense op can)."""
+    capturing = is_cuda and torch.cuda.is_current_stream_capturing()
+    mode = module.train_kernels
+    path, width = module._twell_train.choose(mode, module.intermediate_size, module.train_max_density, capturing, tokens)
+    if capturing and mode == "auto":
+        path = "dense"
+    return path, width
 
 
 def _in_backward() -> bool:
@@ -246,6 +289,14 @@ class TrainPath:
         if mode == "sparse":
             return "sparse", self.width if self.k_mean is not None else 64
         return (self.path if large_enough(tokens) else "dense"), self.width
+
+    def note_call(self, path: str, row_counts: torch.Tensor, f: int) -> None:
+        """After a call on the training ops: ``path`` ("sparse" or "dense") becomes the last path,
+        and on probe calls ``row_counts [M]`` (of ``f`` units) is published (:meth:`publish`;
+        not inside a CUDA graph capture)."""
+        if self.want_probe() and not (row_counts.is_cuda and torch.cuda.is_current_stream_capturing()):
+            self.publish(row_counts, f)
+        self.last_path = path
 
     def want_probe(self) -> bool:
         """Whether this call should publish its row counts (every ``PROBE_EVERY`` calls, one in flight)."""
