@@ -147,13 +147,16 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms (the training grid instead times 40 calls of each variant in turn)")
     parser.add_argument("--M", type=int, nargs="+", help="inference: only these tokens per call (d 2048 rows of the "
                         "grid; a check, not a results file: written as inference_mlp_<gpu>_M.json); batch: "
-                        "these tokens per call instead of 1 to 131072")
+                        "these tokens per call instead of 1 to 131072; training: these tokens per call (the results file keeps "
+                        "its records of the others)")
     parser.add_argument("--preset", help="model: the preset whose shape is built (default 2b; with --model, the "
                         "run's own preset labels it); training: the train steps' preset (default 0.5b)")
     parser.add_argument("--k", type=float, default=29, help="model: active units per token to construct (default 29)")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences of 2048 tokens per forward (default 16)")
     parser.add_argument("--no-lean", action="store_true", help="model: skip the compiled lean path")
     parser.add_argument("--no-model", action="store_true", help="compiled: skip the whole model")
+    parser.add_argument("--no-steps", action="store_true", help="training: skip the whole-model train steps "
+                        "(the results file keeps those it holds)")
     parser.add_argument("--layers", type=int, default=16, help="compiled: decoder layers of the model (default 16)")
     parser.add_argument("--fused", action="store_true", help="decode: with the split decode kernels off, the "
                         "fused kernel up to 64 tokens (twell.inference.dispatch.DECODE_SPLIT; results written as "
@@ -352,11 +355,20 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
     if args.no_grid:
         return
     if args.quick:
-        records = run_training_grid(Ms=(16384,), ks=(8, 29, 56, 280, 5632), distributions=("even", "heavy"),
+        records = run_training_grid(Ms=tuple(args.M or (16384,)), ks=(8, 29, 56, 280), distributions=("even", "heavy"),
                                     log=log, partial_path=partial)
     else:
-        records = run_training_grid(log=log, partial_path=partial)
-    steps = train_step_records(args.preset or "0.5b", k=args.k, log=log)
+        records = run_training_grid(**({"Ms": tuple(args.M)} if args.M else {}), log=log, partial_path=partial)
+    old = {}
+    if os.path.exists(path):
+        with open(path) as fh:
+            old = json.load(fh)
+    if args.M:  # a part of the grid: the file keeps its records of the other token counts
+        key = lambda r: (r["M"], r["k"], r["distribution"])  # noqa: E731
+        new_keys = {key(r) for r in records}
+        records = sorted([r for r in old.get("records", []) if key(r) not in new_keys] + records,
+                         key=lambda r: (r["M"], r["distribution"], r["k"]))
+    steps = old.get("train_step", []) if args.no_steps else train_step_records(args.preset or "0.5b", k=args.k, log=log)
     with open(path, "w") as fh:
         json.dump({"records": records, "train_step": steps, "tuning": tuning}, fh, indent=1)
     os.remove(partial)

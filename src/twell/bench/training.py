@@ -90,23 +90,38 @@ def _sparse_fn(x, wg, wu, wd, dy, width: int) -> Callable[[], tuple]:
     return run
 
 
-def _module_fn(x, wg, wu, wd, dy, kernels: str = "auto") -> tuple[Callable[[], tuple], torch.nn.Module]:
+def _load_module(m: torch.nn.Module, wg, wu, wd, kernels: str = "auto") -> None:
+    """Give the twell module ``m`` (training mode) copies of ``wg, wu, wd`` and a fresh path
+    state, as a module built with these weights has: what lets one compiled module serve every
+    record of the grid (one compile, not one per record)."""
+    from ..training.path import TrainPath
+
+    with torch.no_grad():
+        for lin, w in ((m.gate_proj, wg), (m.up_proj, wu), (m.down_proj, wd)):
+            lin.weight.copy_(w)
+    m.__dict__["_twell_train"] = TrainPath()
+    m.train()
+    m.train_kernels = kernels
+
+
+def _module_fn(x, wg, wu, wd, dy, kernels: str = "auto", module: Optional[torch.nn.Module] = None,
+               call: Optional[Callable] = None) -> tuple[Callable[[], tuple], torch.nn.Module]:
     """``(run, module)``: forward + backward of a :class:`twell.SparseGatedMLP` in training mode
-    holding ``wg, wu, wd`` (shared storage), ``train_kernels = kernels``, loss ``y . dy + LAM l1``.
-    A few calls are made first, so that the layer has measured its sparsity and chosen its path."""
+    holding ``wg, wu, wd`` (copies), ``train_kernels = kernels``, loss ``y . dy + LAM l1``.
+    ``module``: the module to load them into (else a new one); ``call``: what runs it (a
+    compiled module, say; else the module). A few calls are made first, so that the layer has
+    measured its sparsity and chosen its path."""
     from ..nn import SparseGatedMLP
 
     f, d = wg.shape
-    m = SparseGatedMLP(d, f, device=x.device, dtype=x.dtype)
-    for lin, w in ((m.gate_proj, wg), (m.up_proj, wu), (m.down_proj, wd)):
-        lin.weight = torch.nn.Parameter(w.detach())
-    m.train()
-    m.train_kernels = kernels
+    m = module if module is not None else SparseGatedMLP(d, f, device=x.device, dtype=x.dtype)
+    _load_module(m, wg, wu, wd, kernels)
+    fn = call if call is not None else m
     params = tuple(m.parameters())
     lam = torch.full((), LAM, device=x.device)
 
     def run():
-        y = m(x)
+        y = fn(x)
         return torch.autograd.grad((y, m.l1), (x, *params), (dy, lam))
 
     for _ in range(3):
@@ -115,15 +130,39 @@ def _module_fn(x, wg, wu, wd, dy, kernels: str = "auto") -> tuple[Callable[[], t
     return run, m
 
 
-def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632),
+class _DenseMLP(torch.nn.Module):
+    """The three-Linear PyTorch MLP (ReLU gate), as a user would write it."""
+
+    def __init__(self, d: int, f: int, **kw) -> None:
+        super().__init__()
+        self.gate_proj = torch.nn.Linear(d, f, bias=False, **kw)
+        self.up_proj = torch.nn.Linear(d, f, bias=False, **kw)
+        self.down_proj = torch.nn.Linear(f, d, bias=False, **kw)
+
+    def forward(self, x: torch.Tensor, with_l1: bool = False):
+        h = torch.relu(self.gate_proj(x)) * self.up_proj(x)
+        y = self.down_proj(h)
+        if with_l1:
+            from ..reference import l1_penalty
+
+            return y, l1_penalty(h)
+        return y
+
+
+def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                       distributions=("even", "skewed", "heavy"), d: int = 2048, f: int = 5632, calls: int = 40,
                       log: Callable[[str], None] = print, partial_path: Optional[str] = None,
-                      plain_module: tuple = (16384,)) -> list[dict]:
+                      plain_module: tuple = (16384,), compiled: bool = True) -> list[dict]:
     """One record per ``(M, k, distribution)`` (see the module's text), each variant timed over
     ``calls`` calls in turn with the others; ``partial_path``: a JSONL file each record is
     appended to as it is measured, so a cut run keeps what it did; ``plain_module``: the M at
-    which the module's plain PyTorch dense path is timed too."""
+    which the module's plain PyTorch dense path is timed too; ``compiled``: also time the dense
+    MLP and the twell module each compiled (``torch.compile(fullgraph=True)``, one compile of
+    each serving every record: the weights are copied in)."""
     import json
+
+    from ..nn import SparseGatedMLP
+    from ..reference import l1_penalty
 
     from ..training import path as train_path
     from ..training.ops import choose_width, dense_gated_ffn, saved_bytes, sparse_gated_ffn
@@ -131,6 +170,14 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
 
     info = machine_info()
     records = []
+    F = torch.nn.functional
+    if compiled:
+        from .compiled import _raise_recompile_limits
+
+        _raise_recompile_limits()
+        ctwell = SparseGatedMLP(d, f, device="cuda", dtype=torch.bfloat16)
+        cdense = _DenseMLP(d, f, device="cuda", dtype=torch.bfloat16)
+        ctwell_call, cdense_call = torch.compile(ctwell, fullgraph=True), torch.compile(cdense, fullgraph=True)
     for M in Ms:
         for dist in distributions:
             for k in ks:
@@ -172,7 +219,11 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                     out = dense_gated_ffn(x, wg, wu, wd)
                     return torch.autograd.grad((out.y, out.l1), (x, wg, wu, wd), (dy, lam_t))
 
-                fns = [dense, sparse, dense_path, module]
+                def dense_l1(x=x, wg=wg, wu=wu, wd=wd, dy=dy):
+                    h = torch.relu(F.linear(x, wg)) * F.linear(x, wu)
+                    return torch.autograd.grad((F.linear(h, wd), l1_penalty(h)), (x, wg, wu, wd), (dy, lam_t))
+
+                fns = {"dense": dense, "sparse": sparse, "dense_path": dense_path, "twell": module, "dense_l1": dense_l1}
                 if M in plain_module:
                     plain_run, _ = _module_fn(x, wg, wu, wd, dy, kernels="dense")
 
@@ -184,23 +235,40 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                         finally:
                             train_path.FUSED_DENSE = was
 
-                    fns.append(plain)
+                    fns["plain_module"] = plain
+                if compiled:
+                    with torch.no_grad():
+                        for lin, w in ((cdense.gate_proj, wg), (cdense.up_proj, wu), (cdense.down_proj, wd)):
+                            lin.weight.copy_(w)
+                    dparams = tuple(cdense.parameters())
+
+                    def compiled_dense(x=x, dy=dy):
+                        return torch.autograd.grad(cdense_call(x), (x, *dparams), dy)
+
+                    for _ in range(3):
+                        compiled_dense()
+                    fns["compiled_dense"] = compiled_dense
+                    fns["compiled_twell"], _ = _module_fn(x, wg, wu, wd, dy, module=ctwell, call=ctwell_call)
                 # call by call in turn, so that every variant sees the same host and clocks
-                times = interleaved_ms(fns, calls=calls, warmup=2)
+                times = dict(zip(fns, interleaved_ms(list(fns.values()), calls=calls, warmup=2)))
                 rec["timed_calls"] = calls
-                rec["dense_ms"], rec["sparse_ms"], rec["dense_path_ms"], rec["twell_ms"] = times[:4]
-                if M in plain_module:
-                    rec["plain_module_ms"] = times[4]
+                for name, ms in times.items():
+                    rec[f"{name}_ms"] = ms
                 rec["sparse_speedup"] = rec["dense_ms"] / rec["sparse_ms"]
                 rec["dense_path_speedup"] = rec["dense_ms"] / rec["dense_path_ms"]
                 rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
+                rec["speedup_with_l1"] = rec["dense_l1_ms"] / rec["twell_ms"]
+                # how far "auto" is from the faster of the module's two paths (0: it took the faster)
+                rec["auto_gap"] = 1 - rec["speedup"] / max(rec["sparse_speedup"], rec["dense_path_speedup"])
+                if compiled:
+                    rec["compiled_speedup"] = rec["compiled_dense_ms"] / rec["compiled_twell_ms"]
+                    rec["compiled_path"] = ctwell.last_train_path
                 rec["twell_path"] = m.last_train_path
-                del module, m, dense_path
+                del module, m, dense_path, dense_l1, fns
                 rec["heavy_share"] = heavy_share
                 rec["breakeven_path"], rec["auto_width"] = choose_path(k_mean, heavy_share, *probe[3:], f)
                 rec["auto_path"] = ("sparse" if (train_path.AUTO_SPARSE and rec["breakeven_path"] == "sparse"
                                                  and train_path.large_enough(M)) else "dense")
-                F = torch.nn.functional
                 rec["dense_saved_bytes"] = saved_bytes(lambda a, b, c, e: F.linear(torch.relu(F.linear(a, b)) * F.linear(a, c), e),
                                                        x, wg, wu, wd)
                 rec["saved_bytes"] = saved_bytes(lambda a, b, c, e: sparse_gated_ffn(a, b, c, e, width), x, wg, wu, wd)
@@ -211,7 +279,9 @@ def run_training_grid(Ms=(16384, 65536), ks=(8, 16, 29, 56, 128, 280, 1000, 5632
                 log(f"M {M:>6} k {k:>5} {dist:6} (mean {k_mean:7.1f}, W {width:3}, heavy {n_heavy:6}): dense "
                     f"{rec['dense_ms']:7.3f} ms, sparse {rec['sparse_ms']:7.3f} ({rec['sparse_speedup']:.2f}x), dense path "
                     f"{rec['dense_path_ms']:7.3f} ({rec['dense_path_speedup']:.2f}x){plain}, module {rec['twell_ms']:7.3f} "
-                    f"({rec['speedup']:.2f}x, {rec['twell_path']}) | err x {e['x']:.1e} g {e['gate']:.1e} u {e['up']:.1e} "
+                    f"({rec['speedup']:.2f}x, {rec['twell_path']}; with L1 {rec['speedup_with_l1']:.2f}x, auto gap {rec['auto_gap']:+.3f})"
+                    + (f" compiled {rec['compiled_speedup']:.2f}x ({rec['compiled_path']})" if compiled else "")
+                    + f" | err x {e['x']:.1e} g {e['gate']:.1e} u {e['up']:.1e} "
                     f"d {e['down']:.1e} | saved {rec['saved_bytes'] / 2**20:.0f} / {rec['dense_saved_bytes'] / 2**20:.0f} MiB")
                 if partial_path:
                     with open(partial_path, "a") as fh:
