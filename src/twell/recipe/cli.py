@@ -281,7 +281,7 @@ def eval_main(argv=None) -> dict:
 def export_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="twell export", description="Write a checkpoint as a Hugging Face model folder: "
                                 "config, safetensors weights and the run's tokenizer, which "
-                                "LlamaForCausalLM.from_pretrained and twell eval load. Takes both kinds of checkpoint: "
+                                "AutoModelForCausalLM.from_pretrained and twell eval load. Takes both kinds of checkpoint: "
                                 "sharded (FSDP runs, torch.distributed.checkpoint; assembled here, in one process) and "
                                 "safetensors. The optimizer state is left out.")
     p.add_argument("checkpoint", help="checkpoint folder, or a run's --out folder (its newest complete checkpoint)")
@@ -310,5 +310,5 @@ def export_main(argv=None) -> dict:
         raise SystemExit(f"twell export: {err}")
     print(f"{out}: {info['params']:,} parameters from {path} (step {info['step']}, {info['format']} checkpoint of "
           f"{info['world_size']} process{'es' if info['world_size'] != 1 else ''}); "
-          f"LlamaForCausalLM.from_pretrained({str(out)!r}) loads it, twell eval {out} evaluates it")
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it, twell eval {out} evaluates it")
     return info
