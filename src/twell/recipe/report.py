@@ -32,6 +32,11 @@ def read_history(path: Path) -> list[dict]:
         return [{k: _number(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(fh)]
 
 
+def model_label(preset, init_from) -> str:
+    """What a run trained, in a few words: ``preset tiny`` or ``from FOLDER`` (``--init-from``)."""
+    return f"from {init_from}" if init_from else f"preset {preset}"
+
+
 def describe_validation(val_loss: float, ppl: float, tokens: int, windows: int, seq_len: int, bytes_: bool) -> str:
     """What a validation loss is and what it was measured on, in one line (``twell train``'s
     summary and ``twell eval`` print the same)."""
@@ -72,12 +77,17 @@ class RunLogger:
             tqdm.write(f"TensorBoard logging off: {type(err).__name__}: {err}")
             self.tb = None
         f = t.config.intermediate_size
+        if t.converted_from not in (None, "relu"):
+            tqdm.write(f"note: {cfg.init_from}: its MLPs used {t.converted_from}; they train with ReLU in its place from "
+                       "here (a different function: the first steps' loss is the converted model's)")
         tqdm.write(
-            f"twell train: preset {cfg.preset}, {t.n_params / 1e6:.2f}M params, {len(t.modules)} layers x {f} hidden units, "
+            f"twell train: {model_label(cfg.preset, cfg.init_from)}, {t.n_params / 1e6:.2f}M params, "
+            f"{len(t.modules)} layers x {f} hidden units, "
             f"{t.world} process(es) on {t.device.type}, {cfg.precision}\n"
             f"  data {' '.join(cfg.data)} ({len(t.train_data.tokens):,} train / {len(t.val_data.tokens):,} validation "
             f"tokens, tokenizer {t.tokenizer.name}); {cfg.steps} steps x {t.tokens_per_step:,} tokens; "
             f"lambda {cfg.l1:g} (L1 = mean over layers of mean over tokens of SUM over units of |h|)"
+            + (f", ramped up over {cfg.l1_warmup} steps" if cfg.l1_warmup else "")
             + ("; dead-unit reinit on" if cfg.reinit else "")
             + (f"\n  resumed at step {t.step}" if t.step else "")
         )
@@ -154,7 +164,8 @@ class RunLogger:
         self.close()
         if t.cfg.plot and t.history:
             summary["plot"] = str(plot_history(t.history, self.out / "training.png", t.config.intermediate_size,
-                                               title=f"twell train: {t.cfg.preset}, lambda {t.cfg.l1:g}"))
+                                               title=f"twell train: {model_label(t.cfg.preset, t.cfg.init_from)}, "
+                                                     f"lambda {t.cfg.l1:g}"))
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(format_summary(summary))
         return summary
@@ -166,8 +177,8 @@ def make_summary(t, final: dict) -> dict:
     L = len(final["active_mean"])
     dead_window = t.dead.dead_frac
     return {
-        "preset": t.cfg.preset, "params": t.n_params, "steps": t.step, "tokens": t.samples_seen * t.cfg.seq_len,
-        "lambda": t.cfg.l1, "reinit": t.cfg.reinit, "intermediate_size": f,
+        "preset": t.cfg.preset, "init_from": t.cfg.init_from, "params": t.n_params, "steps": t.step, "tokens": t.samples_seen * t.cfg.seq_len,
+        "lambda": t.cfg.l1, "l1_warmup": t.cfg.l1_warmup, "reinit": t.cfg.reinit, "intermediate_size": f,
         "l1_target": t.cfg.l1_target,
         "lambda_by_layer": [t.cfg.l1 * c for c in t.l1_scale] if t.cfg.l1_target is not None else None,
         "val_loss": final["val_loss"], "ppl": final["ppl"], "val_tokens": final["tokens"],
@@ -192,7 +203,7 @@ def format_summary(s: dict) -> str:
     f = s["intermediate_size"]
     lines = [
         "",
-        f"== summary: {s['preset']}, {s['steps']} steps, {s['tokens']:,} tokens, lambda {s['lambda']:g}"
+        f"== summary: {model_label(s['preset'], s.get('init_from'))}, {s['steps']} steps, {s['tokens']:,} tokens, lambda {s['lambda']:g}"
         + (", reinit on" if s.get("reinit") else ""),
         describe_validation(s["val_loss"], s["ppl"], s["val_tokens"], s["val_windows"], s["seq_len"],
                             s.get("bits_per_byte") is not None),

@@ -7,6 +7,9 @@ The sum over units is the convention of the paper's published code (its equation
 mean); with it lambda = 2e-5 is the paper's setting. ``lambda_t`` ramps linearly from 0 to
 lambda over ``l1_warmup`` steps (0: constant).
 
+The model is a preset built from seeded random weights, or with ``init_from`` a Hugging Face
+model folder's, its MLPs converted to ReLU (:mod:`twell.recipe.init_from`).
+
 Batches: ``batch_size`` sequences per micro-batch per process; ``grad_accum`` micro-batches
 per optimizer step; so a step sees ``batch_size x grad_accum x world_size`` sequences of
 ``seq_len`` tokens. Sample indices are laid out so that the step's set of sequences does not
@@ -45,8 +48,10 @@ from ..nn import l1_loss, sparse_modules
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .corpus import corpus_tokenizer, load_corpus
-from .data import PackedSequences, Prefetcher
+from .data import PackedSequences, Prefetcher, load_tokenizer
+from .init_from import check_vocab, load_converted
 from .model import PRESETS, build_model, count_params, make_config
+from .shards import prepared_corpus
 from .stats import DeadUnits, IntervalStats
 
 __all__ = ["TrainConfig", "Trainer", "StepResult", "RunStopped", "train", "evaluate_lm", "shutdown_distributed"]
@@ -107,11 +112,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: Optional[str] = None, streams=None):
         """``streams``: optional ``(train, validation)`` token arrays already built from
         ``cfg.data`` (several runs over one corpus tokenize it once)."""
-        self.cfg = cfg = cfg.resolved()
+        self.cfg = cfg = cfg.resolved(resuming=resume is not None)
         self._setup_distributed()
         self.out = Path(cfg.out)
-        # A folder from `twell data prepare` brings its own tokenizer and is read from disk.
-        self.tokenizer = corpus_tokenizer(cfg.data, cfg.tokenizer)
+        checkpoint = self._find_checkpoint(resume) if resume else None
+        self.tokenizer = self._load_tokenizer(checkpoint)
+        # the model's config before the corpus: a tokenizer that does not fit it is reported before any work
+        self.config = self._model_config(checkpoint)
         self.train_data, self.val_data = load_corpus(cfg.data, self.tokenizer, cfg.seq_len, cfg.seed, cfg.val_fraction,
                                                      cfg.text_field, cfg.max_docs, streams)
         # This rank's micro-batches, built ahead in a background thread (the data position
@@ -119,10 +126,8 @@ class Trainer:
         self.loader = Prefetcher(self.train_data, cfg.batch_size, cfg.grad_accum, self.rank, self.world,
                                  pin=self.device.type == "cuda")
 
-        shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                     num_layers=cfg.num_layers, num_heads=cfg.num_heads, context=max(cfg.seq_len, PRESETS[cfg.preset].context))
-        self.config = make_config(cfg.preset, self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id, **shape)
         recipe = None
+        self.converted_from = None  # with init_from: the folder's MLP activation, before the conversion to ReLU
         if self.sharded:
             # No rank builds the whole model: it is built on the meta device (no memory) and
             # _wrap shards it, then materialises each rank's shards with the values that
@@ -132,6 +137,11 @@ class Trainer:
             recipe = record_init(lambda: build_model(self.config, seed=cfg.seed))
             with torch.device("meta"):
                 self.model = build_model(self.config, seed=cfg.seed)
+        elif cfg.init_from is not None and checkpoint is None:
+            # the folder's weights, its MLPs converted to ReLU (a resumed run's come from its checkpoint)
+            self.converted_from = getattr(self.config, "hidden_act", None)
+            self.model = load_converted(cfg.init_from, seed=cfg.seed).to(self.device)
+            self.config = self.model.config
         else:
             self.model = build_model(self.config, seed=cfg.seed).to(self.device)
         if cfg.grad_checkpointing:
@@ -197,15 +207,44 @@ class Trainer:
         self._saved: Optional[tuple[int, int, Path]] = None
         self._pending: Optional[_PendingSave] = None  # a sharded checkpoint still being written in the background
         self._last_save_time = time.monotonic()
-        if resume:
-            passed_over: list = []
-            path = ckpt.latest_checkpoint(Path(resume), passed_over)
-            for folder, missing in passed_over if self.main else []:
-                tqdm.write(f"note: {folder} is incomplete (missing or truncated: {', '.join(missing)}); "
-                           f"resuming from {path.name}")
-            self.load_checkpoint(path)
+        if checkpoint is not None:
+            self.load_checkpoint(checkpoint)
 
     # --- setup ---------------------------------------------------------------------------------
+
+    def _find_checkpoint(self, resume: str) -> Path:
+        """The checkpoint ``--resume`` names (a run folder: its newest complete one)."""
+        passed_over: list = []
+        path = ckpt.latest_checkpoint(Path(resume), passed_over)
+        for folder, missing in passed_over if self.main else []:
+            tqdm.write(f"note: {folder} is incomplete (missing or truncated: {', '.join(missing)}); "
+                       f"resuming from {path.name}")
+        return path
+
+    def _load_tokenizer(self, checkpoint: Optional[Path]):
+        """The run's tokenizer: a prepared corpus's own, else ``cfg.tokenizer``; a resumed
+        ``init_from`` run reads the one its checkpoint saved (the same, and the folder the run
+        started from need not be there any more)."""
+        cfg = self.cfg
+        if cfg.init_from is not None and checkpoint is not None and prepared_corpus(cfg.data) is None:
+            return load_tokenizer(str(checkpoint))
+        # A folder from `twell data prepare` brings its own tokenizer and is read from disk.
+        return corpus_tokenizer(cfg.data, cfg.tokenizer)
+
+    def _model_config(self, checkpoint: Optional[Path]):
+        """The model's config: the preset's, with the size options and the tokenizer's vocabulary;
+        with ``init_from`` the folder's (its activation converted when the weights load), or on
+        resume the checkpoint's own (already ReLU)."""
+        cfg = self.cfg
+        if cfg.init_from is None:
+            shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+                         num_heads=cfg.num_heads, context=max(cfg.seq_len, PRESETS[cfg.preset].context))
+            return make_config(cfg.preset, self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id, **shape)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(checkpoint if checkpoint is not None else cfg.init_from)
+        check_vocab(self.tokenizer, config.vocab_size, cfg.init_from)
+        return config
 
     def _setup_distributed(self) -> None:
         cfg = self.cfg
