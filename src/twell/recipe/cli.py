@@ -92,6 +92,11 @@ def train_parser() -> argparse.ArgumentParser:
                    "log step, by the square root of the layer's active share over the target, within 1e-6 to 1e6 "
                    "times --l1, not during --l1-warmup (default: off, one fixed lambda)")
     s.add_argument("--dead-window", type=int, help=f"steps in the window over which a unit that never fires counts as dead (default {d.dead_window})")
+    s.add_argument("--dead-limit", type=float, metavar="SHARE", help="with --l1-target: a layer whose share of dead units "
+                   "over the window exceeds SHARE keeps its lambda from rising (neither the target's adaptation nor "
+                   f"the --l1-warmup ramp raises it) until its share falls back (default {d.dead_limit})")
+    s.add_argument("--no-dead-limit", dest="dead_limit", action="store_const", const=None,
+                   help="no dead-unit limit: every layer's lambda follows the target alone")
     s.add_argument("--reinit", action="store_true", help="re-initialise dead units' gate rows after every step (paper's Eq. 6)")
     s.add_argument("--reinit-keep", type=float, help=f"Eq. 6: W <- keep * W + (1 - keep) * N(0, std^2) (default keep {d.reinit_keep})")
     s.add_argument("--reinit-std", type=float, help=f"Eq. 6 noise std (default {d.reinit_std})")

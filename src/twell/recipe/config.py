@@ -58,6 +58,9 @@ class TrainConfig:
     # layer's lambda starts at l1 and is adapted at every log step (see Trainer.adapt_l1).
     l1_target: Optional[float] = None
     dead_window: int = 25
+    # With l1_target: a layer whose dead share over the window exceeds this keeps its lambda
+    # from rising (see Trainer.adapt_l1); None: off.
+    dead_limit: Optional[float] = 0.1
     reinit: bool = False
     reinit_keep: float = 0.9
     reinit_std: float = 0.02
@@ -114,6 +117,8 @@ class TrainConfig:
             (c.l1_target is None or 0 < c.l1_target < 1,
              f"the L1 target (--l1-target) is a share of the hidden units in (0, 1), got {c.l1_target}"),
             (c.l1_target is None or c.l1 > 0, "--l1-target adapts lambda from --l1: give --l1 > 0"),
+            (c.dead_limit is None or 0 < c.dead_limit < 1,
+             f"the dead-unit limit (--dead-limit) is a share of the hidden units in (0, 1), got {c.dead_limit}"),
             (0 <= c.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}"),
             (c.grad_clip >= 0, f"grad clip must be >= 0 (0: off), got {c.grad_clip}"),
             (0 < c.reinit_keep <= 1, f"reinit keep must be in (0, 1], got {c.reinit_keep}"),

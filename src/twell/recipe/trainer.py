@@ -185,6 +185,7 @@ class Trainer:
         # Per-layer multipliers of lambda, adapted toward cfg.l1_target (all 1 without a target).
         self.l1_scale = [1.0] * L
         self._l1_scale_t = torch.ones(L, device=self.device)
+        self.dead_holds = [0] * L  # log rows at which each layer's lambda was held (cfg.dead_limit)
         self.dead = DeadUnits(L, f, cfg.dead_window, self.device, reinit=cfg.reinit,
                               keep=cfg.reinit_keep, std=cfg.reinit_std, seed=cfg.seed)
         self.step = 0
@@ -338,17 +339,34 @@ class Trainer:
         """``cfg.l1_target``: after a log row, scale each layer's lambda by the square root of its
         active share over the target, within [0.8, 1.25] per row and ``L1_SCALE_RANGE`` overall:
         an integral controller in log space, slow enough for the optimizer to follow. Layers
-        above the target get more L1, layers below less. Nothing moves during ``l1_warmup`` (lambda
-        is still ramping: sparsity has not had the chance to respond). Uses the row's per-layer
-        means (already reduced over ranks: every rank agrees)."""
-        target = self.cfg.l1_target
-        if target is None or self.step < self.cfg.l1_warmup:
+        above the target get more L1, layers below less. The controller waits during
+        ``l1_warmup`` (lambda is still ramping: sparsity has not had the chance to respond).
+
+        ``cfg.dead_limit``: a layer whose share of dead units over the last window
+        (``dead_frac_L{i}``) exceeds the limit is held: its lambda does not rise before the next
+        log row, neither by the controller nor by the ramp (during ``l1_warmup`` its multiplier
+        shrinks as the ramp grows). A unit that never fires gets no gradient, so more L1 on a
+        collapsing layer only kills more of it; held, the layer keeps what lambda it has until
+        its dead share falls back under the limit (``--reinit`` revives dead units).
+        ``dead_holds`` counts the log rows at which each layer was held.
+
+        Uses the row's per-layer values (already reduced over ranks: every rank agrees)."""
+        cfg = self.cfg
+        if cfg.l1_target is None:
             return
+        ramping = self.step < cfg.l1_warmup
+        now = self.l1_coef(self.step)
+        # how much the ramp raises lambda by the next log row (1 once it has ended)
+        rise = self.l1_coef(self.step + cfg.log_every) / now if ramping and now > 0 else 1.0
         f = self.config.intermediate_size
         lo, hi = self.L1_SCALE_RANGE
         for i in range(len(self.l1_scale)):
-            ratio = max(row[f"active_mean_L{i}"], 1e-3) / (target * f)
-            self.l1_scale[i] = min(hi, max(lo, self.l1_scale[i] * min(1.25, max(0.8, ratio ** 0.5))))
+            ratio = max(row[f"active_mean_L{i}"], 1e-3) / (cfg.l1_target * f)
+            factor = 1.0 if ramping else min(1.25, max(0.8, ratio ** 0.5))
+            if cfg.dead_limit is not None and row.get(f"dead_frac_L{i}", 0.0) > cfg.dead_limit:  # NaN: no window yet
+                factor = min(factor, 1.0 / rise)
+                self.dead_holds[i] += 1
+            self.l1_scale[i] = min(hi, max(lo, self.l1_scale[i] * factor))
         self._l1_scale_t.copy_(torch.tensor(self.l1_scale))
 
     def micro_batch(self, micro: int) -> torch.Tensor:
@@ -510,7 +528,8 @@ class Trainer:
                     "scheduler": self.scheduler.state_dict(),
                     "dead": {k: dead[k] for k in ("steps_in_window", "windows_done", "dead_frac")},
                     "interval_tokens": interval["tokens"], "log_steps": self.n_acc,
-                    "skipped_steps": self.skipped, "bad_streak": self.bad_streak, "l1_scale": self.l1_scale}
+                    "skipped_steps": self.skipped, "bad_streak": self.bad_streak, "l1_scale": self.l1_scale,
+                    "dead_holds": self.dead_holds}
             ckpt.save_tensors_with_meta(tmp / "trainer_state.safetensors", tensors, meta)
             (tmp / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
             self.tokenizer.save(tmp)
@@ -602,6 +621,8 @@ class Trainer:
         if self.cfg.l1_target is not None and len(meta.get("l1_scale", [])) == len(self.l1_scale):
             self.l1_scale = [float(v) for v in meta["l1_scale"]]
             self._l1_scale_t.copy_(torch.tensor(self.l1_scale))
+        if len(meta.get("dead_holds", [])) == len(self.dead_holds):
+            self.dead_holds = [int(v) for v in meta["dead_holds"]]
         self._saved = (self.step, self.samples_seen, Path(directory))
         if f"rng_cpu_rank{self.rank}" in tensors:  # a run resumed on other ranks keeps its own RNG
             torch.set_rng_state(tensors[f"rng_cpu_rank{self.rank}"])
@@ -673,7 +694,7 @@ class Trainer:
                         interval_tokens, interval_seconds = 0, 0.0
                         if evaluate:
                             ev = self.evaluate()
-                            row["val_loss"] = ev["val_loss"]
+                            row.update(self._validation_row(ev))
                             final = ev if last else None
                         self.history.append(row)
                         logger.log(row)
@@ -720,6 +741,14 @@ class Trainer:
         self.ce_acc.zero_(), self.l1_acc.zero_(), self.gn_acc.zero_()
         self.n_acc = 0
         return row
+
+    @staticmethod
+    def _validation_row(ev: dict) -> dict:
+        """The log row's columns of a validation pass: its loss, and each layer's dead share on
+        the validation tokens (units that fired for none of them) with their mean."""
+        dead = ev["dead_frac"]
+        return {"val_loss": ev["val_loss"], "dead_frac_val": sum(dead) / len(dead),
+                **{f"dead_frac_val_L{i}": v for i, v in enumerate(dead)}}
 
     def _report_skipped(self, r: StepResult) -> None:
         if self.main:
