@@ -205,3 +205,33 @@ def test_the_lambda_ramp_follows_its_schedule(tmp_path):
     t.fit()
     rows = read_history(tmp_path / "run" / "log.csv")
     assert [r["lambda"] for r in rows] == pytest.approx([0.02, 0.04, 0.04, 0.04, 0.04, 0.04, 0.04, 0.04])
+
+
+def _word_tokenizer(path) -> None:
+    """A tokenizer unlike the byte one: a few whole words, the rest unknown."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = ["[UNK]", "</s>", "def", "return", "x", "(", ")", ":"]
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", unk_token="[UNK]").save_pretrained(path)
+
+
+def test_a_prepared_corpus_must_hold_the_models_tokens(tmp_path, monkeypatch):
+    """A corpus prepared with the model's tokenizer, named as it was then (here a relative path),
+    trains; one prepared with another tokenizer is refused, naming the fix."""
+    from twell.recipe.data_cli import data_main
+
+    folder = dense_folder(tmp_path / "dense")
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.chdir(tmp_path)
+    data_main(["prepare", small_corpus(data), "--tokenizer", "dense", "--out", "prepared", "--val-fraction", "0.2",
+               "--no-progress"])
+    t = Trainer(init_config(tmp_path, folder, data=["prepared"], steps=1))
+    assert t.tokenizer.vocab_size == 257 and len(t.train_data) > 0
+    _word_tokenizer(tmp_path / "words")
+    data_main(["prepare", str(data), "--tokenizer", "words", "--out", "other", "--no-progress"])
+    with pytest.raises(ValueError, match=r"--data other was prepared with the tokenizer .* prepare it with --tokenizer"):
+        Trainer(init_config(tmp_path, folder, data=["other"], steps=1))

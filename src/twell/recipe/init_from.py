@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["SIZE_FIELDS", "folder_config", "check_sizes", "default_seq_len", "check_vocab", "load_converted"]
+__all__ = ["SIZE_FIELDS", "folder_config", "check_sizes", "default_seq_len", "check_vocab", "check_same_tokenizer",
+           "load_converted"]
 
 # TrainConfig's size options -> the config.json keys they would set
 SIZE_FIELDS = {"hidden_size": "hidden_size", "intermediate_size": "intermediate_size",
@@ -90,6 +91,21 @@ def check_vocab(tokenizer, vocab_size: int, folder: str) -> None:
         raise ValueError(f"the tokenizer {tokenizer.name!r} has {tokenizer.vocab_size} ids, more than the {vocab_size} "
                          f"rows of the embedding of --init-from {folder}: the data must be tokenized with the "
                          "model's own tokenizer (prepare a corpus with --tokenizer FOLDER)")
+
+
+# Text whose ids two tokenizers must agree on to count as the same: words, code, digits,
+# whitespace runs, accents and a character outside the BMP.
+PROBE = "def main(x):\n    return x ** 2  # caf\u00e9, na\u00efve \u2013 \u00fcber 12345 \U0001f600\n\n\tThe End."
+
+
+def check_same_tokenizer(corpus_tokenizer, model_tokenizer, corpus: str, folder: str) -> None:
+    """A corpus prepared with ``twell data prepare`` must have been tokenized with the model's
+    tokenizer, under whatever name it was given then: the same number of ids, end-of-text id
+    and ids for :data:`PROBE`."""
+    a, b = corpus_tokenizer, model_tokenizer
+    if (a.vocab_size, a.eos_id) != (b.vocab_size, b.eos_id) or a.encode(PROBE).tolist() != b.encode(PROBE).tolist():
+        raise ValueError(f"--data {corpus} was prepared with the tokenizer {a.name!r} ({a.vocab_size} ids), not the "
+                         f"model's ({b.vocab_size} ids) of --init-from {folder}: prepare it with --tokenizer {folder}")
 
 
 def load_converted(folder: str, seed: int = 0) -> "nn.Module":

@@ -49,7 +49,7 @@ from . import checkpoint as ckpt
 from .config import TrainConfig
 from .corpus import corpus_tokenizer, load_corpus
 from .data import PackedSequences, Prefetcher, load_tokenizer
-from .init_from import check_vocab, load_converted
+from .init_from import check_same_tokenizer, check_vocab, load_converted
 from .model import PRESETS, build_model, count_params, make_config
 from .shards import prepared_corpus
 from .stats import DeadUnits, IntervalStats
@@ -223,14 +223,21 @@ class Trainer:
         return path
 
     def _load_tokenizer(self, checkpoint: Optional[Path]):
-        """The run's tokenizer: a prepared corpus's own, else ``cfg.tokenizer``; a resumed
-        ``init_from`` run reads the one its checkpoint saved (the same, and the folder the run
-        started from need not be there any more)."""
+        """The run's tokenizer. From scratch: a prepared corpus's own, else ``cfg.tokenizer``.
+        With ``init_from``: the model's own, from the folder or, resumed, from the checkpoint (the
+        same one; the folder need not be there any more); a prepared corpus must have been
+        tokenized with it."""
         cfg = self.cfg
-        if cfg.init_from is not None and checkpoint is not None and prepared_corpus(cfg.data) is None:
-            return load_tokenizer(str(checkpoint))
-        # A folder from `twell data prepare` brings its own tokenizer and is read from disk.
-        return corpus_tokenizer(cfg.data, cfg.tokenizer)
+        if cfg.init_from is None:
+            # A folder from `twell data prepare` brings its own tokenizer and is read from disk.
+            return corpus_tokenizer(cfg.data, cfg.tokenizer)
+        model_tokenizer = load_tokenizer(str(checkpoint) if checkpoint is not None else cfg.init_from)
+        corpus = prepared_corpus(cfg.data)
+        if corpus is None:
+            return model_tokenizer
+        tokenizer = corpus.tokenizer()
+        check_same_tokenizer(tokenizer, model_tokenizer, str(corpus.folder), cfg.init_from)
+        return tokenizer
 
     def _model_config(self, checkpoint: Optional[Path]):
         """The model's config: the preset's, with the size options and the tokenizer's vocabulary;
