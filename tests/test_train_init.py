@@ -125,6 +125,11 @@ def test_cli_run_then_eval_and_export_load_in_transformers(tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, trained(ids).logits)
 
+    # the command line resumes it with the run's saved settings, the folder it started from gone
+    shutil.rmtree(folder)
+    resumed = train_main(["--resume", str(out), "--steps", "6", "--no-progress", "--no-plot"])
+    assert resumed["steps"] == 6 and resumed["init_from"] == summary["init_from"] and resumed["seq_len"] == 64
+
 
 def test_a_qwen2_folder_trains_and_exports(tmp_path):
     """Not only Llama: any causal LM whose MLPs have gate_proj, up_proj and down_proj."""
