@@ -87,6 +87,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=6e-4)
     p.add_argument("--l1", type=float, default=2e-5, help="lambda to start from (sparse phase)")
     p.add_argument("--target", type=float, default=0.008, help="active share per layer to steer to (sparse phase)")
+    p.add_argument("--dead-limit", type=float, help="hold the lambda of a layer whose dead share exceeds this (twell "
+                   "train's --dead-limit; default off, as the committed results were made)")
     p.add_argument("--runs-dir", default="/tmp/twell_trained")
     p.add_argument("--no-bench", dest="bench", action="store_false")
     a = p.parse_args()
@@ -96,7 +98,7 @@ def main() -> None:
     base = TrainConfig(preset=a.preset, data=corpus_specs(), batch_size=a.batch_size, lr=a.lr, progress=False,
                        plot=True, log_every=10, val_batches=16, save_minutes=0, keep=1,
                        l1=a.l1 if a.phase == "sparse" else 0.0,
-                       l1_target=a.target if a.phase == "sparse" else None)
+                       l1_target=a.target if a.phase == "sparse" else None, dead_limit=a.dead_limit)
     tok = load_tokenizer("bytes")
     streams = build_streams(base.data, tok, base.val_fraction)
     print(f"corpus: {len(streams[0]):,} train / {len(streams[1]):,} validation tokens "

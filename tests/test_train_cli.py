@@ -20,7 +20,7 @@ def test_train_then_eval(tmp_path, capsys):
     out = tmp_path / "run"
     with_plot = [a for a in FAST if a != "--no-plot"]
     main(["train", *with_plot, "--data", small_corpus(data), "--val-fraction", "0.2", "--steps", "6",
-          "--log-every", "2", "--out", str(out)])
+          "--log-every", "2", "--dead-window", "2", "--out", str(out)])
     printed = capsys.readouterr().out
     assert "== summary" in printed and "active units per token" in printed and "validation loss" in printed
     for name in ("log.csv", "training.png", "summary.json", "checkpoints/step_000006/model.safetensors",
@@ -28,9 +28,13 @@ def test_train_then_eval(tmp_path, capsys):
         assert (out / name).is_file(), name
     rows = read_history(out / "log.csv")
     assert [r["step"] for r in rows] == [2, 4, 6] and "active_mean_L1" in rows[0] and "val_loss" in rows[-1]
+    # each layer's dead share: over the training window in every row, on the validation tokens in validation rows
+    assert all("dead_frac_L1" in r and "dead_frac_val_L1" in r for r in rows)  # (validation at every log row here)
     assert all(r["sparse_layers"] == 0 for r in rows)  # "auto" on the CPU: the plain math in every layer
     summary = json.loads((out / "summary.json").read_text())
     assert len(summary["active_per_token_by_layer"]) == 2 and summary["tokens"] == 6 * 4 * 32
+    assert len(summary["dead_frac_val_by_layer"]) == len(summary["dead_frac_window_max_by_layer"]) == 2
+    assert "most dead (window)" in printed
 
     main(["eval", str(out), "--json", "--val-batches", "2"])
     result = json.loads(capsys.readouterr().out)

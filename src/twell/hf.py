@@ -13,7 +13,7 @@ from torch import nn
 
 from .nn import SparseGatedMLP
 
-__all__ = ["sparsify", "is_gated_mlp", "convert", "activation_note"]
+__all__ = ["sparsify", "is_gated_mlp", "load_sparse", "convert", "activation_note"]
 
 
 def activation_note(act: Optional[str]) -> Optional[str]:
@@ -107,21 +107,33 @@ def sparsify(
     return model
 
 
+def load_sparse(src: str, dtype: Optional[str] = None) -> nn.Module:
+    """Load a Hugging Face causal LM from ``src`` (a local folder or a hub name where there is a
+    network) with ``AutoModelForCausalLM`` and :func:`sparsify` it: its MLPs become
+    :class:`SparseGatedMLP` and ``config.hidden_act`` becomes ``"relu"``.
+
+    ``dtype``: ``"float32"``, ``"bfloat16"`` or ``"float16"`` (None: as saved). As
+    :func:`sparsify` says, a model trained with another activation computes another function
+    after the swap and must be trained or fine-tuned sparse (``twell train --init-from``).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
+    return sparsify(AutoModelForCausalLM.from_pretrained(src, **kwargs))
+
 
 def convert(src: str, dst: str, dtype: Optional[str] = None) -> nn.Module:
-    """Load a Hugging Face causal LM from ``src`` (a local folder or a hub name where there is a
-    network), sparsify it, and save it to ``dst`` with ``hidden_act = "relu"``.
+    """:func:`load_sparse` ``src`` and save it to ``dst`` with ``hidden_act = "relu"``, with the
+    source's tokenizer when it has one.
 
     The saved folder loads with plain ``transformers`` (as the ReLU model) and with twell
     (``twell.sparsify(AutoModelForCausalLM.from_pretrained(dst))``). As :func:`sparsify` says,
     the converted model must be trained or fine-tuned sparse before use.
     """
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    kwargs = {"dtype": getattr(torch, dtype)} if dtype else {}
-    model = AutoModelForCausalLM.from_pretrained(src, **kwargs)
-    sparsify(model)
+    model = load_sparse(src, dtype)
     model.save_pretrained(dst)
     try:  # keep the tokenizer beside the weights when the source has one
         AutoTokenizer.from_pretrained(src).save_pretrained(dst)

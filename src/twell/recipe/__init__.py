@@ -7,6 +7,8 @@
 - :mod:`twell.recipe.shards`: corpora prepared once into token shards (``twell data prepare``).
 - :mod:`twell.recipe.corpus`: what a run reads (prepared shards or raw corpora).
 - :mod:`twell.recipe.config`: the run's settings (:class:`TrainConfig`), checked without torch.
+- :mod:`twell.recipe.init_from`: runs that start from a Hugging Face model folder, its MLPs
+  converted to ReLU (``twell train --init-from``).
 - :mod:`twell.recipe.trainer`: the loop (:class:`Trainer`, :func:`train`).
 - :mod:`twell.recipe.stats`: per-layer sparsity statistics and dead units (Eq. 6).
 - :mod:`twell.recipe.checkpoint`, :mod:`twell.recipe.report`: checkpoints, logs, summary, plot.

@@ -33,6 +33,7 @@ Examples:
   twell train --preset small --steps 2000 --l1 3e-5 --reinit --out runs/small
   twell train --data corpus/*.jsonl --tokenizer HuggingFaceTB/SmolLM-135M --preset 0.5b
   torchrun --nproc_per_node 8 -m twell train --preset 1b --grad-checkpointing [--fsdp]
+  twell train --init-from llama-hf --data corpus/ --l1-target 0.02 --out runs/sparse-llama
   twell train --resume runs/twell        (continues exactly from the newest checkpoint)
   twell export runs/twell runs/twell-hf  (a Hugging Face folder, from any checkpoint)
 
@@ -54,6 +55,10 @@ def train_parser() -> argparse.ArgumentParser:
     m.add_argument("--intermediate-size", type=int, help="override the preset's f (hidden units per MLP)")
     m.add_argument("--num-layers", type=int, help="override the preset's layer count")
     m.add_argument("--num-heads", type=int, help="override the preset's attention heads")
+    m.add_argument("--init-from", metavar="FOLDER", help="start from a Hugging Face causal LM folder (config.json, "
+                   "weights, tokenizer; Llama, Qwen2, Mistral, a twell export) instead of a preset's random weights: "
+                   "its architecture and tokenizer are used, its MLPs converted to ReLU (as twell convert does); "
+                   "lambda ramps up over --l1-warmup, by default a quarter of --steps. Not with --fsdp")
     g = p.add_argument_group("data")
     g.add_argument("--data", nargs="+", help="'stdlib' (default: this Python's standard library sources), "
                    "files/folders/globs of .txt .md .rst .py .jsonl .parquet, hf:NAME[:CONFIG], or a folder "
@@ -62,12 +67,14 @@ def train_parser() -> argparse.ArgumentParser:
     g.add_argument("--text-field", help=f"JSONL field / Parquet column with the text (default {d.text_field})")
     g.add_argument("--val-fraction", type=float, help=f"share of documents held out, by hash of their key (default {d.val_fraction})")
     g.add_argument("--max-docs", type=int, help="read at most this many documents of an hf: dataset")
-    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's context)")
+    g.add_argument("--seq-len", type=int, help="tokens per sequence (default: the preset's context; with "
+                   "--init-from the model's, at most 2048)")
     o = p.add_argument_group("optimisation")
     o.add_argument("--steps", type=int, help=f"optimizer steps (default {d.steps})")
     o.add_argument("--batch-size", type=int, help=f"sequences per micro-batch per process (default {d.batch_size})")
     o.add_argument("--grad-accum", type=int, help=f"micro-batches per step (default {d.grad_accum})")
-    o.add_argument("--lr", type=float, help="peak learning rate (default: tiny 3e-3, small 1.5e-3, else 3e-4)")
+    o.add_argument("--lr", type=float, help="peak learning rate (default: tiny 3e-3, small 1.5e-3, else 3e-4; "
+                   "with --init-from 1e-4)")
     o.add_argument("--min-lr-ratio", type=float, help=f"cosine floor as a share of --lr (default {d.min_lr_ratio})")
     o.add_argument("--warmup", type=int, help="learning-rate warm-up steps (default min(100, steps/10))")
     o.add_argument("--weight-decay", type=float, help=f"AdamW weight decay on matrices, the tied embedding/output "
@@ -78,12 +85,18 @@ def train_parser() -> argparse.ArgumentParser:
     o.add_argument("--seed", type=int, help=f"initialisation and data order (default {d.seed})")
     s = p.add_argument_group("sparsity")
     s.add_argument("--l1", type=float, help=f"lambda, the L1 coefficient, sum-over-units convention (default {d.l1:g})")
-    s.add_argument("--l1-warmup", type=int, help="ramp lambda linearly from 0 over this many steps (default 0: off)")
+    s.add_argument("--l1-warmup", type=int, help="ramp lambda linearly from 0 over this many steps (default 0: off; "
+                   "with --init-from a quarter of --steps)")
     s.add_argument("--l1-target", type=float, help="target share of active units per token in EVERY layer, e.g. "
                    "0.01: each layer's lambda starts at --l1 and is multiplied by up to 1.25 (or divided) at every "
                    "log step, by the square root of the layer's active share over the target, within 1e-6 to 1e6 "
                    "times --l1, not during --l1-warmup (default: off, one fixed lambda)")
     s.add_argument("--dead-window", type=int, help=f"steps in the window over which a unit that never fires counts as dead (default {d.dead_window})")
+    s.add_argument("--dead-limit", type=float, metavar="SHARE", help="with --l1-target: a layer whose share of dead units "
+                   "over the window exceeds SHARE keeps its lambda from rising (neither the target's adaptation nor "
+                   f"the --l1-warmup ramp raises it) until its share falls back (default {d.dead_limit})")
+    s.add_argument("--no-dead-limit", dest="dead_limit", action="store_const", const=None,
+                   help="no dead-unit limit: every layer's lambda follows the target alone")
     s.add_argument("--reinit", action="store_true", help="re-initialise dead units' gate rows after every step (paper's Eq. 6)")
     s.add_argument("--reinit-keep", type=float, help=f"Eq. 6: W <- keep * W + (1 - keep) * N(0, std^2) (default keep {d.reinit_keep})")
     s.add_argument("--reinit-std", type=float, help=f"Eq. 6 noise std (default {d.reinit_std})")
@@ -136,6 +149,13 @@ def train_main(argv=None) -> dict:
     """Entry point of ``twell train`` (also under torchrun). Returns the summary dict."""
     args = vars(train_parser().parse_args(sys.argv[1:] if argv is None else argv))
     resume = args.pop("resume", None)
+    if "init_from" in args:
+        given = [f"--{name.replace('_', '-')}" for name in ("preset", "tokenizer") if name in args]
+        if resume:
+            raise SystemExit("twell train: --init-from starts a run from a model folder, --resume continues one "
+                             "from its checkpoint: give one of them")
+        if given:
+            raise SystemExit(f"twell train: --init-from brings the model and its tokenizer: leave out {' and '.join(given)}")
     base = {}
     if resume:
         from .checkpoint import latest_checkpoint
@@ -160,7 +180,7 @@ def train_main(argv=None) -> dict:
                   file=sys.stderr)
     try:
         cfg = _config_from(args, base)
-        cfg.resolved()  # every value checked before the trainer (torch, transformers) is imported
+        cfg.resolved(resuming=bool(resume))  # every value checked before the trainer (torch, transformers) is imported
     except ValueError as err:
         raise SystemExit(f"twell train: {err}")
 
@@ -281,7 +301,7 @@ def eval_main(argv=None) -> dict:
 def export_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="twell export", description="Write a checkpoint as a Hugging Face model folder: "
                                 "config, safetensors weights and the run's tokenizer, which "
-                                "LlamaForCausalLM.from_pretrained and twell eval load. Takes both kinds of checkpoint: "
+                                "AutoModelForCausalLM.from_pretrained and twell eval load. Takes both kinds of checkpoint: "
                                 "sharded (FSDP runs, torch.distributed.checkpoint; assembled here, in one process) and "
                                 "safetensors. The optimizer state is left out.")
     p.add_argument("checkpoint", help="checkpoint folder, or a run's --out folder (its newest complete checkpoint)")
@@ -310,5 +330,5 @@ def export_main(argv=None) -> dict:
         raise SystemExit(f"twell export: {err}")
     print(f"{out}: {info['params']:,} parameters from {path} (step {info['step']}, {info['format']} checkpoint of "
           f"{info['world_size']} process{'es' if info['world_size'] != 1 else ''}); "
-          f"LlamaForCausalLM.from_pretrained({str(out)!r}) loads it, twell eval {out} evaluates it")
+          f"AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it, twell eval {out} evaluates it")
     return info

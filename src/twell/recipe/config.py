@@ -7,21 +7,29 @@ This module imports nothing heavy, so that ``twell train`` parses and checks its
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Optional
 
+from . import init_from as init
 from .model import PRESETS
 
-__all__ = ["TrainConfig", "DEFAULT_LR"]
+__all__ = ["TrainConfig", "DEFAULT_LR", "INIT_FROM_LR"]
 
 # Learning rates that trained well here at each scale (the paper's 1.5B used 3e-4).
 DEFAULT_LR = {"tiny": 3e-3, "small": 1.5e-3}
+# The default peak learning rate of a run that starts from a trained model (--init-from): a
+# fine-tuning rate, below the from-scratch ones; not tuned.
+INIT_FROM_LR = 1e-4
 
 
 @dataclass
 class TrainConfig:
     """Everything a run needs; the CLI fills it. None means "the preset's or a derived default"."""
 
-    preset: str = "tiny"
+    preset: Optional[str] = "tiny"  # None once resolved with init_from: the model is the folder's
+    # A Hugging Face model folder to start from (weights, architecture, tokenizer), its MLPs
+    # converted to ReLU (see twell.recipe.init_from); None: a preset from random weights.
+    init_from: Optional[str] = None
     hidden_size: Optional[int] = None
     intermediate_size: Optional[int] = None
     num_layers: Optional[int] = None
@@ -43,11 +51,16 @@ class TrainConfig:
     grad_clip: float = 1.0
     max_bad_steps: int = 5  # non-finite loss or gradient: skip the step; stop after this many in a row
     l1: float = 2e-5
-    l1_warmup: int = 0
+    # Steps over which lambda ramps up linearly from 0 (None: 0 from scratch, a quarter of the
+    # steps with init_from, where a trained model is converted and lambda must rise gradually).
+    l1_warmup: Optional[int] = None
     # Target active units per token, as a share of f, for every layer (None: off). When set, each
     # layer's lambda starts at l1 and is adapted at every log step (see Trainer.adapt_l1).
     l1_target: Optional[float] = None
     dead_window: int = 25
+    # With l1_target: a layer whose dead share over the window exceeds this keeps its lambda
+    # from rising (see Trainer.adapt_l1); None: off.
+    dead_limit: Optional[float] = 0.1
     reinit: bool = False
     reinit_keep: float = 0.9
     reinit_std: float = 0.02
@@ -68,13 +81,15 @@ class TrainConfig:
     progress: bool = True
     plot: bool = True
 
-    def resolved(self) -> "TrainConfig":
+    def resolved(self, resuming: bool = False) -> "TrainConfig":
         """A copy with every None default filled in, after checking the values.
 
         Every check that needs no torch comes first, so that a wrong value is reported before
-        torch is imported (which takes seconds)."""
+        torch is imported (which takes seconds). ``resuming``: the settings of a checkpoint
+        being resumed, whose model comes from the checkpoint (an ``init_from`` folder is not
+        read again: it may be gone)."""
         c = TrainConfig(**asdict(self))
-        if c.preset not in PRESETS:
+        if c.init_from is None and c.preset not in PRESETS:
             raise ValueError(f"unknown preset {c.preset!r}; choose one of {', '.join(PRESETS)}")
         # Counts and sizes first: the defaults below divide by some of them.
         for name in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "seq_len", "max_docs",
@@ -85,8 +100,11 @@ class TrainConfig:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
         if c.warmup is not None and c.warmup < 0:
             raise ValueError(f"warmup must be >= 0 steps, got {c.warmup}")
+        if c.init_from is not None:
+            c._resolve_init_from(resuming)
         c.seq_len = c.seq_len or PRESETS[c.preset].context
-        c.lr = c.lr if c.lr is not None else DEFAULT_LR.get(c.preset, 3e-4)
+        c.lr = c.lr if c.lr is not None else INIT_FROM_LR if c.init_from else DEFAULT_LR.get(c.preset, 3e-4)
+        c.l1_warmup = c.l1_warmup if c.l1_warmup is not None else (c.steps // 4 if c.init_from else 0)
         c.warmup = c.warmup if c.warmup is not None else min(100, max(1, c.steps // 10))
         # about 6 validation passes, on log steps
         c.eval_every = c.eval_every if c.eval_every is not None else max(1, c.steps // 6 // c.log_every) * c.log_every
@@ -99,6 +117,8 @@ class TrainConfig:
             (c.l1_target is None or 0 < c.l1_target < 1,
              f"the L1 target (--l1-target) is a share of the hidden units in (0, 1), got {c.l1_target}"),
             (c.l1_target is None or c.l1 > 0, "--l1-target adapts lambda from --l1: give --l1 > 0"),
+            (c.dead_limit is None or 0 < c.dead_limit < 1,
+             f"the dead-unit limit (--dead-limit) is a share of the hidden units in (0, 1), got {c.dead_limit}"),
             (0 <= c.min_lr_ratio <= 1, f"min_lr_ratio must be in [0, 1], got {c.min_lr_ratio}"),
             (c.grad_clip >= 0, f"grad clip must be >= 0 (0: off), got {c.grad_clip}"),
             (0 < c.reinit_keep <= 1, f"reinit keep must be in (0, 1], got {c.reinit_keep}"),
@@ -121,3 +141,35 @@ class TrainConfig:
         if c.precision == "bf16" and c.device == "cpu":
             raise ValueError("bf16 autocast is for GPUs; use fp32 on the CPU")
         return c
+
+    def _resolve_init_from(self, resuming: bool) -> None:
+        """In place, on the copy :meth:`resolved` makes: the settings a model folder decides."""
+        if self.fsdp:
+            raise ValueError("--init-from with --fsdp is not supported: FSDP runs build their model on the meta "
+                             "device from a seeded initialisation, not from a folder's weights; train under DDP "
+                             "(torchrun without --fsdp), or in one process")
+        if self.preset not in (None, "tiny"):  # "tiny" is the default: the CLI refuses it given explicitly
+            raise ValueError(f"--preset {self.preset} and --init-from: the model comes from the folder; leave --preset out")
+        self.preset = None
+        given = {name: getattr(self, name) for name in init.SIZE_FIELDS}
+        if resuming:  # the checkpoint's architecture; the folder is not read
+            if any(v is not None for v in given.values()):
+                raise ValueError("a run started with --init-from takes its architecture from its checkpoint on "
+                                 "--resume; leave the size options out")
+            if self.seq_len is None:
+                raise ValueError("the settings of a run started with --init-from name no seq_len: give --seq-len")
+            return
+        folder = init.folder_config(self.init_from)
+        init.check_sizes(given, folder, self.init_from)
+        for name in init.SIZE_FIELDS:  # the folder's: nothing to override
+            setattr(self, name, None)
+        if self.tokenizer not in ("bytes", self.init_from):  # "bytes" is the default: refused in the CLI if given
+            raise ValueError(f"--tokenizer {self.tokenizer} and --init-from: the run uses the folder's own tokenizer; "
+                             "leave --tokenizer out")
+        # recorded whole in the run's settings: where the run started, whatever the working folder
+        self.init_from = self.tokenizer = str(Path(self.init_from).expanduser().resolve())
+        self.seq_len = self.seq_len or init.default_seq_len(folder)
+        context = folder.get("max_position_embeddings")
+        if context and self.seq_len > context:
+            raise ValueError(f"--seq-len {self.seq_len} is longer than the context of --init-from {self.init_from} "
+                             f"(max_position_embeddings {context})")

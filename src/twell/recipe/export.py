@@ -8,8 +8,9 @@
                                              validation windows by default
       twell_export.json                      where it came from: checkpoint, step, world size
 
-``LlamaForCausalLM.from_pretrained(OUT)`` loads it (a plain Llama with ReLU MLPs: the same
-function; ``twell.sparsify`` brings back the sparse modules) and so does ``twell eval OUT``.
+``AutoModelForCausalLM.from_pretrained(OUT)`` loads it (a plain Llama, or the family the run
+started from, with ReLU MLPs: the same function; ``twell.sparsify`` brings back the sparse
+modules) and so does ``twell eval OUT``.
 No optimizer state and no process group: a sharded checkpoint's weights are assembled from its
 shards in this one process (DCP reads the pieces of each tensor from every rank's file), so the
 export needs the memory of the full weights once, not of the optimizer.
@@ -29,21 +30,23 @@ EXPORT_INFO = "twell_export.json"
 
 
 def load_model(directory: Path, dtype=None):
-    """A ``LlamaForCausalLM`` with the weights of the checkpoint or export in ``directory``
-    (sharded checkpoints included), on the CPU, not sparsified."""
+    """The causal LM of the checkpoint or export in ``directory`` (sharded checkpoints included):
+    the class of its config's family (``LlamaForCausalLM`` for twell's presets; Qwen2, Mistral
+    and the like for runs started with ``--init-from``) with its weights, on the CPU, not
+    sparsified."""
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM
 
     directory = Path(directory)
     dtype = dtype or torch.float32
     if not ckpt.is_sharded(directory):
-        return LlamaForCausalLM.from_pretrained(directory, dtype=dtype)
-    config = LlamaConfig.from_pretrained(directory)
+        return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype)
+    config = AutoConfig.from_pretrained(directory)
     weights = ckpt.load_model_weights(directory)
     # Built on the meta device and given the checkpoint's tensors (no random init of weights
     # that are replaced at once); the non-persistent buffers (RoPE) are then computed on the CPU.
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     if config.tie_word_embeddings:
         weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
     missing, unexpected = model.load_state_dict(weights, strict=False, assign=True)

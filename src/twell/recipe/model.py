@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # torch and transformers load in the functions: the preset table is read before them
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, PretrainedConfig, PreTrainedModel
 
 __all__ = ["Preset", "PRESETS", "make_config", "build_model", "count_params"]
 
@@ -94,19 +94,30 @@ def make_config(preset: str, tokenizer_vocab: int, eos_id: Optional[int] = None,
     )
 
 
-def build_model(config: LlamaConfig, seed: int = 0, device=None) -> LlamaForCausalLM:
-    """A freshly initialised sparse LM: ``LlamaForCausalLM(config)`` with twell's MLPs.
+def build_model(config: PretrainedConfig, seed: int = 0, device=None) -> PreTrainedModel:
+    """A freshly initialised sparse LM: the causal LM of ``config``'s family (``LlamaForCausalLM``
+    for a preset's ``LlamaConfig``) with twell's MLPs.
 
     The initialisation depends only on ``seed`` (the global RNG is seeded here), so every
     process of a distributed run starts from the same weights.
+
+    Raises:
+        ValueError: if ``config.hidden_act`` is not ``"relu"``. twell's MLPs compute ReLU; a
+            model of another activation is converted only where that is asked for
+            (``twell train --init-from``, ``twell.sparsify``), never here in passing.
     """
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from ..hf import sparsify
 
+    act = getattr(config, "hidden_act", None)
+    if act != "relu":
+        raise ValueError(f"the model's MLPs use {act}, not ReLU: twell trains ReLU-gated MLPs and does not swap the "
+                         "activation in passing; start from such a model with twell train --init-from FOLDER "
+                         "(which converts it) or twell.sparsify(model)")
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config)
+    model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     sparsify(model)
     return model.to(device) if device is not None else model
 

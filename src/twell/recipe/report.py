@@ -10,7 +10,8 @@ from typing import Optional
 
 from tqdm.auto import tqdm
 
-__all__ = ["RunLogger", "format_summary", "plot_history", "read_history", "describe_validation"]
+__all__ = ["RunLogger", "format_summary", "plot_history", "draw_history", "read_history", "describe_validation",
+           "model_label"]
 
 CSV_NAME = "log.csv"
 
@@ -30,6 +31,11 @@ def read_history(path: Path) -> list[dict]:
         return []
     with open(path, newline="") as fh:
         return [{k: _number(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(fh)]
+
+
+def model_label(preset, init_from) -> str:
+    """What a run trained, in a few words: ``preset tiny`` or ``from FOLDER`` (``--init-from``)."""
+    return f"from {init_from}" if init_from else f"preset {preset}"
 
 
 def describe_validation(val_loss: float, ppl: float, tokens: int, windows: int, seq_len: int, bytes_: bool) -> str:
@@ -72,12 +78,17 @@ class RunLogger:
             tqdm.write(f"TensorBoard logging off: {type(err).__name__}: {err}")
             self.tb = None
         f = t.config.intermediate_size
+        if t.converted_from not in (None, "relu"):
+            tqdm.write(f"note: {cfg.init_from}: its MLPs used {t.converted_from}; they train with ReLU in its place from "
+                       "here (a different function: the first steps' loss is the converted model's)")
         tqdm.write(
-            f"twell train: preset {cfg.preset}, {t.n_params / 1e6:.2f}M params, {len(t.modules)} layers x {f} hidden units, "
+            f"twell train: {model_label(cfg.preset, cfg.init_from)}, {t.n_params / 1e6:.2f}M params, "
+            f"{len(t.modules)} layers x {f} hidden units, "
             f"{t.world} process(es) on {t.device.type}, {cfg.precision}\n"
             f"  data {' '.join(cfg.data)} ({len(t.train_data.tokens):,} train / {len(t.val_data.tokens):,} validation "
             f"tokens, tokenizer {t.tokenizer.name}); {cfg.steps} steps x {t.tokens_per_step:,} tokens; "
             f"lambda {cfg.l1:g} (L1 = mean over layers of mean over tokens of SUM over units of |h|)"
+            + (f", ramped up over {cfg.l1_warmup} steps" if cfg.l1_warmup else "")
             + ("; dead-unit reinit on" if cfg.reinit else "")
             + (f"\n  resumed at step {t.step}" if t.step else "")
         )
@@ -154,7 +165,8 @@ class RunLogger:
         self.close()
         if t.cfg.plot and t.history:
             summary["plot"] = str(plot_history(t.history, self.out / "training.png", t.config.intermediate_size,
-                                               title=f"twell train: {t.cfg.preset}, lambda {t.cfg.l1:g}"))
+                                               title=f"twell train: {model_label(t.cfg.preset, t.cfg.init_from)}, "
+                                                     f"lambda {t.cfg.l1:g}", dead_limit=summary["dead_limit"]))
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(format_summary(summary))
         return summary
@@ -166,8 +178,8 @@ def make_summary(t, final: dict) -> dict:
     L = len(final["active_mean"])
     dead_window = t.dead.dead_frac
     return {
-        "preset": t.cfg.preset, "params": t.n_params, "steps": t.step, "tokens": t.samples_seen * t.cfg.seq_len,
-        "lambda": t.cfg.l1, "reinit": t.cfg.reinit, "intermediate_size": f,
+        "preset": t.cfg.preset, "init_from": t.cfg.init_from, "params": t.n_params, "steps": t.step, "tokens": t.samples_seen * t.cfg.seq_len,
+        "lambda": t.cfg.l1, "l1_warmup": t.cfg.l1_warmup, "reinit": t.cfg.reinit, "intermediate_size": f,
         "l1_target": t.cfg.l1_target,
         "lambda_by_layer": [t.cfg.l1 * c for c in t.l1_scale] if t.cfg.l1_target is not None else None,
         "val_loss": final["val_loss"], "ppl": final["ppl"], "val_tokens": final["tokens"],
@@ -177,8 +189,13 @@ def make_summary(t, final: dict) -> dict:
         "active_per_token_by_layer": final["active_mean"], "active_max_by_layer": final["active_max"],
         "dead_frac_val_by_layer": final["dead_frac"],
         "dead_frac_window_by_layer": dead_window,
+        # each layer's largest window share of dead units over the run's log rows
+        "dead_frac_window_max_by_layer": _largest(t.history, "dead_frac_L", L),
         "dead_frac": (sum(dead_window) / L) if dead_window else None,
         "dead_window_tokens": t.cfg.dead_window * t.tokens_per_step,
+        # with a target: the limit on each layer's dead share, and the log rows at which it held a layer's lambda
+        "dead_limit": t.cfg.dead_limit if t.cfg.l1_target is not None else None,
+        "dead_holds_by_layer": list(t.dead_holds) if t.cfg.l1_target is not None else None,
         "reinit_unit_steps": int(t.dead.reinit_count) if t.cfg.reinit else None,
         "skipped_steps": t.skipped,
         # this process's steps only: validation, checkpoints and the steps before a resume left out
@@ -188,28 +205,48 @@ def make_summary(t, final: dict) -> dict:
     }
 
 
+def _largest(history: list[dict], prefix: str, layers: int) -> Optional[list[float]]:
+    """Per layer, the largest finite value of the ``{prefix}{i}`` column of the log rows (None
+    where no row has one)."""
+    out = []
+    for i in range(layers):
+        values = [r[f"{prefix}{i}"] for r in history if math.isfinite(r.get(f"{prefix}{i}", float("nan")))]
+        out.append(max(values) if values else None)
+    return out if any(v is not None for v in out) else None
+
+
 def format_summary(s: dict) -> str:
     f = s["intermediate_size"]
     lines = [
         "",
-        f"== summary: {s['preset']}, {s['steps']} steps, {s['tokens']:,} tokens, lambda {s['lambda']:g}"
+        f"== summary: {model_label(s['preset'], s.get('init_from'))}, {s['steps']} steps, {s['tokens']:,} tokens, lambda {s['lambda']:g}"
         + (", reinit on" if s.get("reinit") else ""),
         describe_validation(s["val_loss"], s["ppl"], s["val_tokens"], s["val_windows"], s["seq_len"],
                             s.get("bits_per_byte") is not None),
         f"active units per token: {s['active_per_token']:.1f} of {f} on average "
         f"({100 * (1 - s['active_per_token'] / f):.2f}% sparse)",
-        f"{'layer':>5} {'active/token':>12} {'max':>6} {'dead (train window)':>20} {'dead (validation)':>18}",
+        f"{'layer':>5} {'active/token':>12} {'max':>6} {'dead (train window)':>20} {'dead (validation)':>18} "
+        f"{'most dead (window)':>19}",
     ]
-    win = s.get("dead_frac_window_by_layer") or [None] * len(s["active_per_token_by_layer"])
-    for i, (a, m, dv, dw) in enumerate(zip(s["active_per_token_by_layer"], s["active_max_by_layer"], s["dead_frac_val_by_layer"], win)):
+    L = len(s["active_per_token_by_layer"])
+    win = s.get("dead_frac_window_by_layer") or [None] * L
+    most = s.get("dead_frac_window_max_by_layer") or [None] * L
+    for i, (a, m, dv, dw, dm) in enumerate(zip(s["active_per_token_by_layer"], s["active_max_by_layer"],
+                                               s["dead_frac_val_by_layer"], win, most)):
         dws = "-" if dw is None else f"{round(dw * f)} ({100 * dw:.1f}%)"
-        lines.append(f"{i:>5} {a:>12.1f} {m:>6} {dws:>20} {f'{round(dv * f)} ({100 * dv:.1f}%)':>18}")
+        dms = "-" if dm is None else f"{100 * dm:.1f}%"
+        lines.append(f"{i:>5} {a:>12.1f} {m:>6} {dws:>20} {f'{round(dv * f)} ({100 * dv:.1f}%)':>18} {dms:>19}")
     if s.get("lambda_by_layer"):
         lines.append(f"lambda per layer (adapted toward {100 * s['l1_target']:g}% active): "
                      + " ".join(f"{v:.3g}" for v in s["lambda_by_layer"]))
+    holds = s.get("dead_holds_by_layer")
+    if holds and any(holds):
+        lines.append(f"lambda held (dead share over {100 * s['dead_limit']:g}%), log rows per layer: "
+                     + " ".join(str(h) for h in holds))
     if s.get("dead_window_tokens"):
         lines.append(f"dead (train window): fired for none of the last {s['dead_window_tokens']:,} training tokens; "
-                     "dead (validation): for none of the validation tokens")
+                     "dead (validation): for none of the validation tokens; most dead: the largest window share "
+                     "of the run's log rows")
     if s.get("skipped_steps"):
         lines.append(f"skipped steps (NaN or Inf loss or gradient): {s['skipped_steps']}")
     if s.get("tokens_per_s"):
@@ -221,8 +258,31 @@ def format_summary(s: dict) -> str:
     return "\n".join(lines)
 
 
-def plot_history(history: list[dict], path: Path, width: int, title: str = "") -> Path:
-    """PNG of training/validation loss, active units per token and dead fraction over steps."""
+def _layers(history: list[dict], prefix: str) -> list[int]:
+    """The layer numbers of the ``{prefix}{i}`` columns of a log, in order."""
+    return sorted({int(k[len(prefix):]) for r in history for k in r if k.startswith(prefix) and k[len(prefix):].isdigit()})
+
+
+def plot_history(history: list[dict], path: Path, width: int, title: str = "",
+                 dead_limit: Optional[float] = None) -> Path:
+    """PNG of training/validation loss, active units per token and dead units over steps (see
+    :func:`draw_history`); returns its path."""
+    import matplotlib.pyplot as plt
+
+    fig = draw_history(history, width, title, dead_limit)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def draw_history(history: list[dict], width: int, title: str = "", dead_limit: Optional[float] = None):
+    """The figure of :func:`plot_history`: three panels, loss (training and validation), active
+    units per token and dead units, the last two with one line per layer (of ``width`` units)
+    and the mean over layers in black. Dead units: lines for the training window's share, dots
+    for the validation passes'; ``dead_limit`` (the run's ``--dead-limit`` under a target), a
+    dashed line."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -236,21 +296,26 @@ def plot_history(history: list[dict], path: Path, width: int, title: str = "") -
         axes[0].plot(*zip(*val), "o-", label="validation CE")
     axes[0].set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     axes[0].legend()
-    layers = sorted({k for r in history for k in r if k.startswith("active_mean_L")}, key=lambda k: int(k[13:]))
-    for k in layers:
-        axes[1].plot(steps, [r.get(k, float("nan")) for r in history], lw=0.8, alpha=0.6, label=f"layer {k[13:]}")
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for i in _layers(history, "active_mean_L"):
+        axes[1].plot(steps, [r.get(f"active_mean_L{i}", float("nan")) for r in history], lw=0.8, alpha=0.6,
+                     color=colors[i % len(colors)], label=f"layer {i}")
     axes[1].plot(steps, [r["active_mean"] for r in history], "k-", lw=2, label="mean over layers")
     axes[1].set(xlabel="step", ylabel=f"active units per token (of {width})", title="sparsity", yscale="log")
     axes[1].legend(fontsize=7)
-    dead = [(r["step"], 100 * r["dead_frac"]) for r in history if math.isfinite(r.get("dead_frac", float("nan")))]
-    if dead:
-        axes[2].plot(*zip(*dead))
-    axes[2].set(xlabel="step", ylabel="% of units", title="dead units (no firing over the window)")
+    for i in _layers(history, "dead_frac_L"):
+        color = colors[i % len(colors)]
+        axes[2].plot(steps, [100 * r.get(f"dead_frac_L{i}", float("nan")) for r in history], lw=0.8, alpha=0.6,
+                     color=color, label=f"layer {i}")
+        dots = [(r["step"], 100 * r[f"dead_frac_val_L{i}"]) for r in history if f"dead_frac_val_L{i}" in r]
+        if dots:
+            axes[2].plot(*zip(*dots), "o", ms=3, color=color)
+    axes[2].plot(steps, [100 * r.get("dead_frac", float("nan")) for r in history], "k-", lw=2, label="mean over layers")
+    if dead_limit is not None:
+        axes[2].axhline(100 * dead_limit, color="gray", ls="--", lw=1, label="limit (lambda held above)")
+    axes[2].set(xlabel="step", ylabel="% of units", title="dead units (lines: training window; dots: validation)")
+    axes[2].legend(fontsize=7)
     if title:
         fig.suptitle(title)
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig

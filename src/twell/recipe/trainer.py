@@ -7,6 +7,9 @@ The sum over units is the convention of the paper's published code (its equation
 mean); with it lambda = 2e-5 is the paper's setting. ``lambda_t`` ramps linearly from 0 to
 lambda over ``l1_warmup`` steps (0: constant).
 
+The model is a preset built from seeded random weights, or with ``init_from`` a Hugging Face
+model folder's, its MLPs converted to ReLU (:mod:`twell.recipe.init_from`).
+
 Batches: ``batch_size`` sequences per micro-batch per process; ``grad_accum`` micro-batches
 per optimizer step; so a step sees ``batch_size x grad_accum x world_size`` sequences of
 ``seq_len`` tokens. Sample indices are laid out so that the step's set of sequences does not
@@ -45,8 +48,10 @@ from ..nn import l1_loss, sparse_modules
 from . import checkpoint as ckpt
 from .config import TrainConfig
 from .corpus import corpus_tokenizer, load_corpus
-from .data import PackedSequences, Prefetcher
+from .data import PackedSequences, Prefetcher, load_tokenizer
+from .init_from import check_same_tokenizer, check_vocab, load_converted
 from .model import PRESETS, build_model, count_params, make_config
+from .shards import prepared_corpus
 from .stats import DeadUnits, IntervalStats
 
 __all__ = ["TrainConfig", "Trainer", "StepResult", "RunStopped", "train", "evaluate_lm", "shutdown_distributed"]
@@ -107,11 +112,13 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, resume: Optional[str] = None, streams=None):
         """``streams``: optional ``(train, validation)`` token arrays already built from
         ``cfg.data`` (several runs over one corpus tokenize it once)."""
-        self.cfg = cfg = cfg.resolved()
+        self.cfg = cfg = cfg.resolved(resuming=resume is not None)
         self._setup_distributed()
         self.out = Path(cfg.out)
-        # A folder from `twell data prepare` brings its own tokenizer and is read from disk.
-        self.tokenizer = corpus_tokenizer(cfg.data, cfg.tokenizer)
+        checkpoint = self._find_checkpoint(resume) if resume else None
+        self.tokenizer = self._load_tokenizer(checkpoint)
+        # the model's config before the corpus: a tokenizer that does not fit it is reported before any work
+        self.config = self._model_config(checkpoint)
         self.train_data, self.val_data = load_corpus(cfg.data, self.tokenizer, cfg.seq_len, cfg.seed, cfg.val_fraction,
                                                      cfg.text_field, cfg.max_docs, streams)
         # This rank's micro-batches, built ahead in a background thread (the data position
@@ -119,10 +126,8 @@ class Trainer:
         self.loader = Prefetcher(self.train_data, cfg.batch_size, cfg.grad_accum, self.rank, self.world,
                                  pin=self.device.type == "cuda")
 
-        shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                     num_layers=cfg.num_layers, num_heads=cfg.num_heads, context=max(cfg.seq_len, PRESETS[cfg.preset].context))
-        self.config = make_config(cfg.preset, self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id, **shape)
         recipe = None
+        self.converted_from = None  # with init_from: the folder's MLP activation, before the conversion to ReLU
         if self.sharded:
             # No rank builds the whole model: it is built on the meta device (no memory) and
             # _wrap shards it, then materialises each rank's shards with the values that
@@ -132,6 +137,11 @@ class Trainer:
             recipe = record_init(lambda: build_model(self.config, seed=cfg.seed))
             with torch.device("meta"):
                 self.model = build_model(self.config, seed=cfg.seed)
+        elif cfg.init_from is not None and checkpoint is None:
+            # the folder's weights, its MLPs converted to ReLU (a resumed run's come from its checkpoint)
+            self.converted_from = getattr(self.config, "hidden_act", None)
+            self.model = load_converted(cfg.init_from, seed=cfg.seed).to(self.device)
+            self.config = self.model.config
         else:
             self.model = build_model(self.config, seed=cfg.seed).to(self.device)
         if cfg.grad_checkpointing:
@@ -175,6 +185,7 @@ class Trainer:
         # Per-layer multipliers of lambda, adapted toward cfg.l1_target (all 1 without a target).
         self.l1_scale = [1.0] * L
         self._l1_scale_t = torch.ones(L, device=self.device)
+        self.dead_holds = [0] * L  # log rows at which each layer's lambda was held (cfg.dead_limit)
         self.dead = DeadUnits(L, f, cfg.dead_window, self.device, reinit=cfg.reinit,
                               keep=cfg.reinit_keep, std=cfg.reinit_std, seed=cfg.seed)
         self.step = 0
@@ -197,15 +208,51 @@ class Trainer:
         self._saved: Optional[tuple[int, int, Path]] = None
         self._pending: Optional[_PendingSave] = None  # a sharded checkpoint still being written in the background
         self._last_save_time = time.monotonic()
-        if resume:
-            passed_over: list = []
-            path = ckpt.latest_checkpoint(Path(resume), passed_over)
-            for folder, missing in passed_over if self.main else []:
-                tqdm.write(f"note: {folder} is incomplete (missing or truncated: {', '.join(missing)}); "
-                           f"resuming from {path.name}")
-            self.load_checkpoint(path)
+        if checkpoint is not None:
+            self.load_checkpoint(checkpoint)
 
     # --- setup ---------------------------------------------------------------------------------
+
+    def _find_checkpoint(self, resume: str) -> Path:
+        """The checkpoint ``--resume`` names (a run folder: its newest complete one)."""
+        passed_over: list = []
+        path = ckpt.latest_checkpoint(Path(resume), passed_over)
+        for folder, missing in passed_over if self.main else []:
+            tqdm.write(f"note: {folder} is incomplete (missing or truncated: {', '.join(missing)}); "
+                       f"resuming from {path.name}")
+        return path
+
+    def _load_tokenizer(self, checkpoint: Optional[Path]):
+        """The run's tokenizer. From scratch: a prepared corpus's own, else ``cfg.tokenizer``.
+        With ``init_from``: the model's own, from the folder or, resumed, from the checkpoint (the
+        same one; the folder need not be there any more); a prepared corpus must have been
+        tokenized with it."""
+        cfg = self.cfg
+        if cfg.init_from is None:
+            # A folder from `twell data prepare` brings its own tokenizer and is read from disk.
+            return corpus_tokenizer(cfg.data, cfg.tokenizer)
+        model_tokenizer = load_tokenizer(str(checkpoint) if checkpoint is not None else cfg.init_from)
+        corpus = prepared_corpus(cfg.data)
+        if corpus is None:
+            return model_tokenizer
+        tokenizer = corpus.tokenizer()
+        check_same_tokenizer(tokenizer, model_tokenizer, str(corpus.folder), cfg.init_from)
+        return tokenizer
+
+    def _model_config(self, checkpoint: Optional[Path]):
+        """The model's config: the preset's, with the size options and the tokenizer's vocabulary;
+        with ``init_from`` the folder's (its activation converted when the weights load), or on
+        resume the checkpoint's own (already ReLU)."""
+        cfg = self.cfg
+        if cfg.init_from is None:
+            shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
+                         num_heads=cfg.num_heads, context=max(cfg.seq_len, PRESETS[cfg.preset].context))
+            return make_config(cfg.preset, self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id, **shape)
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(checkpoint if checkpoint is not None else cfg.init_from)
+        check_vocab(self.tokenizer, config.vocab_size, cfg.init_from)
+        return config
 
     def _setup_distributed(self) -> None:
         cfg = self.cfg
@@ -299,17 +346,34 @@ class Trainer:
         """``cfg.l1_target``: after a log row, scale each layer's lambda by the square root of its
         active share over the target, within [0.8, 1.25] per row and ``L1_SCALE_RANGE`` overall:
         an integral controller in log space, slow enough for the optimizer to follow. Layers
-        above the target get more L1, layers below less. Nothing moves during ``l1_warmup`` (lambda
-        is still ramping: sparsity has not had the chance to respond). Uses the row's per-layer
-        means (already reduced over ranks: every rank agrees)."""
-        target = self.cfg.l1_target
-        if target is None or self.step < self.cfg.l1_warmup:
+        above the target get more L1, layers below less. The controller waits during
+        ``l1_warmup`` (lambda is still ramping: sparsity has not had the chance to respond).
+
+        ``cfg.dead_limit``: a layer whose share of dead units over the last window
+        (``dead_frac_L{i}``) exceeds the limit is held: its lambda does not rise before the next
+        log row, neither by the controller nor by the ramp (during ``l1_warmup`` its multiplier
+        shrinks as the ramp grows). A unit that never fires gets no gradient, so more L1 on a
+        collapsing layer only kills more of it; held, the layer keeps what lambda it has until
+        its dead share falls back under the limit (``--reinit`` revives dead units).
+        ``dead_holds`` counts the log rows at which each layer was held.
+
+        Uses the row's per-layer values (already reduced over ranks: every rank agrees)."""
+        cfg = self.cfg
+        if cfg.l1_target is None:
             return
+        ramping = self.step < cfg.l1_warmup
+        now = self.l1_coef(self.step)
+        # how much the ramp raises lambda by the next log row (1 once it has ended)
+        rise = self.l1_coef(self.step + cfg.log_every) / now if ramping and now > 0 else 1.0
         f = self.config.intermediate_size
         lo, hi = self.L1_SCALE_RANGE
         for i in range(len(self.l1_scale)):
-            ratio = max(row[f"active_mean_L{i}"], 1e-3) / (target * f)
-            self.l1_scale[i] = min(hi, max(lo, self.l1_scale[i] * min(1.25, max(0.8, ratio ** 0.5))))
+            ratio = max(row[f"active_mean_L{i}"], 1e-3) / (cfg.l1_target * f)
+            factor = 1.0 if ramping else min(1.25, max(0.8, ratio ** 0.5))
+            if cfg.dead_limit is not None and row.get(f"dead_frac_L{i}", 0.0) > cfg.dead_limit:  # NaN: no window yet
+                factor = min(factor, 1.0 / rise)
+                self.dead_holds[i] += 1
+            self.l1_scale[i] = min(hi, max(lo, self.l1_scale[i] * factor))
         self._l1_scale_t.copy_(torch.tensor(self.l1_scale))
 
     def micro_batch(self, micro: int) -> torch.Tensor:
@@ -471,7 +535,8 @@ class Trainer:
                     "scheduler": self.scheduler.state_dict(),
                     "dead": {k: dead[k] for k in ("steps_in_window", "windows_done", "dead_frac")},
                     "interval_tokens": interval["tokens"], "log_steps": self.n_acc,
-                    "skipped_steps": self.skipped, "bad_streak": self.bad_streak, "l1_scale": self.l1_scale}
+                    "skipped_steps": self.skipped, "bad_streak": self.bad_streak, "l1_scale": self.l1_scale,
+                    "dead_holds": self.dead_holds}
             ckpt.save_tensors_with_meta(tmp / "trainer_state.safetensors", tensors, meta)
             (tmp / "train_config.json").write_text(json.dumps(asdict(self.cfg), indent=1))
             self.tokenizer.save(tmp)
@@ -563,6 +628,8 @@ class Trainer:
         if self.cfg.l1_target is not None and len(meta.get("l1_scale", [])) == len(self.l1_scale):
             self.l1_scale = [float(v) for v in meta["l1_scale"]]
             self._l1_scale_t.copy_(torch.tensor(self.l1_scale))
+        if len(meta.get("dead_holds", [])) == len(self.dead_holds):
+            self.dead_holds = [int(v) for v in meta["dead_holds"]]
         self._saved = (self.step, self.samples_seen, Path(directory))
         if f"rng_cpu_rank{self.rank}" in tensors:  # a run resumed on other ranks keeps its own RNG
             torch.set_rng_state(tensors[f"rng_cpu_rank{self.rank}"])
@@ -634,7 +701,7 @@ class Trainer:
                         interval_tokens, interval_seconds = 0, 0.0
                         if evaluate:
                             ev = self.evaluate()
-                            row["val_loss"] = ev["val_loss"]
+                            row.update(self._validation_row(ev))
                             final = ev if last else None
                         self.history.append(row)
                         logger.log(row)
@@ -681,6 +748,14 @@ class Trainer:
         self.ce_acc.zero_(), self.l1_acc.zero_(), self.gn_acc.zero_()
         self.n_acc = 0
         return row
+
+    @staticmethod
+    def _validation_row(ev: dict) -> dict:
+        """The log row's columns of a validation pass: its loss, and each layer's dead share on
+        the validation tokens (units that fired for none of them) with their mean."""
+        dead = ev["dead_frac"]
+        return {"val_loss": ev["val_loss"], "dead_frac_val": sum(dead) / len(dead),
+                **{f"dead_frac_val_L{i}": v for i, v in enumerate(dead)}}
 
     def _report_skipped(self, r: StepResult) -> None:
         if self.main:
