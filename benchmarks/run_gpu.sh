@@ -16,6 +16,7 @@
 #   model        twell bench model (2b shape)      -> model_<gpu>.{json,png}
 #   training     twell bench training              -> training_mlp_<gpu>.{json,png} (TRAINING_ARGS)
 #   compiled     twell bench compiled              -> compiled_<gpu>.{json,png} (COMPILED_ARGS)
+#   fp8          twell bench fp8                   -> fp8_<gpu>.{json,png} (FP8_ARGS)
 #   prefillstage benchmarks/prefill_stage.py: one prefill call's kernels and idle gaps, profiled
 #   hotab        benchmarks/hot_units_ab.py: the prefill path with and without hot units
 #   trainstage   benchmarks/train_call_stage.py: one training call's kernels, GPU idle and host time (CASES)
@@ -45,6 +46,7 @@ for step in "$@"; do
     model)       cmd=(timeout "${MODEL_S:-300}" "${BENCH[@]}" model --out "$dir") ;;
     training)    cmd=(timeout "${TRAINING_S:-330}" "${BENCH[@]}" training --out "$dir" ${TRAINING_ARGS:-}) ;;
     compiled)    cmd=(timeout "${COMPILED_S:-540}" "${BENCH[@]}" compiled --out "$dir" ${COMPILED_ARGS:-}) ;;
+    fp8)         cmd=(timeout "${FP8_S:-300}" "${BENCH[@]}" fp8 --out "$dir" ${FP8_ARGS:-}) ;;
     prefillstage) cmd=(timeout "${PREFILLSTAGE_S:-240}" $PY benchmarks/prefill_stage.py "$dir") ;;
     hotab)       cmd=(timeout "${HOTAB_S:-300}" $PY benchmarks/hot_units_ab.py "$dir") ;;
     trainstage)  cmd=(timeout "${TRAINSTAGE_S:-240}" $PY benchmarks/train_call_stage.py "$dir") ;;

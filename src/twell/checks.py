@@ -26,19 +26,20 @@ def check_tensor(t, name: str, dim: Optional[int] = None, dtypes=FLOAT_DTYPES) -
         raise ValueError(f"{name} must be {dim}-D, got shape {tuple(t.shape)}")
 
 
-def check_weight_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.Tensor) -> None:
+def check_weight_rows(w: Optional[torch.Tensor], name: str, f: int, d: int, x: torch.Tensor,
+                      dtype: Optional[torch.dtype] = None) -> None:
     """Unless ``w`` is None: raise unless it is an ``[f, d]`` kernel-dtype tensor with unit-stride
-    rows (any row stride), on ``x``'s device with ``x``'s dtype. The kernels read one unit's row
-    of ``w`` as a contiguous run of ``d`` values."""
+    rows (any row stride), on ``x``'s device with ``x``'s dtype (``dtype`` instead where given:
+    FP8 rows). The kernels read one unit's row of ``w`` as a contiguous run of ``d`` values."""
     if w is None:
         return
-    check_tensor(w, name, dim=2, dtypes=KERNEL_DTYPES)
+    check_tensor(w, name, dim=2, dtypes=KERNEL_DTYPES if dtype is None else (dtype,))
     if tuple(w.shape) != (f, d):
         raise ValueError(f"{name} must be [f, d] = [{f}, {d}], got {list(w.shape)}")
     if w.stride(1) != 1 and d > 1:  # (rows of one value have no column stride: [f, 1] views of [1, f])
         raise ValueError(f"{name} must have unit-stride rows (stride(1) == 1), got strides {w.stride()}")
-    if w.dtype != x.dtype or w.device != x.device:
-        raise TypeError(f"{name} ({w.dtype}, {w.device}) must match x ({x.dtype}, {x.device})")
+    if w.device != x.device or (dtype is None and w.dtype != x.dtype):
+        raise TypeError(f"{name} ({w.dtype}, {w.device}) must match x ({x.dtype if dtype is None else dtype}, {x.device})")
 
 
 def check_mlp_args(

@@ -42,6 +42,10 @@ compiled and compiled with ``mode="reduce-overhead"``, with the path each took; 
 ``--layers`` decoder layers of ``--preset``'s shape, dense, twell with default settings and twell
 with statistics off, eager and compiled: prefill time, peak memory, and greedy ``generate`` at
 batch 1 with a static cache and a compiled forward: ``compiled_<gpu>.{json,png}``.
+
+``fp8`` times dense bf16, dense FP8 (rowwise ``torch._scaled_mm``), twell bf16 and twell on FP8
+weights side by side (:mod:`twell.bench.fp8`), eager and in CUDA graphs, with each FP8 variant's
+worst-row error: ``fp8_<gpu>.{json,png}``.
 """
 
 from __future__ import annotations
@@ -139,7 +143,7 @@ def _table(records: list[dict]) -> str:
 
 def bench_main(argv=None) -> None:
     parser = argparse.ArgumentParser(prog="twell bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["inference", "batch", "decode", "model", "training", "compiled"], help="which benchmark")
+    parser.add_argument("what", choices=["inference", "batch", "decode", "model", "training", "compiled", "fp8"], help="which benchmark")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the result files")
     parser.add_argument("--quick", action="store_true", help="a small grid (M 16384, k 29/56/280, even)")
     parser.add_argument("--variants", action="store_true", help="also time the design variants")
@@ -192,6 +196,9 @@ def bench_main(argv=None) -> None:
         return
     if args.what == "compiled":
         _compiled_bench(args, tag, log, t0)
+        return
+    if args.what == "fp8":
+        _fp8_bench(args, tag, log, t0)
         return
     if args.variants:
         var = run_variants(log=log)
@@ -269,6 +276,22 @@ def _compiled_bench(args, tag: str, log, t0: float) -> None:
         log(f"{r['variant']:16s} {r['mode']:8s} prefill {r['prefill_ms']:.1f} ms ({r['prefill_speedup']:.3f}x) "
             f"peak {r['peak_vs_dense']:.3f} of dense"
             + (f" generate b1 {r['generate_speedup_b1']:.2f}x tokens equal {r['tokens_match']}" if "generate_speedup_b1" in r else ""))
+
+
+def _fp8_bench(args, tag: str, log, t0: float) -> None:
+    """``twell bench fp8``: fp8_<gpu>.{json,png}."""
+    from .fp8 import MS, fp8_grid
+
+    Ms = args.M or ((1, 4096, 131072) if args.quick else MS)
+    records = fp8_grid(Ms=Ms, log=log)
+    path = os.path.join(args.out, f"fp8_{tag}.json")
+    with open(path, "w") as fh:
+        json.dump({"records": records, "model": []}, fh, indent=1)
+    plot_batch([r for r in records if r["mode"] == "graph"], os.path.splitext(path)[0] + ".png", "M", ("fp8_vs_dense_fp8", "fp8_vs_dense_bf16", "bf16_vs_dense_bf16"),
+               "tokens per call M", titles={"fp8_vs_dense_fp8": "twell FP8 over dense FP8",
+                                            "fp8_vs_dense_bf16": "twell FP8 over dense bf16",
+                                            "bf16_vs_dense_bf16": "twell bf16 over dense bf16"})
+    log(f"done in {time.time() - t0:.0f}s; wrote {path}")
 
 
 def _model_bench(args, tag: str, log, t0: float) -> None:

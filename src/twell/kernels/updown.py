@@ -148,13 +148,15 @@ def _ffn_from_twell_kernel(
     wf_ptr, stride_wf,
     pre_ptr, stride_pm,
     y_ptr, stride_ym,
-    ovf_ptr, uc_ptr, nnz_ptr,
+    ovf_ptr, uc_ptr, nnz_ptr, su_ptr, sd_ptr,
     d, f, SLOTS, N_TILES, TILE, row_limit,
     D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr,
     GATED: tl.constexpr, HAS_PRE: tl.constexpr, TRACK: tl.constexpr, ONLY_OVER: tl.constexpr,
-    SKIP_OVER: tl.constexpr, WHOLE_ROWS: tl.constexpr, ACC: tl.constexpr,
+    SKIP_OVER: tl.constexpr, WHOLE_ROWS: tl.constexpr, ACC: tl.constexpr, SCALED: tl.constexpr,
 ):
-    # ACC: y's row holds the hot units' part already (twell.kernels.hot_units); the sum starts from it
+    # ACC: y's row holds the hot units' part already (twell.kernels.hot_units); the sum starts from it.
+    # SCALED: w_up and w_down^T rows are FP8 with one scale per unit (su, sd: twell.fp8); a unit's
+    # scales multiply its h, in fp32.
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
@@ -179,8 +181,12 @@ def _ffn_from_twell_kernel(
         if GATED:
             wu = tl.load(wu_ptr + unit[:, None] * stride_wu + offs_d[None, :], mask=wmask, other=0.0)
             h = v * tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+            if SCALED:
+                h = h * tl.load(su_ptr + unit, mask=valid, other=0.0)
         else:
             h = v
+        if SCALED:
+            h = h * tl.load(sd_ptr + unit, mask=valid, other=0.0)
         wd = tl.load(wd_ptr + unit[:, None] * stride_wd + offs_d[None, :], mask=wmask, other=0.0)
         acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
         if TRACK:
@@ -212,8 +218,12 @@ def _ffn_from_twell_kernel(
                     if GATED:
                         wu = tl.load(wu_ptr + unit[:, None] * stride_wu + offs_d[None, :], mask=wmask, other=0.0)
                         h = tl.where(active, a, 0.0) * tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+                        if SCALED:
+                            h = h * tl.load(su_ptr + unit, mask=active, other=0.0)
                     else:
                         h = tl.where(active, a, 0.0)
+                    if SCALED:
+                        h = h * tl.load(sd_ptr + unit, mask=active, other=0.0)
                     wd = tl.load(wd_ptr + unit[:, None] * stride_wd + offs_d[None, :], mask=wmask, other=0.0)
                     acc += tl.sum(h[:, None] * wd.to(tl.float32), axis=0)
                     if TRACK:
@@ -231,15 +241,16 @@ def _ffn_from_twell_kernel(
 
 @triton.jit
 def _twell_up_kernel(
-    x_ptr, stride_xm, cnt_ptr, val_ptr, col_ptr, wu_ptr, stride_wu, h_ptr,
+    x_ptr, stride_xm, cnt_ptr, val_ptr, col_ptr, wu_ptr, stride_wu, h_ptr, su_ptr, sd_ptr,
     d, SLOTS, N_TILES, TILE, row_limit,
-    D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr, WHOLE_ROWS: tl.constexpr,
+    D: tl.constexpr, BE: tl.constexpr, NTP: tl.constexpr, WHOLE_ROWS: tl.constexpr, SCALED: tl.constexpr,
 ):
     # Split path, first launch (gated): h = g (x[m] . w_up[j]) for each stored entry, kept in
     # fp32 at the entry's place in a TwELL-shaped scratch. Only w_up rows are gathered here and only
     # w_down^T rows in the second launch: each launch's rows (23 MB at f 5632, d 2048) fit in the
     # H200's L2, the pair (46 MB) does not. Same products in the same order as the fused kernel: the
-    # same y, bit for bit.
+    # same y, bit for bit. SCALED (FP8 rows, twell.fp8): both of the unit's scales multiply h here,
+    # the down launch reads h as it is.
     m = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, D)
     dmask = offs_d < d
@@ -249,7 +260,10 @@ def _twell_up_kernel(
         valid, off, unit = _row_entries(col_ptr, m, e0, n_entries, incl, excl, SLOTS, N_TILES, TILE, NTP, BE)
         v = tl.load(val_ptr + off, mask=valid, other=0.0).to(tl.float32)
         wu = tl.load(wu_ptr + unit[:, None] * stride_wu + offs_d[None, :], mask=valid[:, None] & dmask[None, :], other=0.0)
-        tl.store(h_ptr + off, v * tl.sum(wu.to(tl.float32) * x[None, :], axis=1), mask=valid)
+        h = v * tl.sum(wu.to(tl.float32) * x[None, :], axis=1)
+        if SCALED:
+            h = h * tl.load(su_ptr + unit, mask=valid, other=0.0) * tl.load(sd_ptr + unit, mask=valid, other=0.0)
+        tl.store(h_ptr + off, h, mask=valid)
 
 
 @triton.jit
@@ -528,6 +542,7 @@ def ffn_from_twell(
     pre_writable: bool = False,
     hot: Optional[tuple[torch.Tensor, HotUnits]] = None,
     one_launch: bool = False,
+    w_scales: Optional[tuple[Optional[torch.Tensor], torch.Tensor]] = None,
 ) -> torch.Tensor:
     """``y [M, d]`` from a TwELL: gated up/down when ``w_up`` is given, else the down projection.
 
@@ -583,6 +598,13 @@ def ffn_from_twell(
             while a long or overflowed row in one launch is its serial tail. Not with ``hot``,
             ``"split"`` or ``"rows"``.
 
+        w_scales: ``(up_scale, down_scale)``, float32 ``[f]`` each (``up_scale`` None when
+            non-gated): ``w_up`` and ``w_down_t`` are then ``float8_e4m3fn`` rows, unit ``j``'s
+            row meaning ``scale[j] * row`` (:class:`twell.fp8.Fp8Rows`); the scales multiply h
+            in fp32. Needs ``pre`` (the FP8 gate's output: overflowed tiles read it), and not
+            ``hot``, ``"rows"`` or ``pre_writable`` (long and overflowed rows take the per-token
+            exact launch).
+
     Returns:
         ``y [M, d]``.
     """
@@ -616,8 +638,26 @@ def ffn_from_twell(
             raise ValueError(f"{name} must be contiguous")
     if w_down_t is None:
         raise ValueError("w_down_t ([f, d], w_down.T.contiguous()) is required")
-    check_weight_rows(w_down_t, "w_down_t", f, d, x)
-    check_weight_rows(w_up, "w_up", f, d, x)
+    scaled = w_scales is not None
+    if scaled:
+        from ..fp8 import E4M3
+
+        if not isinstance(w_scales, (tuple, list)) or len(w_scales) != 2:
+            raise TypeError("w_scales must be (up_scale or None, down_scale)")
+        if (w_scales[0] is None) != (w_up is None):
+            raise ValueError("w_scales: give up_scale exactly when w_up is given (gated)")
+        for t, name in zip(w_scales, ("up_scale", "down_scale")):
+            if t is not None:
+                check_tensor(t, name, dim=1, dtypes=(torch.float32,))
+                if t.shape[0] != f or not t.is_contiguous() or t.device != x.device:
+                    raise ValueError(f"{name} must be a contiguous [{f}] float32 tensor on {x.device}")
+        if pre is None:
+            raise ValueError("FP8 rows (w_scales) need pre, the gate's output: overflowed tiles are read from it")
+        if hot is not None or kernel == "rows":
+            raise ValueError("FP8 rows (w_scales) take neither hot units nor kernel='rows'")
+        pre_writable = False  # the dense-rows path reads the weights in x's dtype
+    check_weight_rows(w_down_t, "w_down_t", f, d, x, dtype=E4M3 if scaled else None)
+    check_weight_rows(w_up, "w_up", f, d, x, dtype=E4M3 if scaled else None)
     check_weight_rows(w_first, "w_first", f, d, x)
     if pre is None and w_first is None:
         raise ValueError(
@@ -699,6 +739,9 @@ def ffn_from_twell(
     BE = block_e or be0
     nw = num_warps or nw0
     dummy = w_down_t
+    # the scales (unread placeholders where the rows are not FP8)
+    su = w_scales[0] if scaled and gated else ovf
+    sd = w_scales[1] if scaled else ovf
     with on_device_of(x):
         if rows_kernel:
             bm, be, bk, nw_rows = ROWS_CONFIG
@@ -724,10 +767,11 @@ def ffn_from_twell(
                 pre if pre is not None else x, pre.stride(0) if pre is not None else 0,
                 out, out.stride(0),
                 ovf, unit_counts if unit_counts is not None else g.counts, row_nnz if row_nnz is not None else g.counts,
+                su, sd,
                 d, f, g.slots, g.n_tiles, g.tile, row_limit,
                 D=D, BE=be, NTP=triton.next_power_of_2(g.n_tiles), GATED=gated, HAS_PRE=pre is not None,
                 TRACK=unit_counts is not None, ONLY_OVER=only_over, SKIP_OVER=skip_over, WHOLE_ROWS=dense_rows,
-                ACC=add_to_out and not only_over, num_warps=warps,
+                ACC=add_to_out and not only_over, SCALED=scaled, num_warps=warps,
             )
 
         def exact_launch():
@@ -753,8 +797,9 @@ def ffn_from_twell(
             h = torch.empty(g.values.shape, dtype=torch.float32, device=x.device)
             NTP = triton.next_power_of_2(g.n_tiles)
             _twell_up_kernel[(M,)](
-                x, x.stride(0), g.counts, g.values, g.cols, w_up, w_up.stride(0), h,
-                d, g.slots, g.n_tiles, g.tile, row_limit, D=D, BE=BE, NTP=NTP, WHOLE_ROWS=dense_rows, num_warps=nw,
+                x, x.stride(0), g.counts, g.values, g.cols, w_up, w_up.stride(0), h, su, sd,
+                d, g.slots, g.n_tiles, g.tile, row_limit, D=D, BE=BE, NTP=NTP, WHOLE_ROWS=dense_rows, SCALED=scaled,
+                num_warps=nw,
             )
             _twell_down_kernel[(M,)](
                 g.counts, g.cols, h, w_down_t, w_down_t.stride(0), out, out.stride(0),

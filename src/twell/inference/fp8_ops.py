@@ -1,0 +1,97 @@
+"""The gated FFN on FP8 weights (:mod:`twell.fp8`): twell's sparse path and the dense FP8 one.
+
+:func:`twell_gated_mlp_fp8` is twell's prefill path with e4m3 weights: x quantised per token
+(:func:`twell.kernels.quantize.quantize_rows_fp8`), the gate as one rowwise-scaled FP8 product
+(``torch._scaled_mm``, the dense FP8 computation of the gate itself, so the active set is dense
+FP8's), packed into TwELL by the same pass as in bf16, then the up and down rows of each token's
+active units gathered from FP8 with their per-unit scales (:func:`twell.kernels.ffn_from_twell`
+with ``w_scales``), products and sums in fp32, x unquantised for the up product and h never
+quantised. Rows with an overflowed tile are recomputed exactly from the gate's output.
+
+:func:`dense_fp8_ffn` is the dense FP8 baseline as FP8 serving runs it (torchao's rowwise
+float8 inference, vLLM's FP8 Llama): gate and up as rowwise-scaled FP8 products, ``relu(g) * u``
+in one pass, h quantised per token, and the down product rowwise-scaled; the activation casts
+take the same one-pass kernel as twell's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..checks import check_tensor
+from ..fp8 import Fp8GatedWeights, Fp8Rows, quantize_rows, quantize_tokens
+from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
+from ..kernels.updown import default_config, splits
+from .ops import DEFAULT_COMPRESSION, default_tile
+
+__all__ = ["twell_gated_mlp_fp8", "DenseFp8Weights", "dense_fp8_weights", "dense_fp8_ffn", "quantize_activations"]
+
+
+def quantize_activations(x: torch.Tensor) -> Fp8Rows:
+    """Per-token e4m3 of ``x [M, d]``: the one-pass Triton kernel on CUDA (bit for bit
+    :func:`twell.fp8.quantize_tokens`, which the CPU uses)."""
+    if x.is_cuda:
+        from ..kernels.quantize import quantize_rows_fp8
+
+        return Fp8Rows(*quantize_rows_fp8(x))
+    return quantize_tokens(x)
+
+
+def _scaled_mm(a: Fp8Rows, b: Fp8Rows, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch._scaled_mm(a.q, b.q.t(), scale_a=a.scale[:, None], scale_b=b.scale[None, :], out_dtype=out_dtype)
+
+
+def _check(x: torch.Tensor, d: int) -> torch.Tensor:
+    check_tensor(x, "x", dim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    if x.shape[1] != d:
+        raise ValueError(f"x must be [M, {d}], got {list(x.shape)}")
+    if torch.is_grad_enabled() and x.requires_grad:
+        raise RuntimeError("the FP8 FFN is inference only: call it under torch.no_grad() / torch.inference_mode()")
+    return x if x.stride(1) == 1 else x.contiguous()
+
+
+def twell_gated_mlp_fp8(x: torch.Tensor, w: Fp8GatedWeights, *, tile: Optional[int] = None,
+                        counters: Optional[OverflowCounters] = None, k_est: Optional[float] = None,
+                        kernel: str = "auto") -> torch.Tensor:
+    """``y [M, d]`` (x's dtype) of twell's FP8 FFN (see the module's text) for ``x [M, d]``
+    (bf16 on a GPU) and ``w`` from :func:`twell.fp8.fp8_gated_weights`. ``counters``: the exact
+    path's counts, as for bf16; ``k_est``: the expected active units per token (picks the
+    up/down kernels' shape); ``kernel``: as :func:`twell.kernels.ffn_from_twell`."""
+    if not isinstance(w, Fp8GatedWeights):
+        raise TypeError(f"w must be twell.fp8.Fp8GatedWeights (fp8_gated_weights), got {type(w).__name__}")
+    f, d = w.gate.shape
+    x = _check(x, d)
+    pre = _scaled_mm(quantize_activations(x), w.gate, x.dtype)
+    g = pack_relu(pre, tile or default_tile(f), DEFAULT_COMPRESSION)
+    be, nw = default_config(d, k_est, split=splits(x.shape[0], True, kernel, d))
+    return ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, counters=counters, kernel=kernel,
+                          block_e=be, num_warps=nw, w_scales=(w.up.scale, w.down_t.scale))
+
+
+@dataclass
+class DenseFp8Weights:
+    """The dense FP8 baseline's weights: ``gate`` and ``up`` ``[f, d]`` and ``down [d, f]``,
+    each e4m3 with one scale per output row."""
+
+    gate: Fp8Rows
+    up: Fp8Rows
+    down: Fp8Rows
+
+
+def dense_fp8_weights(w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> DenseFp8Weights:
+    """:class:`DenseFp8Weights` from ``w_gate, w_up [f, d]`` and ``w_down [d, f]``."""
+    return DenseFp8Weights(quantize_rows(w_gate), quantize_rows(w_up), quantize_rows(w_down))
+
+
+def dense_fp8_ffn(x: torch.Tensor, w: DenseFp8Weights) -> torch.Tensor:
+    """The dense FP8 FFN (see the module's text): ``x [M, d]`` -> ``y [M, d]`` in x's dtype.
+    The same math as :func:`twell.fp8.dense_fp8_gated_mlp`."""
+    from ..kernels.elementwise import relu_mul_
+
+    x = _check(x, w.down.shape[0])
+    xq = quantize_activations(x)
+    h = relu_mul_(_scaled_mm(xq, w.up, x.dtype), _scaled_mm(xq, w.gate, x.dtype))
+    return _scaled_mm(quantize_activations(h), w.down, x.dtype)

@@ -1,0 +1,185 @@
+"""FP8 rows (twell.fp8): the per-row quantisation, the dense FP8 baseline, and the TwELL up/down
+kernels reading FP8 rows with per-unit scales against the plain PyTorch reference (Triton
+interpreter on the CPU, in fp32 and fp16)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_cases import case_id, gate_case, packed, rel_err
+from twell import fp8
+from twell.kernels import OverflowCounters, ffn_from_twell, updown
+
+SHAPES = [(13, 40, 100, 32, 4), (5, 24, 37, 64, 2)]  # M, d, f, tile, C
+
+
+def test_quantize_rows_keeps_each_row_within_half_a_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(37, 50, generator=g) * torch.logspace(-6, 3, 37)[:, None]  # rows of very different size
+    w[5] = 0.0
+    r = fp8.quantize_rows(w)
+    assert r.q.dtype == fp8.E4M3 and r.scale.dtype == torch.float32 and r.scale.shape == (37,)
+    back = r.dequantize()
+    assert torch.all(back[5] == 0)
+    # each row's largest magnitude lands on 448 exactly; e4m3 has 3 mantissa bits: relative error
+    # at most 2^-4 of the value for normal numbers, plus the subnormal floor of the row's scale
+    assert torch.equal(r.q.float().abs().amax(dim=1)[torch.arange(37) != 5], torch.full((36,), 448.0))
+    floor = r.scale[:, None] * 2.0 ** -9
+    assert torch.all((back - w).abs() <= w.abs() * 2.0 ** -4 + floor)
+
+
+def test_quantize_rows_refuses_what_it_cannot_represent():
+    with pytest.raises(ValueError, match="NaN or inf"):
+        fp8.quantize_rows(torch.tensor([[1.0, float("nan")]]))
+    with pytest.raises(ValueError, match="2-D"):
+        fp8.quantize_rows(torch.ones(3))
+    with pytest.raises(TypeError, match="floating"):
+        fp8.quantize_rows(torch.ones(2, 2, dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"\[f, d\]"):
+        fp8.fp8_gated_weights(torch.ones(4, 3), torch.ones(4, 3), torch.ones(4, 3))
+
+
+def test_dense_fp8_baseline_is_the_rowwise_scaled_math():
+    x, wg, wu, wd = gate_case(9, 32, 48, torch.float32, seed=3, adversarial=False)
+    G, U, D = fp8.quantize_rows(wg), fp8.quantize_rows(wu), fp8.quantize_rows(wd)
+    y = fp8.dense_fp8_gated_mlp(x, G, U, D)
+    xq = fp8.quantize_tokens(x)
+    xd = xq.dequantize()
+    h = torch.relu(xd @ G.dequantize().t()) * (xd @ U.dequantize().t())
+    ref = fp8.quantize_tokens(h).dequantize() @ D.dequantize().t()
+    assert y.dtype == x.dtype and rel_err(y, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,M,d,f,tile,C", [(torch.float32, *s) for s in SHAPES] + [(torch.float16, *SHAPES[0])],
+                         ids=case_id)
+@pytest.mark.parametrize("kernel", ["token", "token-two-pass", "split"])
+def test_ffn_from_twell_reads_fp8_rows(dtype, M, d, f, tile, C, kernel, monkeypatch):
+    if kernel == "token-two-pass":  # overflowed tiles in a second launch, as for large M
+        monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
+        kernel = "token"
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + f)
+    w = fp8.fp8_gated_weights(wg, wu, wd)
+    x = x.to(dtype)
+    pre = fp8.scaled_mm_rows(fp8.quantize_tokens(x), w.gate, dtype)
+    g = packed(pre, tile, C)
+    assert bool(g.overflowed().any())  # the exact path is exercised
+    ref = fp8.twell_fp8_reference(x, w)
+    c = OverflowCounters.zeros("cpu")
+    out = torch.full((M, d), float("nan"), dtype=dtype)
+    y = ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, counters=c, kernel=kernel, out=out,
+                       w_scales=(w.up.scale, w.down_t.scale))
+    assert y.data_ptr() == out.data_ptr() and not torch.isnan(y).any()
+    assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    over = g.overflowed()
+    assert int(c.tiles) == int(over.sum())
+    # the same y as the bf16-path kernels given the dequantised rows (scales folded in)
+    y_plain = ffn_from_twell(x, g, w.down_t.dequantize(dtype), w_up=w.up.dequantize(dtype), pre=pre, kernel=kernel)
+    assert rel_err(y, y_plain) < (1e-5 if dtype == torch.float32 else 3e-3)
+
+
+def test_non_gated_fp8_rows():
+    M, d, f, tile, C = 13, 40, 100, 32, 4
+    x, w_up, _, wd = gate_case(M, d, f, torch.float32, seed=5)
+    up, down_t = fp8.quantize_rows(w_up), fp8.quantize_rows(wd.t())
+    pre = fp8.scaled_mm_rows(fp8.quantize_tokens(x), up, torch.float32)
+    g = packed(pre, tile, C)
+    y = ffn_from_twell(x, g, down_t.q, pre=pre, w_scales=(None, down_t.scale))
+    ref = torch.relu(pre) @ down_t.dequantize()
+    assert rel_err(y, ref) < 1e-5
+
+
+def test_fp8_rows_are_checked_before_any_kernel():
+    M, d, f, tile, C = 5, 24, 37, 64, 2
+    x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=1)
+    w = fp8.fp8_gated_weights(wg, wu, wd)
+    pre = fp8.scaled_mm_rows(fp8.quantize_tokens(x), w.gate, torch.float32)
+    g = packed(pre, tile, C)
+    scales = (w.up.scale, w.down_t.scale)
+    with pytest.raises(TypeError, match="must have dtype"):  # FP8 rows without their scales
+        ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre)
+    with pytest.raises(TypeError, match="float8"):  # scales for bf16 rows
+        ffn_from_twell(x, g, wd.t().contiguous(), w_up=wu, pre=pre, w_scales=scales)
+    with pytest.raises(ValueError, match="need pre"):
+        ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, w_first=wg, w_scales=scales)
+    with pytest.raises(ValueError, match="contiguous"):
+        ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, w_scales=(w.up.scale[:-1], w.down_t.scale))
+    with pytest.raises(ValueError, match="up_scale exactly when"):
+        ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, w_scales=(None, w.down_t.scale))
+    with pytest.raises(ValueError, match="neither hot units nor"):
+        ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, w_scales=scales, kernel="rows")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("M,d", [(1, 1), (7, 40), (70, 100)])
+def test_quantize_kernel_matches_the_reference(dtype, M, d):
+    from twell.kernels.quantize import quantize_rows_fp8
+
+    g = torch.Generator().manual_seed(M + d)
+    x = (torch.randn(M, d, generator=g) * torch.logspace(-3, 2, M)[:, None]).to(dtype)
+    x[M // 2] = 0.0
+    q, s = quantize_rows_fp8(x)
+    ref = fp8.quantize_tokens(x)
+    assert torch.equal(s, ref.scale)
+    assert torch.equal(q.view(torch.uint8), ref.q.view(torch.uint8))
+
+
+def test_quantize_kernel_rounds_every_midpoint_as_torch_does():
+    from twell.kernels.quantize import quantize_rows_fp8
+
+    grid = torch.arange(256, dtype=torch.uint8).view(fp8.E4M3).float()
+    grid = grid[torch.isfinite(grid) & (grid >= 0)].unique()  # the 127 non-negative e4m3 values, sorted
+    mids = (grid[1:] + grid[:-1]) / 2  # ties: even mantissa wins
+    nudged = torch.cat([mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e3))])
+    row = torch.cat([torch.tensor([448.0]), nudged, -nudged])[None, :]  # amax 448: the scale is 1
+    q, s = quantize_rows_fp8(row)
+    assert float(s) == 1.0
+    assert torch.equal(q.view(torch.uint8), row.to(fp8.E4M3).view(torch.uint8))
+
+
+def test_fp8_ops_match_their_references():
+    from twell.inference.fp8_ops import dense_fp8_ffn, dense_fp8_weights, twell_gated_mlp_fp8
+
+    x, wg, wu, wd = gate_case(13, 40, 100, torch.float32, seed=8)
+    c = OverflowCounters.zeros("cpu")
+    with torch.no_grad():
+        y = twell_gated_mlp_fp8(x, fp8.fp8_gated_weights(wg, wu, wd), counters=c)
+        assert rel_err(y, fp8.twell_fp8_reference(x, fp8.fp8_gated_weights(wg, wu, wd))) < 1e-5
+        assert int(c.tiles) > 0  # the adversarial rows overflowed and were recomputed
+        dense = dense_fp8_ffn(x, dense_fp8_weights(wg, wu, wd))
+        ref = fp8.dense_fp8_gated_mlp(x, fp8.quantize_rows(wg), fp8.quantize_rows(wu), fp8.quantize_rows(wd))
+        assert torch.equal(dense, ref)
+        # twell's FP8 error against fp32 math on the dequantised weights is at most dense FP8's
+        exact = R_gated(x, wg, wu, wd)
+        assert rel_err(y, exact) <= rel_err(dense, exact)
+    with pytest.raises(TypeError, match="Fp8GatedWeights"):
+        twell_gated_mlp_fp8(x, (wg, wu, wd))
+    with pytest.raises(RuntimeError, match="inference only"):
+        twell_gated_mlp_fp8(x.requires_grad_(True), fp8.fp8_gated_weights(wg, wu, wd))
+
+
+def R_gated(x, wg, wu, wd):
+    """fp32 gated MLP with the weights each variant quantises (here: dequantised per-row rounding
+    of the same bf16 weights differs between layouts, so the bar is the unquantised math)."""
+    return (torch.relu(x.double() @ wg.double().t()) * (x.double() @ wu.double().t())) @ wd.double().t()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 300, 4096, 70000])
+@pytest.mark.parametrize("dist", ["even", "heavy"])
+def test_fp8_path_on_the_gpu(M, dist):
+    from twell.bench.inference import errors
+    from twell.bench.synthetic import make_ffn
+    from twell.inference.fp8_ops import dense_fp8_ffn, dense_fp8_weights, twell_gated_mlp_fp8
+
+    s = make_ffn(M, 2048, 5632, 29, dist, dtype=torch.bfloat16, device="cuda", seed=M)
+    w = fp8.fp8_gated_weights(s.w_gate, s.w_up, s.w_down)
+    c = OverflowCounters.zeros("cuda")
+    with torch.no_grad():
+        y = twell_gated_mlp_fp8(s.x, w, counters=c)
+        ref = fp8.twell_fp8_reference(s.x, w)
+        assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
+        assert errors(y, ref)[1] < 1e-2  # bf16 output rounding
+        dw = dense_fp8_weights(s.w_gate, s.w_up, s.w_down)
+        dref = (torch.relu(s.x.float() @ dw.gate.dequantize().t()) * (s.x.float() @ dw.up.dequantize().t())) @ dw.down.dequantize().t()
+        assert errors(y, ref)[1] <= errors(dense_fp8_ffn(s.x, dw), dref)[1]
