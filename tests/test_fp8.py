@@ -165,21 +165,43 @@ def R_gated(x, wg, wu, wd):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("M", [1, 300, 4096, 70000])
+@pytest.mark.parametrize("M", [1, 5, 300, 4096, 70000])
 @pytest.mark.parametrize("dist", ["even", "heavy"])
 def test_fp8_path_on_the_gpu(M, dist):
     from twell.bench.inference import errors
     from twell.bench.synthetic import make_ffn
-    from twell.inference.fp8_ops import dense_fp8_ffn, dense_fp8_weights, twell_gated_mlp_fp8
+    from twell.inference.fp8_ops import dense_fp8_ffn, dense_fp8_weights, twell_fp8_ffn
 
     s = make_ffn(M, 2048, 5632, 29, dist, dtype=torch.bfloat16, device="cuda", seed=M)
     w = fp8.fp8_gated_weights(s.w_gate, s.w_up, s.w_down)
     c = OverflowCounters.zeros("cuda")
     with torch.no_grad():
-        y = twell_gated_mlp_fp8(s.x, w, counters=c)
+        y = twell_fp8_ffn(s.x, w, counters=c)
         ref = fp8.twell_fp8_reference(s.x, w)
         assert y.dtype == torch.bfloat16 and not torch.isnan(y).any()
         assert errors(y, ref)[1] < 1e-2  # bf16 output rounding
         dw = dense_fp8_weights(s.w_gate, s.w_up, s.w_down)
         dref = (torch.relu(s.x.float() @ dw.gate.dequantize().t()) * (s.x.float() @ dw.up.dequantize().t())) @ dw.down.dequantize().t()
         assert errors(y, ref)[1] <= errors(dense_fp8_ffn(s.x, dw), dref)[1]
+
+
+@pytest.mark.parametrize("M,dtype", [(1, torch.float32), (6, torch.float16)])
+def test_fp8_decode_kernel(M, dtype):
+    from twell.kernels.decode_fp8 import ffn_decode_fp8
+    from twell.kernels.decode_fused import DecodeScratch
+
+    x, wg, wu, wd = gate_case(M, 40, 100, torch.float32, seed=M)
+    w = fp8.fp8_gated_weights(wg, wu, wd)
+    x = x.to(dtype)
+    ref = fp8.twell_fp8_reference(x, w)
+    y, counts = ffn_decode_fp8(x, w)
+    assert y.dtype == dtype and rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    # the active set is the dense FP8 gate's
+    a = fp8.scaled_mm_rows(fp8.quantize_tokens(x), w.gate, dtype)
+    assert int(counts.sum()) == int((a > 0).any(dim=0).sum())
+    scratch = DecodeScratch(40, "cpu")
+    for _ in range(2):  # the kept accumulator is left zeroed
+        assert torch.equal(ffn_decode_fp8(x, w, scratch)[0], y)
+    assert torch.all(scratch.acc == 0)
+    with pytest.raises(ValueError, match="at most"):
+        ffn_decode_fp8(torch.zeros(9, 40, dtype=dtype), w)

@@ -8,8 +8,8 @@ One record per ``(M, k, distribution, mode)``, d 2048, f 5632, inputs from
 - ``dense_fp8``: :func:`twell.inference.fp8_ops.dense_fp8_ffn`, all three products
   rowwise-scaled FP8 (``torch._scaled_mm``), x and h quantised per token;
 - ``twell_bf16``: :class:`twell.SparseGatedMLP` in eval mode, default settings;
-- ``twell_fp8``: :func:`twell.inference.fp8_ops.twell_gated_mlp_fp8` (the FP8 gate, TwELL, up and
-  down rows gathered from FP8).
+- ``twell_fp8``: :func:`twell.inference.fp8_ops.twell_fp8_ffn`: up to 8 tokens the fused FP8
+  decode kernel, else the FP8 gate, TwELL, and up and down rows gathered from FP8.
 
 ``mode`` ``"eager"`` times calls in turn (``interleaved_ms``); ``"graph"`` each captured in a
 CUDA graph and replayed. Errors (worst row, :func:`twell.bench.inference.errors`) are against an
@@ -48,9 +48,10 @@ def fp8_grid(Ms=MS, ks=(29, 280), dists=("even", "heavy"), modes=("eager", "grap
              log: Callable[[str], None] = print) -> list[dict]:
     """The records described in the module's text."""
     from ..fp8 import fp8_gated_weights
-    from ..inference.fp8_ops import _scaled_mm, dense_fp8_ffn, dense_fp8_weights, quantize_activations, twell_gated_mlp_fp8
+    from ..inference.fp8_ops import _scaled_mm, dense_fp8_ffn, dense_fp8_weights, quantize_activations, twell_fp8_ffn
     from ..inference.ops import DEFAULT_COMPRESSION, default_tile
     from ..kernels import pack_relu
+    from ..kernels.decode_fused import DecodeScratch
 
     info = machine_info()
     out = []
@@ -60,13 +61,14 @@ def fp8_grid(Ms=MS, ks=(29, 280), dists=("even", "heavy"), modes=("eager", "grap
             dense, twell = _pair(s)
             w8 = fp8_gated_weights(s.w_gate, s.w_up, s.w_down)
             d8 = dense_fp8_weights(s.w_gate, s.w_up, s.w_down)
+            scratch = DecodeScratch(d, "cuda")  # the decode kernel's kept accumulator, as the modules keep one
             for M in Ms:
                 t0 = time.time()
                 x = s.x[:M].contiguous()
                 with torch.no_grad():
                     _warm(twell, x)
                     fns = {"dense_bf16": lambda: dense(x), "dense_fp8": lambda: dense_fp8_ffn(x, d8),
-                           "twell_bf16": lambda: twell(x), "twell_fp8": lambda: twell_gated_mlp_fp8(x, w8)}
+                           "twell_bf16": lambda: twell(x), "twell_fp8": lambda: twell_fp8_ffn(x, w8, scratch)}
                     y8 = fns["twell_fp8"]()
                     yd8 = fns["dense_fp8"]()
                     ref = _fp32(x, w8.gate.dequantize(), w8.up.dequantize(), w8.down_t.dequantize().t())

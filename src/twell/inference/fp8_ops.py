@@ -27,7 +27,7 @@ from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
 from ..kernels.updown import default_config, splits
 from .ops import DEFAULT_COMPRESSION, default_tile
 
-__all__ = ["twell_gated_mlp_fp8", "DenseFp8Weights", "dense_fp8_weights", "dense_fp8_ffn", "quantize_activations"]
+__all__ = ["twell_fp8_ffn", "twell_gated_mlp_fp8", "DenseFp8Weights", "dense_fp8_weights", "dense_fp8_ffn", "quantize_activations"]
 
 
 def quantize_activations(x: torch.Tensor) -> Fp8Rows:
@@ -69,6 +69,22 @@ def twell_gated_mlp_fp8(x: torch.Tensor, w: Fp8GatedWeights, *, tile: Optional[i
     be, nw = default_config(d, k_est, split=splits(x.shape[0], True, kernel, d))
     return ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, counters=counters, kernel=kernel,
                           block_e=be, num_warps=nw, w_scales=(w.up.scale, w.down_t.scale))
+
+
+def twell_fp8_ffn(x: torch.Tensor, w: Fp8GatedWeights, scratch=None, counters: Optional[OverflowCounters] = None,
+                  k_est: Optional[float] = None) -> torch.Tensor:
+    """twell's FP8 FFN at any batch: up to :data:`twell.kernels.decode_fp8.FP8_DECODE_MAX_M`
+    tokens the fused decode kernel (:func:`twell.kernels.decode_fp8.ffn_decode_fp8`, ``scratch``
+    a kept :class:`twell.kernels.decode_fused.DecodeScratch`), else :func:`twell_gated_mlp_fp8`.
+    ``x [M, d]`` -> ``y [M, d]``."""
+    from ..kernels.decode_fp8 import FP8_DECODE_MAX_M, ffn_decode_fp8
+
+    if not isinstance(w, Fp8GatedWeights):
+        raise TypeError(f"w must be twell.fp8.Fp8GatedWeights (fp8_gated_weights), got {type(w).__name__}")
+    x = _check(x, w.gate.shape[1])
+    if x.shape[0] <= FP8_DECODE_MAX_M:
+        return ffn_decode_fp8(x, w, scratch)[0]
+    return twell_gated_mlp_fp8(x, w, counters=counters, k_est=k_est)
 
 
 @dataclass

@@ -1,0 +1,130 @@
+"""The FFN of a few tokens on FP8 weights (:mod:`twell.fp8`), fused in one weight-reading kernel.
+
+The CUDA-core GEMV of :mod:`.decode_fused` with e4m3 rows and per-unit scales. One program per
+block of ``BU`` units::
+
+    xq[m], sx[m] = x[m] quantised per token, in registers (each program reads x whole anyway)
+    a[m, u]  = (xq[m] . gq[u]) sx[m] sg[u], rounded to x's dtype    the dense FP8 gate's value
+    active   = units that fire for some token                        (the rest are never read again)
+    h[m, u]  = relu(a) (x[m] . uq[u]) su[u] sd[u]                    fp32; x itself, not xq
+    acc[m]  += sum over active u of h[m, u] dq[u]                    fp32 atomic adds
+
+then ``y = acc`` in x's dtype and the accumulator zeroed by :func:`.decode_fused.launch_write_out`
+(a programmatic dependent launch on Hopper). The e4m3 products are exact in fp32, so the gate's
+sum differs from ``torch._scaled_mm``'s only by the order of its fp32 additions: its sign, the
+active set, can differ only where ``a`` is within rounding of zero.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..checks import check_tensor
+from ._activity import fires as is_active
+from ._launch import on_device_of, pdl_ok
+from .decode_fused import DecodeScratch, launch_write_out
+from .quantize import _round_e4m3
+
+__all__ = ["ffn_decode_fp8", "FP8_DECODE_MAX_M", "FP8_DECODE_CONFIG"]
+
+# Tokens per call the kernel takes: its CUDA-core products grow with M (as the bf16 GEMV's, which
+# hands over to tensor cores from 6 tokens).
+FP8_DECODE_MAX_M = 8
+# (units per program, warps): whole rows at once, as the bf16 GEMV's shape at one token.
+FP8_DECODE_CONFIG = (1, 2)
+
+
+@triton.jit
+def _decode_fp8_kernel(
+    x_ptr, stride_xm,
+    gq_ptr, sg_ptr, uq_ptr, su_ptr, dq_ptr, sd_ptr, stride_w,
+    acc_ptr, counts_ptr,
+    M, d, f, fmax, eps,
+    BM: tl.constexpr, BU: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
+):
+    if GDC:  # the write-out may be launched now (it waits for this kernel's end to read acc)
+        tl.extra.cuda.gdc_launch_dependents()
+    b = tl.program_id(0)
+    rows = tl.arange(0, BM)
+    units = b * BU + tl.arange(0, BU)
+    umask = units < f
+    cols = tl.arange(0, D)
+    cmask = cols < d
+    w_off = units.to(tl.int64)[:, None] * stride_w + cols[None, :]
+    wmask = umask[:, None] & cmask[None, :]
+    g = tl.load(gq_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)
+    sg = tl.load(sg_ptr + units, mask=umask, other=0.0)
+    a = tl.zeros([BM, BU], dtype=tl.float32)
+    for m in tl.static_range(BM):
+        if m < M:
+            xm = tl.load(x_ptr + m * stride_xm + cols, mask=cmask, other=0.0).to(tl.float32)
+            sx = tl.maximum(tl.max(tl.abs(xm), axis=0), eps) / fmax
+            xq = _round_e4m3(tl.minimum(tl.maximum(xm / sx, -fmax), fmax))
+            part = tl.sum(g * xq[None, :], axis=1) * sx * sg
+            a = tl.where(rows[:, None] == m, part[None, :], a)
+    a = a.to(x_ptr.dtype.element_ty).to(tl.float32)  # the dense FP8 gate's rounding (out_dtype x's)
+    fires = is_active(a) & (rows < M)[:, None] & umask[None, :]
+    per_unit = tl.sum(fires.to(tl.int32), axis=0)
+    active = per_unit > 0
+    n_active = tl.sum(active.to(tl.int32), axis=0)
+    tl.store(counts_ptr + b, n_active)
+    if n_active > 0:
+        amask = active[:, None] & cmask[None, :]
+        u = tl.load(uq_ptr + w_off, mask=amask, other=0.0).to(tl.float32)
+        dn = tl.load(dq_ptr + w_off, mask=amask, other=0.0).to(tl.float32)
+        scale = tl.load(su_ptr + units, mask=active, other=0.0) * tl.load(sd_ptr + units, mask=active, other=0.0)
+        for m in tl.static_range(BM):
+            if m < M:
+                am = tl.sum(tl.where(rows[:, None] == m, tl.where(fires, a, 0.0), 0.0), axis=0)  # [BU]
+                if tl.sum((am != 0).to(tl.int32), axis=0) > 0:
+                    xm = tl.load(x_ptr + m * stride_xm + cols, mask=cmask, other=0.0).to(tl.float32)
+                    h = am * tl.sum(u * xm[None, :], axis=1) * scale
+                    tl.atomic_add(acc_ptr + m * d + cols, tl.sum(h[:, None] * dn, axis=0), mask=cmask, sem="relaxed")
+
+
+def ffn_decode_fp8(x: torch.Tensor, w, scratch: Optional[DecodeScratch] = None,
+                   config: tuple = FP8_DECODE_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y [M, d], counts)`` of twell's FP8 FFN (see the module's text) for ``x [M, d]`` (fp16,
+    bf16 or fp32, ``M <= FP8_DECODE_MAX_M``) and ``w`` a :class:`twell.fp8.Fp8GatedWeights`;
+    ``counts [f / BU]`` the active units of each block of units. ``scratch``: a kept zeroed
+    accumulator (one launch fewer), as for :func:`.decode_fused.ffn_decode_fused`."""
+    from ..fp8 import E4M3, E4M3_MAX, EPS, Fp8GatedWeights
+
+    if not isinstance(w, Fp8GatedWeights):
+        raise TypeError(f"w must be twell.fp8.Fp8GatedWeights, got {type(w).__name__}")
+    check_tensor(x, "x", dim=2, dtypes=(torch.float16, torch.bfloat16, torch.float32))
+    M, d = x.shape
+    f = w.gate.shape[0]
+    if M > FP8_DECODE_MAX_M:
+        raise ValueError(f"ffn_decode_fp8 takes at most {FP8_DECODE_MAX_M} tokens per call, got {M}")
+    rows = (w.gate.q, w.up.q, w.down_t.q)
+    if any(t.dtype != E4M3 or tuple(t.shape) != (f, d) or t.stride() != (d, 1) or t.device != x.device for t in rows):
+        raise ValueError(f"the FP8 rows must be contiguous [{f}, {d}] {E4M3} on {x.device}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    BU, nw = config
+    NB = triton.cdiv(f, BU)
+    counts = torch.empty(NB, dtype=torch.int32, device=x.device)
+    if M == 0 or f == 0:
+        return torch.zeros(M, d, dtype=x.dtype, device=x.device), counts
+    if scratch is not None and (M > scratch.acc.shape[0] or scratch.acc.shape[1] != d):
+        scratch = None
+    acc = scratch.acc if scratch is not None else torch.zeros(M, d, dtype=torch.float32, device=x.device)
+    gdc = pdl_ok(x)
+    with on_device_of(x):
+        _decode_fp8_kernel[(NB,)](
+            x, x.stride(0), w.gate.q, w.gate.scale, w.up.q, w.up.scale, w.down_t.q, w.down_t.scale, d,
+            acc, counts, M, d, f, E4M3_MAX, EPS,
+            BM=triton.next_power_of_2(max(M, 1)), BU=BU, D=triton.next_power_of_2(max(d, 1)), GDC=gdc, num_warps=nw,
+        )
+        try:
+            y = launch_write_out(acc, M, x.dtype, gdc)
+        except BaseException:
+            if scratch is not None:
+                acc.zero_()
+            raise
+    return y, counts
