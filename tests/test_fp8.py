@@ -205,3 +205,55 @@ def test_fp8_decode_kernel(M, dtype):
     assert torch.all(scratch.acc == 0)
     with pytest.raises(ValueError, match="at most"):
         ffn_decode_fp8(torch.zeros(9, 40, dtype=dtype), w)
+
+
+def test_sparsify_fp8_makes_inference_modules_that_match_the_reference():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import twell
+    from twell.fp8_nn import Fp8SparseGatedMLP
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+                      hidden_act="relu")
+    model = LlamaForCausalLM(cfg).eval()
+    mlp = model.model.layers[0].mlp
+    w = fp8.fp8_gated_weights(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+    twell.sparsify(model, fp8=True)
+    mods = [m for m in model.modules() if isinstance(m, Fp8SparseGatedMLP)]
+    assert len(mods) == 2 and not any(isinstance(m, torch.nn.Linear) for m in mods[0].modules())
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        y = mods[0](x)  # 10 tokens: the prefill path
+        assert mods[0].last_path == "prefill"
+        assert rel_err(y.reshape(10, 32), fp8.twell_fp8_reference(x.reshape(10, 32), w)) < 1e-5
+        y1 = mods[0](x[:1, :3])  # 3 tokens: the decode kernel
+        assert mods[0].last_path == "decode"
+        assert rel_err(y1.reshape(3, 32), fp8.twell_fp8_reference(x[0, :3], w)) < 1e-5
+        logits = model(torch.randint(0, 64, (1, 7))).logits
+    assert torch.isfinite(logits).all()
+    state = mods[0].state_dict()
+    assert state["gate_q"].dtype == fp8.E4M3 and state["down_scale"].shape == (80,)
+    with pytest.raises(RuntimeError, match="inference only"):
+        mods[0](x.requires_grad_(True))
+
+
+def test_fp8_module_compiles_without_graph_breaks():
+    from twell.fp8_nn import Fp8SparseGatedMLP
+
+    x, wg, wu, wd = gate_case(12, 40, 100, torch.float32, seed=2)
+    m = Fp8SparseGatedMLP.from_weights(wg, wu, wd)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        assert torch.equal(compiled(x), m(x))
+        assert torch.equal(compiled(x[:2]), m(x[:2]))
+
+
+def test_fp8_custom_op_passes_opcheck():
+    from twell.inference.fp8_ops import ffn_fp8
+
+    x, wg, wu, wd = gate_case(10, 40, 100, torch.float32, seed=4)
+    w = fp8.fp8_gated_weights(wg, wu, wd)
+    torch.library.opcheck(ffn_fp8, (x, w.gate.q, w.gate.scale, w.up.q, w.up.scale, w.down_t.q, w.down_t.scale),
+                          test_utils=("test_faketensor",))  # (test_schema multiplies the inputs: no float8 CPU kernel)

@@ -12,6 +12,7 @@ from typing import Callable, Optional
 from torch import nn
 
 from .nn import SparseGatedMLP
+from .fp8_nn import Fp8SparseGatedMLP
 
 __all__ = ["sparsify", "is_gated_mlp", "load_sparse", "convert", "activation_note"]
 
@@ -56,6 +57,7 @@ def sparsify(
     *,
     filter: Optional[Callable[[str, nn.Module], bool]] = None,
     set_config_activation: bool = True,
+    fp8: bool = False,
 ) -> nn.Module:
     """Replace, in place, every gated MLP of a Hugging Face model with :class:`SparseGatedMLP`.
 
@@ -74,6 +76,9 @@ def sparsify(
         filter: optional ``filter(qualified_name, module) -> bool`` to swap only some MLPs.
         set_config_activation: also set ``model.config.hidden_act = "relu"`` so that a saved
             model reloads with the activation it now has.
+        fp8: make each MLP a :class:`twell.fp8_nn.Fp8SparseGatedMLP` instead: inference only,
+            its weights e4m3 with one scale per row (:mod:`twell.fp8`), the bf16 weights
+            dropped. MLPs already sparse (:class:`SparseGatedMLP`) are converted too.
 
     Returns:
         The same model, for chaining.
@@ -88,18 +93,19 @@ def sparsify(
     targets = [
         (name, mod)
         for name, mod in model.named_modules(remove_duplicate=False)
-        if name and is_gated_mlp(mod) and not isinstance(mod, SparseGatedMLP) and (filter is None or filter(name, mod))
+        if name and is_gated_mlp(mod) and (fp8 or not isinstance(mod, SparseGatedMLP)) and (filter is None or filter(name, mod))
     ]
-    if not targets and not any(isinstance(m, SparseGatedMLP) for m in model.modules()):
+    done = Fp8SparseGatedMLP if fp8 else SparseGatedMLP
+    if not targets and not any(isinstance(m, done) for m in model.modules()):
         raise ValueError(
             f"found no gated MLP (a module with gate_proj, up_proj and down_proj nn.Linear) in {type(model).__name__}"
         )
-    swapped: dict[int, SparseGatedMLP] = {}  # one sparse module per MLP instance, shared as it was
+    swapped: dict[int, nn.Module] = {}  # one sparse module per MLP instance, shared as it was
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         if id(mod) not in swapped:
-            swapped[id(mod)] = _sparse_from(mod)
+            swapped[id(mod)] = Fp8SparseGatedMLP.from_mlp(mod) if fp8 else _sparse_from(mod)
         setattr(parent, child, swapped[id(mod)])
     config = getattr(model, "config", None)
     if set_config_activation and config is not None and hasattr(config, "hidden_act"):

@@ -23,6 +23,7 @@ import torch
 
 from ..checks import check_tensor
 from ..fp8 import Fp8GatedWeights, Fp8Rows, quantize_rows, quantize_tokens
+from ..format import TwELL
 from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
 from ..kernels.updown import default_config, splits
 from .ops import DEFAULT_COMPRESSION, default_tile
@@ -62,13 +63,66 @@ def twell_gated_mlp_fp8(x: torch.Tensor, w: Fp8GatedWeights, *, tile: Optional[i
     up/down kernels' shape); ``kernel``: as :func:`twell.kernels.ffn_from_twell`."""
     if not isinstance(w, Fp8GatedWeights):
         raise TypeError(f"w must be twell.fp8.Fp8GatedWeights (fp8_gated_weights), got {type(w).__name__}")
+    return prefill_fp8(_check(x, w.gate.shape[1]), w, tile=tile, counters=counters, k_est=k_est, kernel=kernel)[0]
+
+
+def prefill_fp8(x: torch.Tensor, w: Fp8GatedWeights, tile: Optional[int] = None, counters: Optional[OverflowCounters] = None,
+                k_est: Optional[float] = None, kernel: str = "auto") -> tuple[torch.Tensor, TwELL]:
+    """:func:`twell_gated_mlp_fp8` without its checks, for callers that made them: ``(y, g)``,
+    ``g`` the call's TwELL (its counts are the active units per token and tile)."""
     f, d = w.gate.shape
-    x = _check(x, d)
     pre = _scaled_mm(quantize_activations(x), w.gate, x.dtype)
     g = pack_relu(pre, tile or default_tile(f), DEFAULT_COMPRESSION)
     be, nw = default_config(d, k_est, split=splits(x.shape[0], True, kernel, d))
-    return ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, counters=counters, kernel=kernel,
-                          block_e=be, num_warps=nw, w_scales=(w.up.scale, w.down_t.scale))
+    y = ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, counters=counters, kernel=kernel,
+                       block_e=be, num_warps=nw, w_scales=(w.up.scale, w.down_t.scale))
+    return y, g
+
+
+def dense_fp8_down_per_unit(x: torch.Tensor, w: Fp8GatedWeights, down_cm: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The dense FP8 computation of twell's FP8 weights (down scaled per unit): gate and up
+    rowwise-scaled FP8 products, ``relu(g) * u`` with each unit's down scale folded in, quantised
+    per token, and the down product against the e4m3 down rows (unit scale 1 per output). What
+    an FP8 layer too dense for the sparse path computes. ``x [M, d]`` -> ``y [M, d]``.
+    ``down_cm``: the down rows as ``torch._scaled_mm`` reads its second operand,
+    ``w.down_t.q.t().contiguous().t()`` (a caller's kept copy; else made per call)."""
+    from ..kernels.elementwise import relu_mul_
+
+    xq = quantize_activations(x)
+    u = _scaled_mm(xq, w.up, torch.float32) * w.down_t.scale[None, :]
+    h = relu_mul_(u, _scaled_mm(xq, w.gate, x.dtype).float()) if x.is_cuda else torch.relu(_scaled_mm(xq, w.gate, x.dtype).float()) * u
+    hq = quantize_activations(h)
+    ones = torch.ones(w.down_t.q.shape[1], dtype=torch.float32, device=x.device)
+    if down_cm is None:  # the down rows as a [f, d] column-major operand
+        down_cm = w.down_t.q.t().contiguous().t()
+    return torch._scaled_mm(hq.q, down_cm, scale_a=hq.scale[:, None], scale_b=ones[None, :], out_dtype=x.dtype)
+
+
+_SCRATCH: dict = {}  # (device, d) -> DecodeScratch for the custom op's decode calls
+
+
+@torch.library.custom_op("twell::ffn_fp8", mutates_args=())
+def ffn_fp8(x: torch.Tensor, gate_q: torch.Tensor, gate_scale: torch.Tensor, up_q: torch.Tensor, up_scale: torch.Tensor,
+            down_t_q: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
+    """twell's FP8 FFN as a custom op, for :class:`twell.fp8_nn.Fp8SparseGatedMLP` under
+    ``torch.compile``: :func:`twell_fp8_ffn` by the call's size alone (the decode kernel up to 8
+    tokens, the prefill path above; no layer state, so no dense fallback)."""
+    from ..kernels.decode_fused import DecodeScratch
+
+    w = Fp8GatedWeights(Fp8Rows(gate_q, gate_scale), Fp8Rows(up_q, up_scale), Fp8Rows(down_t_q, down_scale))
+    scratch = None
+    if x.is_cuda and not torch.cuda.is_current_stream_capturing() and \
+            torch.cuda.current_stream(x.device) == torch.cuda.default_stream(x.device):
+        key = (x.device, x.shape[1])
+        scratch = _SCRATCH.get(key)
+        if scratch is None:
+            scratch = _SCRATCH[key] = DecodeScratch(x.shape[1], x.device)
+    return twell_fp8_ffn(x, w, scratch)
+
+
+@ffn_fp8.register_fake
+def _ffn_fp8_fake(x, gate_q, gate_scale, up_q, up_scale, down_t_q, down_scale):
+    return x.new_empty(x.shape[0], x.shape[1])
 
 
 def twell_fp8_ffn(x: torch.Tensor, w: Fp8GatedWeights, scratch=None, counters: Optional[OverflowCounters] = None,
