@@ -158,7 +158,7 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--k", type=float, default=29, help="model: active units per token to construct (default 29)")
     parser.add_argument("--batch", type=int, default=16, help="model: sequences of 2048 tokens per forward (default 16)")
     parser.add_argument("--no-lean", action="store_true", help="model: skip the compiled lean path")
-    parser.add_argument("--no-model", action="store_true", help="compiled: skip the whole model")
+    parser.add_argument("--no-model", action="store_true", help="compiled, fp8: skip the whole model")
     parser.add_argument("--no-steps", action="store_true", help="training: skip the whole-model train steps "
                         "(the results file keeps those it holds)")
     parser.add_argument("--layers", type=int, default=16, help="compiled: decoder layers of the model (default 16)")
@@ -280,13 +280,19 @@ def _compiled_bench(args, tag: str, log, t0: float) -> None:
 
 def _fp8_bench(args, tag: str, log, t0: float) -> None:
     """``twell bench fp8``: fp8_<gpu>.{json,png}."""
-    from .fp8 import MS, fp8_grid
+    from .fp8 import MS, fp8_grid, fp8_model
 
     Ms = args.M or ((1, 4096, 131072) if args.quick else MS)
     records = fp8_grid(Ms=Ms, log=log)
     path = os.path.join(args.out, f"fp8_{tag}.json")
     with open(path, "w") as fh:
         json.dump({"records": records, "model": []}, fh, indent=1)
+    model = [] if args.no_model else fp8_model(args.preset or "2b", k=args.k, batch=args.batch, log=log)
+    with open(path, "w") as fh:
+        json.dump({"records": records, "model": model}, fh, indent=1)
+    for r in model:
+        log(f"model {r['preset']} {r['variant']:10s} prefill {r['prefill_ms']:.1f} ms: {r['prefill_speedup']:.3f}x dense bf16, "
+            f"{r['fp8_speedup']:.3f}x dense fp8")
     plot_batch([r for r in records if r["mode"] == "graph"], os.path.splitext(path)[0] + ".png", "M", ("fp8_vs_dense_fp8", "fp8_vs_dense_bf16", "bf16_vs_dense_bf16"),
                "tokens per call M", titles={"fp8_vs_dense_fp8": "twell FP8 over dense FP8",
                                             "fp8_vs_dense_bf16": "twell FP8 over dense bf16",

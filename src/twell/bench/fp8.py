@@ -105,3 +105,81 @@ def fp8_grid(Ms=MS, ks=(29, 280), dists=("even", "heavy"), modes=("eager", "grap
             del s, dense, twell, w8, d8
             torch.cuda.empty_cache()
     return out
+
+
+class _DenseFp8MLP(torch.nn.Module):
+    """A Hugging Face gated MLP (ReLU) as dense FP8 serving runs it: :func:`dense_fp8_ffn` on
+    per-row e4m3 copies of its weights."""
+
+    def __init__(self, mlp: torch.nn.Module) -> None:
+        from ..inference.fp8_ops import dense_fp8_weights
+
+        super().__init__()
+        self.w = dense_fp8_weights(mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from ..inference.fp8_ops import dense_fp8_ffn
+
+        shape = x.shape
+        return dense_fp8_ffn(x.reshape(-1, shape[-1]), self.w).reshape(shape)
+
+
+def fp8_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2048,
+              log: Callable[[str], None] = print) -> list[dict]:
+    """Prefill of ``batch x seq`` tokens through a ``preset``-shaped model (Hugging Face's default
+    path, eager, the base model without its LM head), its MLPs given about ``k`` active units
+    per token (:func:`twell.bench.model.calibrate_sparsity`), in four variants from the same
+    weights: ``dense_bf16``, ``dense_fp8`` (each MLP dense FP8), ``twell_bf16``
+    (``twell.sparsify``) and ``twell_fp8`` (``twell.sparsify(fp8=True)``); attention stays bf16 in
+    all. One record per variant: ``prefill_ms`` (median of timed calls), ``prefill_speedup`` over
+    dense bf16 and ``fp8_speedup`` over dense FP8, and the final hidden states' relative error
+    against dense bf16's."""
+    import copy
+
+    from transformers import LlamaForCausalLM
+
+    from .. import sparsify
+    from ..recipe.model import make_config
+    from .model import calibrate_sparsity
+    from .timing import eager_ms
+
+    info = machine_info()
+    torch.manual_seed(0)
+    config = make_config(preset, 49152)
+    config.hidden_act = "relu"
+    with torch.device("cuda"):
+        base = LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    ids = torch.randint(0, config.vocab_size, (batch, seq), device="cuda", generator=gen)
+    with torch.no_grad():
+        cal = calibrate_sparsity(base, k, ids[:4])
+    log(f"calibrated {len(base.model.layers)} layers: mean active {min(cal['active_mean']):.1f} to {max(cal['active_mean']):.1f}")
+    out, ref = [], None
+    for variant in ("dense_bf16", "dense_fp8", "twell_bf16", "twell_fp8"):
+        model = copy.deepcopy(base) if variant != "dense_bf16" else base
+        if variant == "dense_fp8":
+            for layer in model.model.layers:
+                layer.mlp = _DenseFp8MLP(layer.mlp)
+        elif variant != "dense_bf16":
+            sparsify(model, fp8=variant == "twell_fp8")
+        model.eval()
+        fn = lambda: model.model(input_ids=ids, use_cache=False).last_hidden_state  # noqa: E731
+        with torch.no_grad():
+            for _ in range(3):
+                h = fn()
+            torch.cuda.synchronize()
+            ms = eager_ms(fn, rep=1000, min_reps=10)
+            h = fn().float()
+        err = 0.0 if ref is None else float((h - ref).norm() / ref.norm())
+        if ref is None:
+            ref = h
+        del h
+        out.append(dict(preset=preset, variant=variant, k=k, batch=batch, seq=seq, prefill_ms=ms, rel_err_vs_dense_bf16=err, **info))
+        log(f"{variant:10s} prefill {ms:8.2f} ms, error against dense bf16 {err:.1e}")
+        if variant != "dense_bf16":
+            del model
+        torch.cuda.empty_cache()
+    for r in out:
+        r["prefill_speedup"] = out[0]["prefill_ms"] / r["prefill_ms"]
+        r["fp8_speedup"] = out[1]["prefill_ms"] / r["prefill_ms"]
+    return out
