@@ -41,9 +41,9 @@ outlive its call, so each phase benchmarks the models it trained):
         DIR/conversion_A.json and DIR/conversion_B.json merged into DIR/conversion_<gpu>.json and
         conversion_<gpu>.png (per-layer active and dead shares of every run, validation losses)
 
-Each phase rewrites its JSON after every run, so a phase cut short keeps the runs it finished.
-``--preset tiny --train-s 10`` with a small ``--data`` and ``--vocab-size`` runs every phase on a
-CPU in a few minutes (no benchmark without a GPU).
+Each phase rewrites its JSON after every run, so a phase cut short keeps the runs it finished,
+and ends with a table of its runs. ``--preset tiny --train-s 10`` runs every phase on a CPU in a
+few minutes (no benchmark without a GPU).
 """
 
 from __future__ import annotations
@@ -440,9 +440,9 @@ def phase_a(a, out: Path) -> None:
                          + " ".join(f"{100 * v:.2f}%" for v in rec["active_share_per_layer"]))
     doc["total_s"] = round(clock.elapsed, 1)
     write_phase(out, "A", doc)
-    print_table(doc["runs"])
     print(f"\nphase A done in {clock.elapsed:.0f} s; phase B: python benchmarks/conversion_study.py --phase B "
           f"--out OUT --steps {steps}" + (f" --preset {a.preset}" if a.preset != "0.5b" else ""), flush=True)
+    print_table(doc["runs"])
 
 
 def phase_b(a, out: Path) -> None:
@@ -463,8 +463,8 @@ def phase_b(a, out: Path) -> None:
     clock.mark("bench")
     doc["total_s"] = round(clock.elapsed, 1)
     write_phase(out, "B", doc)
-    print_table(doc["runs"])
     print(f"\nphase B done in {clock.elapsed:.0f} s", flush=True)
+    print_table(doc["runs"])
 
 
 def settings(a) -> dict:
