@@ -15,7 +15,8 @@ COMMANDS = {
     "train": ("twell.recipe.cli", "train_main", "train a sparse language model (ReLU gate + L1)"),
     "eval": ("twell.recipe.cli", "eval_main", "validation loss, perplexity and sparsity of a checkpoint"),
     "export": ("twell.recipe.cli", "export_main", "write a checkpoint (sharded or not) as a Hugging Face folder"),
-    "data": ("twell.recipe.data_cli", "data_main", "prepare a corpus: tokenize once into token shards on disk"),
+    "data": ("twell.recipe.data_cli", "data_main", "prepare a corpus (tokenize once into token shards on disk) or "
+             "learn a BPE tokenizer from one"),
     "bench": ("twell.bench.cli", "bench_main", "benchmark twell kernels against dense PyTorch"),
     "convert": ("twell.convert_cli", "convert_main", "sparsify a Hugging Face model folder and save it"),
 }

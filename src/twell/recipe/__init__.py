@@ -1,10 +1,11 @@
 """Training sparse language models with the ReLU + L1 recipe (``twell train``).
 
 - :mod:`twell.recipe.model`: presets (tiny, small, 0.5b, 1b, 1.5b, 2b) as Hugging Face Llama
-  models with twell's sparse MLPs.
+  models with twell's sparse MLPs (or, for a dense baseline, Hugging Face's own SiLU MLPs).
 - :mod:`twell.recipe.data`: corpora (stdlib sources, local files, HF datasets), tokenizers,
   packed sequences, prefetching.
 - :mod:`twell.recipe.shards`: corpora prepared once into token shards (``twell data prepare``).
+- :mod:`twell.recipe.bpe`: byte-level BPE tokenizers learnt from a corpus (``twell data tokenizer``).
 - :mod:`twell.recipe.corpus`: what a run reads (prepared shards or raw corpora).
 - :mod:`twell.recipe.config`: the run's settings (:class:`TrainConfig`), checked without torch.
 - :mod:`twell.recipe.init_from`: runs that start from a Hugging Face model folder, its MLPs
@@ -35,6 +36,7 @@ _EXPORTS = {
     "PackedSequences": "data",
     "build_streams": "data",
     "load_tokenizer": "data",
+    "train_bpe": "bpe",
 }
 
 __all__ = list(_EXPORTS)

@@ -13,7 +13,7 @@ import sys
 from dataclasses import fields
 from pathlib import Path
 
-from .config import TrainConfig
+from .config import ACTIVATIONS, DEFAULT_L1, TrainConfig
 from .model import PRESETS
 
 __all__ = ["train_main", "eval_main", "export_main", "train_parser", "eval_parser", "export_parser"]
@@ -34,6 +34,7 @@ Examples:
   twell train --data corpus/*.jsonl --tokenizer HuggingFaceTB/SmolLM-135M --preset 0.5b
   torchrun --nproc_per_node 8 -m twell train --preset 1b --grad-checkpointing [--fsdp]
   twell train --init-from llama-hf --data corpus/ --l1-target 0.02 --out runs/sparse-llama
+  twell train --activation silu --out runs/dense   (a dense baseline: Hugging Face's MLPs, lambda 0)
   twell train --resume runs/twell        (continues exactly from the newest checkpoint)
   twell export runs/twell runs/twell-hf  (a Hugging Face folder, from any checkpoint)
 
@@ -55,6 +56,10 @@ def train_parser() -> argparse.ArgumentParser:
     m.add_argument("--intermediate-size", type=int, help="override the preset's f (hidden units per MLP)")
     m.add_argument("--num-layers", type=int, help="override the preset's layer count")
     m.add_argument("--num-heads", type=int, help="override the preset's attention heads")
+    m.add_argument("--activation", choices=list(ACTIVATIONS), help=f"the MLPs' activation (default {d.activation}): "
+                   "relu trains twell's sparse MLPs with the L1 recipe; silu trains a dense baseline, the preset "
+                   "with Hugging Face's own LlamaMLP and lambda 0 (no --l1, --l1-target, --l1-warmup or --reinit), "
+                   "whose export --init-from can convert")
     m.add_argument("--init-from", metavar="FOLDER", help="start from a Hugging Face causal LM folder (config.json, "
                    "weights, tokenizer; Llama, Qwen2, Mistral, a twell export) instead of a preset's random weights: "
                    "its architecture and tokenizer are used, its MLPs converted to ReLU (as twell convert does); "
@@ -84,7 +89,7 @@ def train_parser() -> argparse.ArgumentParser:
                    f"warning; after this many in a row the run stops, saving the last good state (default {d.max_bad_steps})")
     o.add_argument("--seed", type=int, help=f"initialisation and data order (default {d.seed})")
     s = p.add_argument_group("sparsity")
-    s.add_argument("--l1", type=float, help=f"lambda, the L1 coefficient, sum-over-units convention (default {d.l1:g})")
+    s.add_argument("--l1", type=float, help=f"lambda, the L1 coefficient, sum-over-units convention (default {DEFAULT_L1:g}; 0 with --activation silu)")
     s.add_argument("--l1-warmup", type=int, help="ramp lambda linearly from 0 over this many steps (default 0: off; "
                    "with --init-from a quarter of --steps)")
     s.add_argument("--l1-target", type=float, help="target share of active units per token in EVERY layer, e.g. "
@@ -203,7 +208,8 @@ def train_main(argv=None) -> dict:
 def eval_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="twell eval", description="Validation loss, perplexity and sparsity of a "
                                 "checkpoint (a folder that twell train wrote, or any save_pretrained Llama; a model whose "
-                                "activation is not ReLU is evaluated with ReLU in its place, and the output says so). "
+                                "activation is not ReLU is evaluated with ReLU in its place, and the output says so, "
+                                "except a dense baseline of twell train --activation, evaluated as trained: its loss alone). "
                                 "By default it reads the windows that the training run's validation passes read, so "
                                 "its loss is the one the run's summary reports for the same checkpoint.")
     p.add_argument("checkpoint", help="checkpoint folder, or a run's --out folder (its newest checkpoint)")
@@ -259,7 +265,9 @@ def eval_main(argv=None) -> dict:
     from .report import describe_validation
     from .trainer import evaluate_lm
 
-    note = activation_note(hidden_act)
+    # a dense baseline (twell train --activation silu) is evaluated as it was trained: no sparse MLPs
+    dense = cfg.activation != "relu" and hidden_act == cfg.activation
+    note = None if dense else activation_note(hidden_act)
     if note:  # on stderr, so that --json output stays parseable
         print(f"note: {path}: {note}; it is evaluated with ReLU, not as it was trained", file=sys.stderr)
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -270,7 +278,8 @@ def eval_main(argv=None) -> dict:
         raise SystemExit(f"twell eval: {err}")
     hf_logging.disable_progress_bar()  # keep the report to what twell prints
     model = load_model(path, dtype=torch.float32)  # a sharded checkpoint's shards assembled here
-    sparsify(model)
+    if not dense:
+        sparsify(model)
     model.to(device)
     seq_len = cfg.seq_len or model.config.max_position_embeddings
     try:
@@ -278,19 +287,24 @@ def eval_main(argv=None) -> dict:
     except (ValueError, FileNotFoundError, ImportError) as err:
         raise SystemExit(f"twell eval: {err}")
     precision = "bf16" if device.type == "cuda" else "fp32"
-    ev = evaluate_lm(model, val_data, cfg.batch_size, batches, device, precision)
+    ev = evaluate_lm(model, val_data, cfg.batch_size, batches, device, precision, sparsity=not dense)
     f = model.config.intermediate_size
-    L = len(ev["active_mean"])
     result = {"checkpoint": str(path), "val_loss": ev["val_loss"], "ppl": ev["ppl"], "tokens": ev["tokens"],
-              "windows": ev["windows"], "seq_len": seq_len, "hidden_act": hidden_act, "evaluated_act": "relu",
-              "active_per_token": sum(ev["active_mean"]) / L, "active_per_token_by_layer": ev["active_mean"],
-              "active_max_by_layer": ev["active_max"], "dead_frac_val_by_layer": ev["dead_frac"],
-              "intermediate_size": f, "sparsity": 1 - sum(ev["active_mean"]) / L / f}
+              "windows": ev["windows"], "seq_len": seq_len, "hidden_act": hidden_act,
+              "evaluated_act": hidden_act if dense else "relu", "intermediate_size": f}
+    if not dense:
+        L = len(ev["active_mean"])
+        result.update({"active_per_token": sum(ev["active_mean"]) / L, "active_per_token_by_layer": ev["active_mean"],
+                       "active_max_by_layer": ev["active_max"], "dead_frac_val_by_layer": ev["dead_frac"],
+                       "sparsity": 1 - sum(ev["active_mean"]) / L / f})
     if a.json:
         print(json.dumps(result, indent=1))
     else:
         print(f"{path}: " + describe_validation(ev["val_loss"], ev["ppl"], ev["tokens"], ev["windows"], seq_len,
                                                   tokenizer.name == "bytes"))
+        if dense:
+            print(f"dense {hidden_act} MLPs (twell train --activation {hidden_act}): no sparsity to report")
+            return result
         print(f"active units per token {result['active_per_token']:.1f} of {f} ({100 * result['sparsity']:.2f}% sparse)")
         print(f"{'layer':>5} {'active/token':>12} {'max':>6} {'dead (validation)':>18}")
         for i, (am, mx, dv) in enumerate(zip(ev["active_mean"], ev["active_max"], ev["dead_frac"])):

@@ -13,13 +13,18 @@ from typing import Optional
 from . import init_from as init
 from .model import PRESETS
 
-__all__ = ["TrainConfig", "DEFAULT_LR", "INIT_FROM_LR"]
+__all__ = ["TrainConfig", "DEFAULT_LR", "INIT_FROM_LR", "DEFAULT_L1", "ACTIVATIONS"]
 
 # Learning rates that trained well here at each scale (the paper's 1.5B used 3e-4).
 DEFAULT_LR = {"tiny": 3e-3, "small": 1.5e-3}
 # The default peak learning rate of a run that starts from a trained model (--init-from): a
 # fine-tuning rate, below the from-scratch ones; not tuned.
 INIT_FROM_LR = 1e-4
+# lambda, the L1 coefficient, of a run of twell's ReLU MLPs: the paper's setting (sum over units).
+DEFAULT_L1 = 2e-5
+# The MLP activations a run from a preset trains: "relu", twell's sparse MLPs (the recipe);
+# "silu", a dense baseline with Hugging Face's own MLPs, no L1 term and no sparsity statistics.
+ACTIVATIONS = ("relu", "silu")
 
 
 @dataclass
@@ -27,6 +32,9 @@ class TrainConfig:
     """Everything a run needs; the CLI fills it. None means "the preset's or a derived default"."""
 
     preset: Optional[str] = "tiny"  # None once resolved with init_from: the model is the folder's
+    # The MLPs' activation (ACTIVATIONS): "relu", twell's sparse MLPs; "silu", a dense baseline
+    # (Hugging Face's LlamaMLP, lambda 0), for comparison and for conversion with init_from.
+    activation: str = "relu"
     # A Hugging Face model folder to start from (weights, architecture, tokenizer), its MLPs
     # converted to ReLU (see twell.recipe.init_from); None: a preset from random weights.
     init_from: Optional[str] = None
@@ -50,7 +58,7 @@ class TrainConfig:
     betas: tuple = (0.9, 0.95)
     grad_clip: float = 1.0
     max_bad_steps: int = 5  # non-finite loss or gradient: skip the step; stop after this many in a row
-    l1: float = 2e-5
+    l1: Optional[float] = None  # None: DEFAULT_L1 for ReLU MLPs, 0 for a dense (silu) run
     # Steps over which lambda ramps up linearly from 0 (None: 0 from scratch, a quarter of the
     # steps with init_from, where a trained model is converted and lambda must rise gradually).
     l1_warmup: Optional[int] = None
@@ -100,8 +108,13 @@ class TrainConfig:
                 raise ValueError(f"{name} (--{name.replace('_', '-')}) must be >= 1, got {value}")
         if c.warmup is not None and c.warmup < 0:
             raise ValueError(f"warmup must be >= 0 steps, got {c.warmup}")
+        if c.activation not in ACTIVATIONS:
+            raise ValueError(f"activation (--activation) must be one of {', '.join(ACTIVATIONS)}, got {c.activation!r}")
+        if c.activation != "relu":
+            c._resolve_dense()
         if c.init_from is not None:
             c._resolve_init_from(resuming)
+        c.l1 = c.l1 if c.l1 is not None else DEFAULT_L1
         c.seq_len = c.seq_len or PRESETS[c.preset].context
         c.lr = c.lr if c.lr is not None else INIT_FROM_LR if c.init_from else DEFAULT_LR.get(c.preset, 3e-4)
         c.l1_warmup = c.l1_warmup if c.l1_warmup is not None else (c.steps // 4 if c.init_from else 0)
@@ -141,6 +154,23 @@ class TrainConfig:
         if c.precision == "bf16" and c.device == "cpu":
             raise ValueError("bf16 autocast is for GPUs; use fp32 on the CPU")
         return c
+
+    def _resolve_dense(self) -> None:
+        """In place, on the copy :meth:`resolved` makes: a dense baseline (``activation`` other
+        than ReLU) trains Hugging Face's MLPs with cross entropy alone, lambda 0."""
+        act = self.activation
+        if self.init_from is not None:
+            raise ValueError(f"--activation {act} and --init-from: a run from a folder converts its MLPs to ReLU; "
+                             "train the dense model from a preset, then start a sparse run from its export")
+        if self.l1 not in (None, 0):
+            raise ValueError(f"--activation {act} trains a dense baseline with lambda 0: leave --l1 out "
+                             f"(got --l1 {self.l1:g}); the L1 term is for twell's ReLU MLPs")
+        for option, given in (("--l1-target", self.l1_target is not None), ("--l1-warmup", bool(self.l1_warmup)),
+                              ("--reinit", self.reinit)):
+            if given:
+                raise ValueError(f"--activation {act} trains a dense baseline with lambda 0 and no dead-unit tracking: "
+                                 f"leave {option} out")
+        self.l1 = 0.0
 
     def _resolve_init_from(self, resuming: bool) -> None:
         """In place, on the copy :meth:`resolved` makes: the settings a model folder decides."""

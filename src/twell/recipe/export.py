@@ -1,7 +1,8 @@
 """``twell export``: a checkpoint (sharded DCP or safetensors) as a Hugging Face model folder.
 
     OUT/
-      config.json, generation_config.json   the model's LlamaConfig (hidden_act relu)
+      config.json, generation_config.json   the model's LlamaConfig (hidden_act relu; silu for a
+                                             dense baseline, twell train --activation silu)
       model.safetensors (or shards + index)  the weights, whole, in float32
       tokenizer files, twell_tokenizer.json  the run's tokenizer, as checkpoints hold it
       train_config.json                      the run's settings: twell eval OUT reads the run's
@@ -10,7 +11,7 @@
 
 ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it (a plain Llama, or the family the run
 started from, with ReLU MLPs: the same function; ``twell.sparsify`` brings back the sparse
-modules) and so does ``twell eval OUT``.
+modules; a dense baseline's export is a plain SiLU Llama) and so does ``twell eval OUT``.
 No optimizer state and no process group: a sharded checkpoint's weights are assembled from its
 shards in this one process (DCP reads the pieces of each tensor from every rank's file), so the
 export needs the memory of the full weights once, not of the optimizer.

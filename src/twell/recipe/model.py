@@ -5,6 +5,10 @@ and output embeddings; :func:`build_model` makes the ``LlamaForCausalLM`` and sw
 for :class:`twell.SparseGatedMLP` (``twell.sparsify``), which computes the same function and
 adds the L1 term and the sparsity statistics.
 
+A dense baseline (``twell train --activation silu``) is the same preset with
+``hidden_act="silu"`` and Hugging Face's own ``LlamaMLP``: ``build_model(config, dense=True)``
+leaves the MLPs as they are.
+
 | preset | d | f | layers | heads | context | vocab | params (tied) |
 |---|---|---|---|---|---|---|---|
 | tiny | 128 | 352 | 4 | 4 | 256 | tokenizer's | 0.8 M |
@@ -52,9 +56,11 @@ PRESETS: dict[str, Preset] = {
 }
 
 
-def make_config(preset: str, tokenizer_vocab: int, eos_id: Optional[int] = None, **overrides) -> LlamaConfig:
+def make_config(preset: str, tokenizer_vocab: int, eos_id: Optional[int] = None, hidden_act: str = "relu",
+                **overrides) -> LlamaConfig:
     """The ``LlamaConfig`` of a preset for a tokenizer of ``tokenizer_vocab`` ids whose end of
-    text is ``eos_id`` (None: Llama's defaults).
+    text is ``eos_id`` (None: Llama's defaults), its MLPs gated by ``hidden_act`` (``"relu"``
+    for twell's sparse MLPs; ``"silu"`` for a dense baseline).
 
     ``overrides`` (``hidden_size``, ``intermediate_size``, ``num_layers``, ``num_heads``,
     ``context``; None means keep) change the preset's shape.
@@ -79,7 +85,7 @@ def make_config(preset: str, tokenizer_vocab: int, eos_id: Optional[int] = None,
         num_attention_heads=p.num_heads,
         num_key_value_heads=p.num_heads,
         max_position_embeddings=p.context,
-        hidden_act="relu",
+        hidden_act=hidden_act,
         tie_word_embeddings=True,
         initializer_range=0.02,
         rms_norm_eps=1e-5,
@@ -94,17 +100,18 @@ def make_config(preset: str, tokenizer_vocab: int, eos_id: Optional[int] = None,
     )
 
 
-def build_model(config: PretrainedConfig, seed: int = 0, device=None) -> PreTrainedModel:
+def build_model(config: PretrainedConfig, seed: int = 0, device=None, dense: bool = False) -> PreTrainedModel:
     """A freshly initialised sparse LM: the causal LM of ``config``'s family (``LlamaForCausalLM``
-    for a preset's ``LlamaConfig``) with twell's MLPs.
+    for a preset's ``LlamaConfig``) with twell's MLPs; with ``dense``, with the family's own MLPs
+    of ``config.hidden_act`` (a dense baseline, no twell module).
 
     The initialisation depends only on ``seed`` (the global RNG is seeded here), so every
     process of a distributed run starts from the same weights.
 
     Raises:
-        ValueError: if ``config.hidden_act`` is not ``"relu"``. twell's MLPs compute ReLU; a
-            model of another activation is converted only where that is asked for
-            (``twell train --init-from``, ``twell.sparsify``), never here in passing.
+        ValueError: if ``config.hidden_act`` is not ``"relu"`` and ``dense`` is False. twell's
+            MLPs compute ReLU; a model of another activation is converted only where that is
+            asked for (``twell train --init-from``, ``twell.sparsify``), never here in passing.
     """
     import torch
     from transformers import MODEL_FOR_CAUSAL_LM_MAPPING
@@ -112,13 +119,14 @@ def build_model(config: PretrainedConfig, seed: int = 0, device=None) -> PreTrai
     from ..hf import sparsify
 
     act = getattr(config, "hidden_act", None)
-    if act != "relu":
+    if act != "relu" and not dense:
         raise ValueError(f"the model's MLPs use {act}, not ReLU: twell trains ReLU-gated MLPs and does not swap the "
                          "activation in passing; start from such a model with twell train --init-from FOLDER "
                          "(which converts it) or twell.sparsify(model)")
     torch.manual_seed(seed)
     model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
-    sparsify(model)
+    if not dense:
+        sparsify(model)
     return model.to(device) if device is not None else model
 
 

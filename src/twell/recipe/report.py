@@ -33,9 +33,12 @@ def read_history(path: Path) -> list[dict]:
         return [{k: _number(v) for k, v in row.items() if v not in ("", None)} for row in csv.DictReader(fh)]
 
 
-def model_label(preset, init_from) -> str:
-    """What a run trained, in a few words: ``preset tiny`` or ``from FOLDER`` (``--init-from``)."""
-    return f"from {init_from}" if init_from else f"preset {preset}"
+def model_label(preset, init_from, activation: str = "relu") -> str:
+    """What a run trained, in a few words: ``preset tiny``, ``from FOLDER`` (``--init-from``) or
+    ``preset tiny, dense silu`` (a dense baseline, ``--activation silu``)."""
+    if init_from:
+        return f"from {init_from}"
+    return f"preset {preset}" + (f", dense {activation}" if activation != "relu" else "")
 
 
 def describe_validation(val_loss: float, ppl: float, tokens: int, windows: int, seq_len: int, bytes_: bool) -> str:
@@ -78,16 +81,19 @@ class RunLogger:
             tqdm.write(f"TensorBoard logging off: {type(err).__name__}: {err}")
             self.tb = None
         f = t.config.intermediate_size
+        label = model_label(cfg.preset, cfg.init_from, cfg.activation)
         if t.converted_from not in (None, "relu"):
             tqdm.write(f"note: {cfg.init_from}: its MLPs used {t.converted_from}; they train with ReLU in its place from "
                        "here (a different function: the first steps' loss is the converted model's)")
+        penalty = (f"Hugging Face's {cfg.activation} MLPs, cross entropy alone (lambda 0, no sparsity statistics)"
+                   if t.dense else
+                   f"lambda {cfg.l1:g} (L1 = mean over layers of mean over tokens of SUM over units of |h|)")
         tqdm.write(
-            f"twell train: {model_label(cfg.preset, cfg.init_from)}, {t.n_params / 1e6:.2f}M params, "
-            f"{len(t.modules)} layers x {f} hidden units, "
+            f"twell train: {label}, {t.n_params / 1e6:.2f}M params, "
+            f"{t.config.num_hidden_layers} layers x {f} hidden units, "
             f"{t.world} process(es) on {t.device.type}, {cfg.precision}\n"
             f"  data {' '.join(cfg.data)} ({len(t.train_data.tokens):,} train / {len(t.val_data.tokens):,} validation "
-            f"tokens, tokenizer {t.tokenizer.name}); {cfg.steps} steps x {t.tokens_per_step:,} tokens; "
-            f"lambda {cfg.l1:g} (L1 = mean over layers of mean over tokens of SUM over units of |h|)"
+            f"tokens, tokenizer {t.tokenizer.name}); {cfg.steps} steps x {t.tokens_per_step:,} tokens; {penalty}"
             + (f", ramped up over {cfg.l1_warmup} steps" if cfg.l1_warmup else "")
             + ("; dead-unit reinit on" if cfg.reinit else "")
             + (f"\n  resumed at step {t.step}" if t.step else "")
@@ -134,18 +140,21 @@ class RunLogger:
         # The throughput shown is the run's average so far, the figure the summary ends with
         # (log.csv's tokens_per_s column has each row's own interval).
         speed = self.t.throughput or 0.0
+        sparse = "active_mean" in row  # (a dense run has no sparsity columns)
         if self.bar is not None:
             self.bar.set_postfix_str(
-                f"loss {row['ce']:.3f} | active {row['active_mean']:.1f}/{f} ({100 * (1 - row['active_mean'] / f):.1f}% sparse)"
-                f" | {speed:,.0f} tok/s", refresh=False)
+                f"loss {row['ce']:.3f}"
+                + (f" | active {row['active_mean']:.1f}/{f} ({100 * (1 - row['active_mean'] / f):.1f}% sparse)" if sparse else "")
+                + f" | {speed:,.0f} tok/s", refresh=False)
         if "val_loss" in row:
-            dead = row["dead_frac"]
+            dead = row.get("dead_frac", math.nan)
             tqdm.write(
-                f"step {row['step']:>6} | loss {row['ce']:.4f} | val {row['val_loss']:.4f} | active/token "
-                f"{row['active_mean']:.1f} of {f} ({100 * (1 - row['active_mean'] / f):.2f}% sparse), max {row['active_max']}"
-                f" | dead {'-' if math.isnan(dead) else f'{100 * dead:.1f}%'} | {speed:,.0f} tok/s"
+                f"step {row['step']:>6} | loss {row['ce']:.4f} | val {row['val_loss']:.4f}"
+                + (f" | active/token {row['active_mean']:.1f} of {f} ({100 * (1 - row['active_mean'] / f):.2f}% sparse), "
+                   f"max {row['active_max']} | dead {'-' if math.isnan(dead) else f'{100 * dead:.1f}%'}" if sparse else "")
+                + f" | {speed:,.0f} tok/s"
                 + (f" | sparse kernels in {row['sparse_layers']} of {len(self.t.modules)} layers"
-                   if self.t.device.type == "cuda" else ""))
+                   if self.t.device.type == "cuda" and sparse else ""))
 
     def close(self) -> None:
         """Close the progress bar and TensorBoard (also when the run stops early)."""
@@ -165,7 +174,7 @@ class RunLogger:
         self.close()
         if t.cfg.plot and t.history:
             summary["plot"] = str(plot_history(t.history, self.out / "training.png", t.config.intermediate_size,
-                                               title=f"twell train: {model_label(t.cfg.preset, t.cfg.init_from)}, "
+                                               title=f"twell train: {model_label(t.cfg.preset, t.cfg.init_from, t.cfg.activation)}, "
                                                      f"lambda {t.cfg.l1:g}", dead_limit=summary["dead_limit"]))
         (self.out / "summary.json").write_text(json.dumps(summary, indent=1))
         print(format_summary(summary))
@@ -173,24 +182,27 @@ class RunLogger:
 
 
 def make_summary(t, final: dict) -> dict:
-    """The end-of-run numbers: validation, sparsity per layer, dead units, where things are."""
+    """The end-of-run numbers: validation, sparsity per layer, dead units, where things are. A
+    dense run (``activation`` other than ReLU) has no sparsity: those entries are None."""
     f = t.config.intermediate_size
-    L = len(final["active_mean"])
-    dead_window = t.dead.dead_frac
+    L = t.config.num_hidden_layers
+    active = final["active_mean"]
+    dead_window = t.dead.dead_frac if active is not None else None
     return {
-        "preset": t.cfg.preset, "init_from": t.cfg.init_from, "params": t.n_params, "steps": t.step, "tokens": t.samples_seen * t.cfg.seq_len,
+        "preset": t.cfg.preset, "init_from": t.cfg.init_from, "activation": t.cfg.activation,
+        "params": t.n_params, "steps": t.step, "tokens": t.samples_seen * t.cfg.seq_len,
         "lambda": t.cfg.l1, "l1_warmup": t.cfg.l1_warmup, "reinit": t.cfg.reinit, "intermediate_size": f,
         "l1_target": t.cfg.l1_target,
         "lambda_by_layer": [t.cfg.l1 * c for c in t.l1_scale] if t.cfg.l1_target is not None else None,
         "val_loss": final["val_loss"], "ppl": final["ppl"], "val_tokens": final["tokens"],
         "val_windows": final["windows"], "seq_len": t.cfg.seq_len,
         "bits_per_byte": final["val_loss"] / math.log(2) if t.tokenizer.name == "bytes" else None,
-        "active_per_token": sum(final["active_mean"]) / L,
-        "active_per_token_by_layer": final["active_mean"], "active_max_by_layer": final["active_max"],
+        "active_per_token": sum(active) / L if active is not None else None,
+        "active_per_token_by_layer": active, "active_max_by_layer": final["active_max"],
         "dead_frac_val_by_layer": final["dead_frac"],
         "dead_frac_window_by_layer": dead_window,
         # each layer's largest window share of dead units over the run's log rows
-        "dead_frac_window_max_by_layer": _largest(t.history, "dead_frac_L", L),
+        "dead_frac_window_max_by_layer": _largest(t.history, "dead_frac_L", L) if active is not None else None,
         "dead_frac": (sum(dead_window) / L) if dead_window else None,
         "dead_window_tokens": t.cfg.dead_window * t.tokens_per_step,
         # with a target: the limit on each layer's dead share, and the log rows at which it held a layer's lambda
@@ -219,10 +231,28 @@ def format_summary(s: dict) -> str:
     f = s["intermediate_size"]
     lines = [
         "",
-        f"== summary: {model_label(s['preset'], s.get('init_from'))}, {s['steps']} steps, {s['tokens']:,} tokens, lambda {s['lambda']:g}"
-        + (", reinit on" if s.get("reinit") else ""),
+        f"== summary: {model_label(s['preset'], s.get('init_from'), s.get('activation', 'relu'))}, {s['steps']} steps, "
+        f"{s['tokens']:,} tokens, lambda {s['lambda']:g}" + (", reinit on" if s.get("reinit") else ""),
         describe_validation(s["val_loss"], s["ppl"], s["val_tokens"], s["val_windows"], s["seq_len"],
                             s.get("bits_per_byte") is not None),
+    ]
+    if s["active_per_token_by_layer"] is not None:
+        lines += _sparsity_lines(s)
+    if s.get("skipped_steps"):
+        lines.append(f"skipped steps (NaN or Inf loss or gradient): {s['skipped_steps']}")
+    if s.get("tokens_per_s"):
+        lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s (this run's training steps; validation and "
+                     "checkpoints not counted)")
+    for key in ("checkpoint", "log", "plot"):
+        if s.get(key):
+            lines.append(f"{key}: {s[key]}")
+    return "\n".join(lines)
+
+
+def _sparsity_lines(s: dict) -> list[str]:
+    """The summary's lines on sparsity: active and dead units per layer, lambdas, holds."""
+    f = s["intermediate_size"]
+    lines = [
         f"active units per token: {s['active_per_token']:.1f} of {f} on average "
         f"({100 * (1 - s['active_per_token'] / f):.2f}% sparse)",
         f"{'layer':>5} {'active/token':>12} {'max':>6} {'dead (train window)':>20} {'dead (validation)':>18} "
@@ -247,15 +277,7 @@ def format_summary(s: dict) -> str:
         lines.append(f"dead (train window): fired for none of the last {s['dead_window_tokens']:,} training tokens; "
                      "dead (validation): for none of the validation tokens; most dead: the largest window share "
                      "of the run's log rows")
-    if s.get("skipped_steps"):
-        lines.append(f"skipped steps (NaN or Inf loss or gradient): {s['skipped_steps']}")
-    if s.get("tokens_per_s"):
-        lines.append(f"throughput {s['tokens_per_s']:,.0f} tokens/s (this run's training steps; validation and "
-                     "checkpoints not counted)")
-    for key in ("checkpoint", "log", "plot"):
-        if s.get(key):
-            lines.append(f"{key}: {s[key]}")
-    return "\n".join(lines)
+    return lines
 
 
 def _layers(history: list[dict], prefix: str) -> list[int]:
@@ -282,20 +304,27 @@ def draw_history(history: list[dict], width: int, title: str = "", dead_limit: O
     units per token and dead units, the last two with one line per layer (of ``width`` units)
     and the mean over layers in black. Dead units: lines for the training window's share, dots
     for the validation passes'; ``dead_limit`` (the run's ``--dead-limit`` under a target), a
-    dashed line."""
+    dashed line. A log without sparsity columns (a dense run): the loss panel alone."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     steps = [r["step"] for r in history]
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    sparse = any("active_mean" in r for r in history)
+    fig, axes = plt.subplots(1, 3 if sparse else 1, figsize=(15 if sparse else 6, 4), squeeze=False)
+    axes = axes[0]
     axes[0].plot(steps, [r["ce"] for r in history], label="train CE")
     val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
     if val:
         axes[0].plot(*zip(*val), "o-", label="validation CE")
     axes[0].set(xlabel="step", ylabel="loss (nats/token)", title="loss")
     axes[0].legend()
+    if not sparse:
+        if title:
+            fig.suptitle(title)
+        fig.tight_layout()
+        return fig
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     for i in _layers(history, "active_mean_L"):
         axes[1].plot(steps, [r.get(f"active_mean_L{i}", float("nan")) for r in history], lw=0.8, alpha=0.6,

@@ -8,7 +8,10 @@ mean); with it lambda = 2e-5 is the paper's setting. ``lambda_t`` ramps linearly
 lambda over ``l1_warmup`` steps (0: constant).
 
 The model is a preset built from seeded random weights, or with ``init_from`` a Hugging Face
-model folder's, its MLPs converted to ReLU (:mod:`twell.recipe.init_from`).
+model folder's, its MLPs converted to ReLU (:mod:`twell.recipe.init_from`). With
+``activation="silu"`` it is a dense baseline: the preset with Hugging Face's own MLPs, trained
+on cross entropy alone (lambda 0), with no sparsity statistics or dead-unit tracking (they
+read twell's modules, and the model has none).
 
 Batches: ``batch_size`` sequences per micro-batch per process; ``grad_accum`` micro-batches
 per optimizer step; so a step sees ``batch_size x grad_accum x world_size`` sequences of
@@ -127,6 +130,8 @@ class Trainer:
                                  pin=self.device.type == "cuda")
 
         recipe = None
+        # a dense baseline: Hugging Face's MLPs, no twell module (no L1 term, no statistics)
+        self.dense = cfg.activation != "relu"
         self.converted_from = None  # with init_from: the folder's MLP activation, before the conversion to ReLU
         if self.sharded:
             # No rank builds the whole model: it is built on the meta device (no memory) and
@@ -134,16 +139,16 @@ class Trainer:
             # build_model gives on the CPU (the recipe: that build, recorded without data).
             from .meta_init import record_init
 
-            recipe = record_init(lambda: build_model(self.config, seed=cfg.seed))
+            recipe = record_init(lambda: build_model(self.config, seed=cfg.seed, dense=self.dense))
             with torch.device("meta"):
-                self.model = build_model(self.config, seed=cfg.seed)
+                self.model = build_model(self.config, seed=cfg.seed, dense=self.dense)
         elif cfg.init_from is not None and checkpoint is None:
             # the folder's weights, its MLPs converted to ReLU (a resumed run's come from its checkpoint)
             self.converted_from = getattr(self.config, "hidden_act", None)
             self.model = load_converted(cfg.init_from, seed=cfg.seed).to(self.device)
             self.config = self.model.config
         else:
-            self.model = build_model(self.config, seed=cfg.seed).to(self.device)
+            self.model = build_model(self.config, seed=cfg.seed, dense=self.dense).to(self.device)
         if cfg.grad_checkpointing:
             self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         self.modules = sparse_modules(self.model)
@@ -240,14 +245,21 @@ class Trainer:
         return tokenizer
 
     def _model_config(self, checkpoint: Optional[Path]):
-        """The model's config: the preset's, with the size options and the tokenizer's vocabulary;
-        with ``init_from`` the folder's (its activation converted when the weights load), or on
-        resume the checkpoint's own (already ReLU)."""
+        """The model's config: the preset's, with the size options, the run's activation and the
+        tokenizer's vocabulary; with ``init_from`` the folder's (its activation converted when the
+        weights load), or on resume the checkpoint's own (already ReLU). A checkpoint resumed
+        must have the run's activation: its weights were trained with it."""
         cfg = self.cfg
         if cfg.init_from is None:
+            if checkpoint is not None:
+                saved = json.loads((checkpoint / "config.json").read_text()).get("hidden_act")
+                if saved != cfg.activation:
+                    raise ValueError(f"{checkpoint}: its MLPs use {saved}, the run's settings say --activation "
+                                     f"{cfg.activation}; resume it with --activation {saved}")
             shape = dict(hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size, num_layers=cfg.num_layers,
                          num_heads=cfg.num_heads, context=max(cfg.seq_len, PRESETS[cfg.preset].context))
-            return make_config(cfg.preset, self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id, **shape)
+            return make_config(cfg.preset, self.tokenizer.vocab_size, eos_id=self.tokenizer.eos_id,
+                               hidden_act=cfg.activation, **shape)
         from transformers import AutoConfig
 
         config = AutoConfig.from_pretrained(checkpoint if checkpoint is not None else cfg.init_from)
@@ -409,9 +421,10 @@ class Trainer:
                 with self._autocast():
                     logits = self.wrapped(input_ids=x, use_cache=False).logits
                 ce = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-                l1 = l1_loss(self.modules).to(ce.device)
-                self.interval.observe(self.modules)
-                self.dead.observe(self.modules)
+                l1 = l1_loss(self.modules).to(ce.device)  # 0 without twell modules (a dense run)
+                if self.modules:
+                    self.interval.observe(self.modules)
+                    self.dead.observe(self.modules)
                 ((ce + lam * self.l1_penalty(l1)) / cfg.grad_accum).backward()
             ce_sum += ce.detach()
             l1_sum += l1.detach().float()
@@ -456,7 +469,8 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         self.bad_streak = 0
-        self.dead.end_step(self.modules, self.step)
+        if self.modules:
+            self.dead.end_step(self.modules, self.step)
         return StepResult(ce, l1, grad_norm, applied=True, stop=stop, save=save)
 
     # --- validation ----------------------------------------------------------------------------
@@ -464,7 +478,7 @@ class Trainer:
     def evaluate(self, batches: Optional[int] = None) -> dict:
         """Validation loss and sparsity of the current model: see :func:`evaluate_lm`."""
         out = evaluate_lm(self.wrapped, self.val_data, self.cfg.batch_size, batches or self.cfg.val_batches,
-                          self.device, self.cfg.precision, self.world, self.rank)
+                          self.device, self.cfg.precision, self.world, self.rank, sparsity=not self.dense)
         self.wrapped.train()
         return out
 
@@ -734,12 +748,12 @@ class Trainer:
             sums /= self.world
         ce, l1, grad_norm = sums.tolist()  # the one sync of a log step, with stats.reduce
         lam = self.l1_coef(self.step)
-        layers = self.interval.reduce()
+        layers = self.interval.reduce() if self.modules else None
         # with per-layer lambdas: the loss of the interval's per-layer l1 means
         penalty = l1 if cfg.l1_target is None else sum(c * v for c, v in zip(self.l1_scale, layers["l1"])) / len(self.l1_scale)
         row = {"step": self.step, "tokens": self.samples_seen * cfg.seq_len, "lr": self.scheduler.get_last_lr()[0],
                "lambda": lam, "ce": ce, "l1": l1, "loss": ce + lam * penalty, "grad_norm": grad_norm,
-               "skipped": self.skipped, "tokens_per_s": tokens_per_s, **self._layer_row(layers),
+               "skipped": self.skipped, "tokens_per_s": tokens_per_s, **(self._layer_row(layers) if layers else {}),
                # layers whose last training call ran the sparse kernels (twell.training.path: "auto" takes
                # them only on sparse enough layers and calls of at least MIN_SPARSE_TOKENS tokens)
                "sparse_layers": sum(m.last_train_path == "sparse" for m in self.modules)}
@@ -752,8 +766,11 @@ class Trainer:
     @staticmethod
     def _validation_row(ev: dict) -> dict:
         """The log row's columns of a validation pass: its loss, and each layer's dead share on
-        the validation tokens (units that fired for none of them) with their mean."""
+        the validation tokens (units that fired for none of them) with their mean (a dense run:
+        the loss alone)."""
         dead = ev["dead_frac"]
+        if dead is None:
+            return {"val_loss": ev["val_loss"]}
         return {"val_loss": ev["val_loss"], "dead_frac_val": sum(dead) / len(dead),
                 **{f"dead_frac_val_L{i}": v for i, v in enumerate(dead)}}
 
@@ -831,7 +848,7 @@ class Trainer:
 
 @torch.no_grad()
 def evaluate_lm(model, val_data: PackedSequences, batch_size: int, batches: int, device, precision: str = "fp32",
-                world: int = 1, rank: int = 0) -> dict:
+                world: int = 1, rank: int = 0, sparsity: bool = True) -> dict:
     """Validation loss and sparsity of a sparse LM (in eval mode; left in eval mode).
 
     Reads the first ``batches x batch_size x world`` windows of the validation stream, always
@@ -839,10 +856,11 @@ def evaluate_lm(model, val_data: PackedSequences, batch_size: int, batches: int,
     (mean cross entropy per token, nats), ``ppl``, ``tokens``, ``windows`` (how many windows of
     the validation stream were read, from its first), and per layer ``active_mean``,
     ``active_max`` and ``dead_frac`` (units that fired for none of these tokens), all reduced
-    over ranks.
+    over ranks. ``sparsity=False``: the loss of any causal LM (a dense baseline), the three
+    per-layer entries None.
     """
-    modules = sparse_modules(model)
-    if not modules:
+    modules = sparse_modules(model) if sparsity else []
+    if sparsity and not modules:
         raise ValueError("the model has no twell sparse MLPs: call twell.sparsify(model) first")
     model.eval()
     tracking = [m.track_stats for m in modules]
@@ -860,23 +878,27 @@ def _evaluate(model, modules, val_data, batch_size, batches, device, precision, 
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     stats = IntervalStats(len(modules), device)
-    fired = torch.zeros(len(modules), modules[0].intermediate_size, dtype=torch.int64, device=device)
+    fired = torch.zeros(len(modules), modules[0].intermediate_size if modules else 0, dtype=torch.int64, device=device)
     for i in range(batches):
         batch = val_data.eval_batch((i * world + rank) * batch_size, batch_size).to(device)
         with autocast:
             logits = model(input_ids=batch[:, :-1], use_cache=False).logits
         loss_sum += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1), reduction="sum").double()
-        stats.observe(modules)
-        fired += torch.stack([m.stats.unit_counts for m in modules])
+        if modules:
+            stats.observe(modules)
+            fired += torch.stack([m.stats.unit_counts for m in modules])
     if world > 1:
         dist.all_reduce(loss_sum)
         dist.all_reduce(fired)
-    s = stats.reduce()
-    val_loss = float(loss_sum) / s["tokens"]
-    return {"val_loss": val_loss, "ppl": math.exp(min(val_loss, 50.0)), "tokens": s["tokens"],
-            "windows": batches * batch_size * world,
-            "active_mean": s["active_mean"], "active_max": s["active_max"],
-            "dead_frac": (fired == 0).float().mean(dim=1).tolist()}
+    tokens = batches * batch_size * world * val_data.seq_len
+    val_loss = float(loss_sum) / tokens
+    out = {"val_loss": val_loss, "ppl": math.exp(min(val_loss, 50.0)), "tokens": tokens,
+           "windows": batches * batch_size * world, "active_mean": None, "active_max": None, "dead_frac": None}
+    if modules:
+        s = stats.reduce()
+        out.update(active_mean=s["active_mean"], active_max=s["active_max"],
+                   dead_frac=(fired == 0).float().mean(dim=1).tolist())
+    return out
 
 
 def train(cfg: TrainConfig, resume: Optional[str] = None) -> dict:
