@@ -14,6 +14,9 @@ a time: the span from the first kernel's start to the last one's end, the kernel
 and the kernels by total time. The question it answers: where a training call below
 ``twell.training.path.MIN_SPARSE_TOKENS`` tokens loses to dense PyTorch.
 
+With HOST_PROFILE=1 it also prints, per case, where the host spends a call of ``module`` and
+of ``fused_dense`` (cProfile over 20 calls, the functions by their own time).
+
 Writes OUTDIR/train_call_stage_<gpu>.json; prints a table last.
 """
 
@@ -111,6 +114,19 @@ def main(out: str) -> None:
         width = v.pop("_width")
         names = list(v)
         times = interleaved_ms([v[n] for n in names], calls=30, warmup=3)
+        if os.environ.get("HOST_PROFILE") == "1":
+            import cProfile
+            import pstats
+
+            for n in ("module", "fused_dense"):
+                prof = cProfile.Profile()
+                prof.enable()
+                for _ in range(20):
+                    v[n]()
+                prof.disable()
+                torch.cuda.synchronize()
+                print(f"== host profile: M {M} k {k} {dist} {n}, 20 calls")
+                pstats.Stats(prof).sort_stats("tottime").print_stats(14)
         for n, t in zip(names, times):
             rec = dict(M=int(M), k=int(k), distribution=dist, variant=n, ms=t, host_us=host_us(v[n], calls=10),
                        width=width, module_path=m.last_train_path, **profiled(v[n]), **info)

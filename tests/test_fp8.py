@@ -53,9 +53,10 @@ def test_dense_fp8_baseline_is_the_rowwise_scaled_math():
 
 @pytest.mark.parametrize("dtype,M,d,f,tile,C", [(torch.float32, *s) for s in SHAPES] + [(torch.float16, *SHAPES[0])],
                          ids=case_id)
-@pytest.mark.parametrize("kernel", ["token", "token-two-pass", "split"])
+@pytest.mark.parametrize("kernel", ["token", "token-two-pass", "split", "dense-rows"])
 def test_ffn_from_twell_reads_fp8_rows(dtype, M, d, f, tile, C, kernel, monkeypatch):
-    if kernel == "token-two-pass":  # overflowed tiles in a second launch, as for large M
+    writable = kernel == "dense-rows"  # overflowed and long rows whole, on tensor cores (heavy_rows)
+    if kernel in ("token-two-pass", "dense-rows"):  # overflowed tiles in a second launch, as for large M
         monkeypatch.setattr(updown, "TWO_PASS_MIN_M", 0)
         kernel = "token"
     x, wg, wu, wd = gate_case(M, d, f, torch.float32, seed=M + f)
@@ -67,12 +68,14 @@ def test_ffn_from_twell_reads_fp8_rows(dtype, M, d, f, tile, C, kernel, monkeypa
     ref = fp8.twell_fp8_reference(x, w)
     c = OverflowCounters.zeros("cpu")
     out = torch.full((M, d), float("nan"), dtype=dtype)
-    y = ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, counters=c, kernel=kernel, out=out,
-                       w_scales=(w.up.scale, w.down_t.scale))
+    y = ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre.clone(), counters=c, kernel=kernel, out=out,
+                       w_scales=(w.up.scale, w.down_t.scale), pre_writable=writable)
     assert y.data_ptr() == out.data_ptr() and not torch.isnan(y).any()
     assert rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
     over = g.overflowed()
     assert int(c.tiles) == int(over.sum())
+    if writable:  # the rows computed whole are the overflowed ones and the long ones
+        assert int(c.rows) == int(over.any(dim=1).sum())
     # the same y as the bf16-path kernels given the dequantised rows (scales folded in)
     y_plain = ffn_from_twell(x, g, w.down_t.dequantize(dtype), w_up=w.up.dequantize(dtype), pre=pre, kernel=kernel)
     assert rel_err(y, y_plain) < (1e-5 if dtype == torch.float32 else 3e-3)

@@ -8,8 +8,10 @@ One record per ``(M, k, distribution, mode)``, d 2048, f 5632, inputs from
 - ``dense_fp8``: :func:`twell.inference.fp8_ops.dense_fp8_ffn`, all three products
   rowwise-scaled FP8 (``torch._scaled_mm``), x and h quantised per token;
 - ``twell_bf16``: :class:`twell.SparseGatedMLP` in eval mode, default settings;
-- ``twell_fp8``: :func:`twell.inference.fp8_ops.twell_fp8_ffn`: up to 8 tokens the fused FP8
-  decode kernel, else the FP8 gate, TwELL, and up and down rows gathered from FP8.
+- ``twell_fp8``: :class:`twell.fp8_nn.Fp8SparseGatedMLP` from the same weights (as
+  ``twell.sparsify(model, fp8=True)`` makes it): up to 8 tokens the fused FP8 decode kernel,
+  else the FP8 gate, TwELL, and up and down rows gathered from FP8, or dense FP8 where the
+  layer's measured sparsity would not pay (``twell_fp8_path``).
 
 ``mode`` ``"eager"`` times calls in turn (``interleaved_ms``); ``"graph"`` each captured in a
 CUDA graph and replayed. Errors (worst row, :func:`twell.bench.inference.errors`) are against an
@@ -48,10 +50,10 @@ def fp8_grid(Ms=MS, ks=(29, 280), dists=("even", "heavy"), modes=("eager", "grap
              log: Callable[[str], None] = print) -> list[dict]:
     """The records described in the module's text."""
     from ..fp8 import fp8_gated_weights
-    from ..inference.fp8_ops import _scaled_mm, dense_fp8_ffn, dense_fp8_weights, quantize_activations, twell_fp8_ffn
+    from ..inference.fp8_ops import _scaled_mm, dense_fp8_ffn, dense_fp8_weights, quantize_activations
     from ..inference.ops import DEFAULT_COMPRESSION, default_tile
     from ..kernels import pack_relu
-    from ..kernels.decode_fused import DecodeScratch
+    from ..fp8_nn import Fp8SparseGatedMLP
 
     info = machine_info()
     out = []
@@ -61,14 +63,15 @@ def fp8_grid(Ms=MS, ks=(29, 280), dists=("even", "heavy"), modes=("eager", "grap
             dense, twell = _pair(s)
             w8 = fp8_gated_weights(s.w_gate, s.w_up, s.w_down)
             d8 = dense_fp8_weights(s.w_gate, s.w_up, s.w_down)
-            scratch = DecodeScratch(d, "cuda")  # the decode kernel's kept accumulator, as the modules keep one
+            m8 = Fp8SparseGatedMLP.from_weights(s.w_gate, s.w_up, s.w_down)
             for M in Ms:
                 t0 = time.time()
                 x = s.x[:M].contiguous()
                 with torch.no_grad():
                     _warm(twell, x)
+                    _warm(m8, x)
                     fns = {"dense_bf16": lambda: dense(x), "dense_fp8": lambda: dense_fp8_ffn(x, d8),
-                           "twell_bf16": lambda: twell(x), "twell_fp8": lambda: twell_fp8_ffn(x, w8, scratch)}
+                           "twell_bf16": lambda: twell(x), "twell_fp8": lambda: m8(x)}
                     y8 = fns["twell_fp8"]()
                     yd8 = fns["dense_fp8"]()
                     ref = _fp32(x, w8.gate.dequantize(), w8.up.dequantize(), w8.down_t.dequantize().t())
@@ -92,7 +95,7 @@ def fp8_grid(Ms=MS, ks=(29, 280), dists=("even", "heavy"), modes=("eager", "grap
                         rec = dict(M=M, k=k, distribution=dist, d=d, f=f, mode=mode,
                                    **{f"{n}_ms": t for n, t in zip(names, times)},
                                    max_row_err=err, dense_fp8_max_row_err=derr, same_active_set=same,
-                                   twell_bf16_path=twell.last_path, **info)
+                                   twell_bf16_path=twell.last_path, twell_fp8_path=m8.last_path, **info)
                         rec["fp8_vs_dense_fp8"] = rec["dense_fp8_ms"] / rec["twell_fp8_ms"]
                         rec["fp8_vs_dense_bf16"] = rec["dense_bf16_ms"] / rec["twell_fp8_ms"]
                         rec["bf16_vs_dense_bf16"] = rec["dense_bf16_ms"] / rec["twell_bf16_ms"]
@@ -100,9 +103,9 @@ def fp8_grid(Ms=MS, ks=(29, 280), dists=("even", "heavy"), modes=("eager", "grap
                         log(f"M={M:6d} k={k:3d} {dist:6s} {mode:5s} dense bf16 {rec['dense_bf16_ms']:.3f} fp8 "
                             f"{rec['dense_fp8_ms']:.3f} | twell bf16 {rec['twell_bf16_ms']:.3f} fp8 {rec['twell_fp8_ms']:.3f} ms: "
                             f"twell fp8 {rec['fp8_vs_dense_fp8']:.2f}x dense fp8, {rec['fp8_vs_dense_bf16']:.2f}x dense bf16 "
-                            f"(twell bf16 {rec['bf16_vs_dense_bf16']:.2f}x) | row err {err:.1e} vs {derr:.1e}, same set {same} "
+                            f"(twell bf16 {rec['bf16_vs_dense_bf16']:.2f}x, fp8 path {m8.last_path}) | row err {err:.1e} vs {derr:.1e}, same set {same} "
                             f"[{time.time() - t0:.1f}s]")
-            del s, dense, twell, w8, d8
+            del s, dense, twell, w8, d8, m8
             torch.cuda.empty_cache()
     return out
 

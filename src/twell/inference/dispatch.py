@@ -825,9 +825,15 @@ class LayerState:
         from .ops import DEFAULT_COMPRESSION, default_tile
 
         M, f = x.shape[0], w_first.shape[0]
-        if self.counters is None or self.counters.buffer.device != x.device:
-            self.counters = OverflowCounters.zeros(x.device)
-        before = self.counters.tiles.clone() if probe else None
+        counters = self.counters
+        if counters is None or counters.buffer.device != x.device:
+            counters = OverflowCounters.zeros(x.device)
+            if keep:
+                self.counters = counters
+            # else (the compiled op's calls inside inductor's CUDA graphs, their warm-up included):
+            # the call's own counters, which the graphs' memory pool may hold for the call only;
+            # the layer keeps counters from its first eager call on
+        before = counters.tiles.clone() if probe else None
         pre = torch.mm(x, w_first.t())  # cuBLAS gate (measured faster than a fused Triton gate)
         hot_fit = None
         if keep and not capturing and self._hot_pending is not None:
@@ -854,7 +860,7 @@ class LayerState:
         split = splits(M, w_up is not None, d=x.shape[1])
         be, nw = default_config(x.shape[1], self.k_est, split=split, rms_k=self.k_rms)
         one_launch = PREFILL_ONE_LAUNCH and self.rows_short and hot is None and not split
-        y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=self.counters, unit_counts=uc, row_nnz=nnz,
+        y = ffn_from_twell(x, g, w_down_t, w_up=w_up, pre=pre, counters=counters, unit_counts=uc, row_nnz=nnz,
                            block_e=be, num_warps=nw, out=out, pre_writable=True,  # pre is ours: dense overflowed rows
                            hot=hot_args, one_launch=one_launch)
         if track:
@@ -865,7 +871,7 @@ class LayerState:
             extra = None
             if hot_fit is not None:
                 extra = torch.stack([hot_fit.new_full((), 0.0 if hot is None else float(hot.n)), hot_fit])  # (no host copy)
-            self._publish_rows(per_row.float(), (self.counters.tiles - before).float() / M, hot=extra)
+            self._publish_rows(per_row.float(), (counters.tiles - before).float() / M, hot=extra)
         return y
 
     def _dense(self, m, x, w_first, w_down, w_up, track, probe, capturing=False, out=None):

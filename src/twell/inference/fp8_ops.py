@@ -75,7 +75,8 @@ def prefill_fp8(x: torch.Tensor, w: Fp8GatedWeights, tile: Optional[int] = None,
     g = pack_relu(pre, tile or default_tile(f), DEFAULT_COMPRESSION)
     be, nw = default_config(d, k_est, split=splits(x.shape[0], True, kernel, d))
     y = ffn_from_twell(x, g, w.down_t.q, w_up=w.up.q, pre=pre, counters=counters, kernel=kernel,
-                       block_e=be, num_warps=nw, w_scales=(w.up.scale, w.down_t.scale))
+                       block_e=be, num_warps=nw, w_scales=(w.up.scale, w.down_t.scale),
+                       pre_writable=True)  # our own gate output: heavy and overflowed rows whole, on tensor cores
     return y, g
 
 

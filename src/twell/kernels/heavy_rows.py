@@ -64,9 +64,11 @@ def _dot_acc(acc, a, b_t, PREC: tl.constexpr):
 
 @triton.jit
 def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_ptr, n_ptr,
-                     l1_ptr, cnt_ptr, M, d, f, P,
+                     l1_ptr, cnt_ptr, su_ptr, sd_ptr, M, d, f, P,
                      GATED: tl.constexpr, PREC: tl.constexpr, L1: tl.constexpr, COUNT: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr):
+    # SCALED: FP8 rows with per-unit scales (twell.fp8): the e4m3 up rows are widened to x's dtype
+    # (exact) for the dot, u stays fp32 times its unit's up scale, and h takes the down scale too
     pid_n = tl.program_id(0)
     cols = pid_n * BN + tl.arange(0, BN)
     cmask = cols < f
@@ -84,9 +86,16 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
                 km = kk < d
                 xt = tl.load(x_ptr + r[:, None] * stride_x + kk[None, :], mask=valid[:, None] & km[None, :], other=0.0)
                 wt = tl.load(wu_ptr + cols[:, None] * stride_wu + kk[None, :], mask=cmask[:, None] & km[None, :], other=0.0)
+                if SCALED:
+                    wt = wt.to(x_ptr.dtype.element_ty)
                 acc = _dot_acc(acc, xt, wt, PREC)
-            u = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # what torch.mm would have stored
+            if SCALED:
+                u = acc * tl.load(su_ptr + cols, mask=cmask, other=0.0)[None, :]
+            else:
+                u = acc.to(a_ptr.dtype.element_ty).to(tl.float32)  # what torch.mm would have stored
             h = h * u
+        if SCALED:
+            h = h * tl.load(sd_ptr + cols, mask=cmask, other=0.0)[None, :]
         h = h.to(a_ptr.dtype.element_ty)
         tl.store(at, h, mask=ok)
         if L1:
@@ -102,7 +111,7 @@ def _heavy_up_kernel(x_ptr, stride_x, a_ptr, stride_a, wu_ptr, stride_wu, idx_pt
 @triton.jit
 def _heavy_down_kernel(h_ptr, stride_h, wd_ptr, stride_wd, stride_wf, y_ptr, stride_y, idx_ptr, n_ptr,
                        d, f, P,
-                       PREC: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr):
+                       PREC: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr):
     dd = tl.program_id(0) * BD + tl.arange(0, BD)
     dmask = dd < d
     n = tl.load(n_ptr)
@@ -114,6 +123,8 @@ def _heavy_down_kernel(h_ptr, stride_h, wd_ptr, stride_wd, stride_wf, y_ptr, str
             km = kk < f
             ht = tl.load(h_ptr + r[:, None] * stride_h + kk[None, :], mask=valid[:, None] & km[None, :], other=0.0)
             wt = tl.load(wd_ptr + dd[:, None] * stride_wd + kk[None, :] * stride_wf, mask=dmask[:, None] & km[None, :], other=0.0)
+            if SCALED:  # e4m3 down rows widened (exact); their scales are in h
+                wt = wt.to(h_ptr.dtype.element_ty)
             acc = _dot_acc(acc, ht, wt, PREC)
         tl.store(y_ptr + r[:, None] * stride_y + dd[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=valid[:, None] & dmask[None, :])
@@ -208,12 +219,13 @@ def heavy_rows_forward(
 
 
 def launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, l1_partial, unit_counts, *, block_m, block_n, block_k,
-                      num_warps, num_stages) -> None:
+                      num_warps, num_stages, w_scales=None) -> None:
     """The two launches of :func:`heavy_rows_forward`, arguments as it checks them except that
     x's rows may have any stride (unit-stride columns) (``l1_partial``: its ``[cdiv(f, block_n),
     M]`` fp32 zeros, or None for no sums of ``|h|``; ``unit_counts`` None for no counts); for
     callers that checked them already (:func:`twell.kernels.ffn_from_twell`), whose host time
-    per call it saves."""
+    per call it saves. ``w_scales``: ``(up_scale, down_scale)`` ``[f]`` float32 when ``w_up`` and
+    ``w_down`` are e4m3 rows scaled per unit (:mod:`twell.fp8`; gated only)."""
     M, d = x.shape
     f = a.shape[1]
     if M == 0 or f == 0 or rows.numel() == 0:
@@ -225,14 +237,16 @@ def launch_heavy_rows(x, a, rows, n_rows, y, w_down, w_up, l1_partial, unit_coun
         P = _row_programs(x, M, block_m, col_blocks)
         _heavy_up_kernel[(col_blocks, P)](
             x, x.stride(0), a, a.stride(0), a if w_up is None else w_up, d if w_up is None else w_up.stride(0),
-            rows, n_ptr, x if l1_partial is None else l1_partial, x if unit_counts is None else unit_counts, M, d, f, P,
+            rows, n_ptr, x if l1_partial is None else l1_partial, x if unit_counts is None else unit_counts,
+            *(w_scales if w_scales is not None else (x, x)), M, d, f, P,
             GATED=w_up is not None, PREC=prec, L1=l1_partial is not None, COUNT=unit_counts is not None,
-            BM=block_m, BN=block_n, BK=block_k,
+            BM=block_m, BN=block_n, BK=block_k, SCALED=w_scales is not None,
             num_warps=num_warps, num_stages=num_stages,
         )
         d_blocks = triton.cdiv(d, block_n)
         P = _row_programs(x, M, block_m, d_blocks)
         _heavy_down_kernel[(d_blocks, P)](
             a, a.stride(0), w_down, w_down.stride(0), w_down.stride(1), y, y.stride(0), rows, n_ptr, d, f, P,
-            PREC=prec, BM=block_m, BD=block_n, BK=block_k, num_warps=num_warps, num_stages=num_stages,
+            PREC=prec, BM=block_m, BD=block_n, BK=block_k, SCALED=w_scales is not None, num_warps=num_warps,
+            num_stages=num_stages,
         )

@@ -602,8 +602,8 @@ def ffn_from_twell(
             non-gated): ``w_up`` and ``w_down_t`` are then ``float8_e4m3fn`` rows, unit ``j``'s
             row meaning ``scale[j] * row`` (:class:`twell.fp8.Fp8Rows`); the scales multiply h
             in fp32. Needs ``pre`` (the FP8 gate's output: overflowed tiles read it), and not
-            ``hot``, ``"rows"`` or ``pre_writable`` (long and overflowed rows take the per-token
-            exact launch).
+            ``hot`` or ``"rows"``; gated only with ``pre_writable`` (the rows computed whole widen
+            the e4m3 rows for tensor cores, :mod:`.heavy_rows`).
 
     Returns:
         ``y [M, d]``.
@@ -655,7 +655,7 @@ def ffn_from_twell(
             raise ValueError("FP8 rows (w_scales) need pre, the gate's output: overflowed tiles are read from it")
         if hot is not None or kernel == "rows":
             raise ValueError("FP8 rows (w_scales) take neither hot units nor kernel='rows'")
-        pre_writable = False  # the dense-rows path reads the weights in x's dtype
+        pre_writable = pre_writable and w_up is not None
     check_weight_rows(w_down_t, "w_down_t", f, d, x, dtype=E4M3 if scaled else None)
     check_weight_rows(w_up, "w_up", f, d, x, dtype=E4M3 if scaled else None)
     check_weight_rows(w_first, "w_first", f, d, x)
@@ -787,7 +787,8 @@ def ffn_from_twell(
                 g.counts, M, g.slots, g.n_tiles, row_limit, rows, n_rows, ovf, BM=LIST_ROWS_BLOCK,
                 NTP=triton.next_power_of_2(g.n_tiles),
             )
-            launch_heavy_rows(x, pre, rows, n_rows, out, w_down_t.t(), w_up, None, unit_counts, **DENSE_ROWS_CONFIG)
+            launch_heavy_rows(x, pre, rows, n_rows, out, w_down_t.t(), w_up, None, unit_counts, **DENSE_ROWS_CONFIG,
+                              w_scales=w_scales if scaled else None)
 
         if add_to_out:
             hot_down(hot[0], hot[1], w_down_t, out)
