@@ -293,10 +293,10 @@ def _fp8_bench(args, tag: str, log, t0: float) -> None:
     for r in model:
         log(f"model {r['preset']} {r['variant']:10s} prefill {r['prefill_ms']:.1f} ms: {r['prefill_speedup']:.3f}x dense bf16, "
             f"{r['fp8_speedup']:.3f}x dense fp8")
-    plot_batch([r for r in records if r["mode"] == "graph"], os.path.splitext(path)[0] + ".png", "M", ("fp8_vs_dense_fp8", "fp8_vs_dense_bf16", "bf16_vs_dense_bf16"),
-               "tokens per call M", titles={"fp8_vs_dense_fp8": "twell FP8 over dense FP8",
-                                            "fp8_vs_dense_bf16": "twell FP8 over dense bf16",
-                                            "bf16_vs_dense_bf16": "twell bf16 over dense bf16"})
+    plot_batch([r for r in records if r["mode"] == "graph"], os.path.splitext(path)[0] + ".png", "M", ("fp8_vs_dense_fp8_speedup", "fp8_vs_dense_bf16_speedup", "bf16_vs_dense_bf16_speedup"),
+               "tokens per call M", titles={"fp8_vs_dense_fp8_speedup": "twell FP8 over dense FP8",
+                                            "fp8_vs_dense_bf16_speedup": "twell FP8 over dense bf16",
+                                            "bf16_vs_dense_bf16_speedup": "twell bf16 over dense bf16"})
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")
 
 

@@ -96,14 +96,14 @@ def fp8_grid(Ms=MS, ks=(29, 280), dists=("even", "heavy"), modes=("eager", "grap
                                    **{f"{n}_ms": t for n, t in zip(names, times)},
                                    max_row_err=err, dense_fp8_max_row_err=derr, same_active_set=same,
                                    twell_bf16_path=twell.last_path, twell_fp8_path=m8.last_path, **info)
-                        rec["fp8_vs_dense_fp8"] = rec["dense_fp8_ms"] / rec["twell_fp8_ms"]
-                        rec["fp8_vs_dense_bf16"] = rec["dense_bf16_ms"] / rec["twell_fp8_ms"]
-                        rec["bf16_vs_dense_bf16"] = rec["dense_bf16_ms"] / rec["twell_bf16_ms"]
+                        rec["fp8_vs_dense_fp8_speedup"] = rec["dense_fp8_ms"] / rec["twell_fp8_ms"]
+                        rec["fp8_vs_dense_bf16_speedup"] = rec["dense_bf16_ms"] / rec["twell_fp8_ms"]
+                        rec["bf16_vs_dense_bf16_speedup"] = rec["dense_bf16_ms"] / rec["twell_bf16_ms"]
                         out.append(rec)
                         log(f"M={M:6d} k={k:3d} {dist:6s} {mode:5s} dense bf16 {rec['dense_bf16_ms']:.3f} fp8 "
                             f"{rec['dense_fp8_ms']:.3f} | twell bf16 {rec['twell_bf16_ms']:.3f} fp8 {rec['twell_fp8_ms']:.3f} ms: "
-                            f"twell fp8 {rec['fp8_vs_dense_fp8']:.2f}x dense fp8, {rec['fp8_vs_dense_bf16']:.2f}x dense bf16 "
-                            f"(twell bf16 {rec['bf16_vs_dense_bf16']:.2f}x, fp8 path {m8.last_path}) | row err {err:.1e} vs {derr:.1e}, same set {same} "
+                            f"twell fp8 {rec['fp8_vs_dense_fp8_speedup']:.2f}x dense fp8, {rec['fp8_vs_dense_bf16_speedup']:.2f}x dense bf16 "
+                            f"(twell bf16 {rec['bf16_vs_dense_bf16_speedup']:.2f}x, fp8 path {m8.last_path}) | row err {err:.1e} vs {derr:.1e}, same set {same} "
                             f"[{time.time() - t0:.1f}s]")
             del s, dense, twell, w8, d8, m8
             torch.cuda.empty_cache()
