@@ -17,7 +17,9 @@ Per call of ``M`` tokens:
 The measurement costs no synchronisation: every ``PROBE_EVERY`` calls of the prefill path the
 mean active units per token of the call's TwELL are copied to pinned host memory, read at a
 later call once their event completed; inside a CUDA graph capture nothing is measured. A layer
-that goes dense keeps a column-major copy of its down rows for ``torch._scaled_mm``. Under
+that goes dense stays dense (its dense calls measure nothing: a model's layers keep their
+sparsity from one call to the next) and keeps a column-major copy of its down rows for
+``torch._scaled_mm``. Under
 ``torch.compile`` the module calls the custom op ``twell::ffn_fp8`` (inference only,
 :func:`twell.inference.fp8_ops.ffn_fp8`), whose fake implementation gives the output's shape: no
 graph break; there the path follows the call's size alone.
