@@ -27,7 +27,6 @@ inference kernels read a unit's down column as one row, with no second copy of t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Iterable, Optional
 
 import torch
@@ -43,7 +42,6 @@ from .optim_layout import follow_layout
 __all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules", "use_kernel_layout"]
 
 
-@dataclass
 class SparsityStats:
     """Sparsity of one forward call.
 
@@ -52,12 +50,39 @@ class SparsityStats:
         active_max: scalar int64 tensor, the most active units of any token.
         unit_counts: ``[f]`` int64, how many tokens each unit fired for.
         tokens: number of tokens (rows) in the call.
+
+    The modules record the call's per-token counts (``per_token [M]``) and compute
+    ``active_mean`` and ``active_max`` from them when first read: a training step that nobody
+    asks for them costs no launches for them (four small ones per layer per call).
     """
 
-    active_mean: torch.Tensor
-    active_max: torch.Tensor
-    unit_counts: torch.Tensor
-    tokens: int
+    __slots__ = ("_mean", "_max", "_per_token", "unit_counts", "tokens")
+
+    def __init__(self, active_mean: Optional[torch.Tensor] = None, active_max: Optional[torch.Tensor] = None,
+                 unit_counts: Optional[torch.Tensor] = None, tokens: int = 0, *,
+                 per_token: Optional[torch.Tensor] = None) -> None:
+        if per_token is None and (active_mean is None or active_max is None):
+            raise ValueError("SparsityStats needs active_mean and active_max, or per_token")
+        self._mean, self._max, self._per_token = active_mean, active_max, per_token
+        self.unit_counts, self.tokens = unit_counts, tokens
+
+    @property
+    def active_mean(self) -> torch.Tensor:
+        if self._mean is None:
+            p = self._per_token
+            self._mean = p.float().mean() if self.tokens else torch.zeros((), device=p.device)
+        return self._mean
+
+    @property
+    def active_max(self) -> torch.Tensor:
+        if self._max is None:
+            p = self._per_token
+            self._max = p.long().max() if self.tokens else torch.zeros((), dtype=torch.int64, device=p.device)
+        return self._max
+
+    def __repr__(self) -> str:
+        return (f"SparsityStats(active_mean={self.active_mean}, active_max={self.active_max}, "
+                f"unit_counts={self.unit_counts}, tokens={self.tokens})")
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -397,7 +422,7 @@ class _SparseFFN(nn.Module):
         ``weights``: (first, up, down) gated, (up, down) non-gated. Under autocast the input and
         the weights are cast to its dtype here (differentiably: gradients reach fp32 weights in
         fp32)."""
-        from .training.ops import dense_ffn, dense_gated_ffn, layer_ffn, sparse_ffn, sparse_gated_ffn
+        from .training.ops import autocast_off, dense_ffn, dense_gated_ffn, layer_ffn, sparse_ffn, sparse_gated_ffn
 
         shape = x.shape
         x2 = _token_rows(x)
@@ -405,7 +430,7 @@ class _SparseFFN(nn.Module):
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
             x2, weights = x2.to(dt), tuple(w.to(dt) for w in weights)
-        with torch.autocast(dev, enabled=False):
+        with autocast_off(dev):
             if path == "layer":
                 first, down, up = weights[0], weights[-1], (weights[1] if len(weights) == 3 else None)
                 out = layer_ffn(x2.contiguous(), first, down, up, owner=self._first_projection().weight)
@@ -413,7 +438,7 @@ class _SparseFFN(nn.Module):
                 out = (sparse_gated_ffn if len(weights) == 3 else sparse_ffn)(x2.contiguous(), *weights, width)
             else:
                 out = (dense_gated_ffn if len(weights) == 3 else dense_ffn)(x2.contiguous(), *weights)
-        self.l1 = out.l1 if self.training else None
+        self._set_l1(out.l1 if self.training else None)
         if self._tracking():
             self._record_counts(out.row_counts, out.unit_counts)
         if path != "layer":  # (the layer's op notes its own choice)
@@ -452,31 +477,40 @@ class _SparseFFN(nn.Module):
         if h is not None and self.training and torch.is_grad_enabled():
             # no tokens: 0 (and its gradient), as the training ops give it; the mean over no
             # tokens would be NaN and turn the whole loss NaN through l1_loss
-            self.l1 = reference.l1_penalty(h) if h.shape[0] else h.abs().sum()
+            self._set_l1(reference.l1_penalty(h) if h.shape[0] else h.abs().sum())
         else:
-            self.l1 = None
+            self._set_l1(None)
         if not self._tracking():
             return  # no pass over [M, f] for statistics nobody asked for
         with torch.no_grad():
             active = first > 0
             self._record_counts(active.sum(dim=1), active.sum(dim=0, dtype=torch.int64))
 
+    def _set_l1(self, value: Optional[torch.Tensor]) -> None:
+        """``self.l1 = value``: through ``__dict__`` in eager calls (a plain attribute; nn.Module's
+        ``__setattr__`` costs microseconds a call), as an attribute write a compiled graph records
+        while tracing."""
+        if torch.compiler.is_compiling():
+            self.l1 = value
+        else:
+            self.__dict__["l1"] = value
+
     def _record_counts(self, per_token: torch.Tensor, unit_counts: torch.Tensor) -> None:
         """per_token: ``[M]`` active units of each token; unit_counts: ``[f]`` tokens each unit fired for."""
         M = per_token.shape[0]
         unit_counts = unit_counts.long()
-        dev = unit_counts.device
-        self.stats = SparsityStats(
-            active_mean=per_token.float().mean() if M else torch.zeros((), device=dev),
-            active_max=per_token.long().max() if M else torch.zeros((), dtype=torch.int64, device=dev),
-            unit_counts=unit_counts,
-            tokens=M,
-        )
+        # mean and max computed when read (SparsityStats); the buffers added to in place; in eager
+        # calls the plain attributes set through __dict__ (nn.Module.__setattr__ costs
+        # microseconds a call; a compiled graph records the attribute writes it traces instead)
+        stats = SparsityStats(unit_counts=unit_counts, tokens=M, per_token=per_token)
         if self.fire_counts is None:  # dropped in eval mode (see _keep_stat_buffers)
-            self._make_stat_buffers(dev)
-        self.fire_counts += unit_counts
-        self.tokens_seen += M
-        self._stats_recorded = True
+            self._make_stat_buffers(unit_counts.device)
+        self.fire_counts.add_(unit_counts)
+        self.tokens_seen.add_(M)
+        if torch.compiler.is_compiling():
+            self.stats, self._stats_recorded = stats, True
+        else:
+            self.__dict__["stats"], self.__dict__["_stats_recorded"] = stats, True
 
     def reset_fire_counts(self) -> None:
         """Start a new window for dead-unit tracking."""

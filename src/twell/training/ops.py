@@ -50,6 +50,7 @@ which costs less host time per call.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import warnings
 from typing import Callable, NamedTuple, Optional
@@ -138,6 +139,14 @@ def _check_args(x, w_up, w_down, w_gate, width) -> int:
     check_launchable(x, "x")
     _check_width(width)
     return min(width, max(f, 1))  # a row never has more than f entries
+
+
+def autocast_off(device_type: str):
+    """``torch.autocast(device_type, enabled=False)`` where autocast is on, else a null context:
+    entering an autocast context costs host time on every call, which small calls feel."""
+    if torch.is_autocast_enabled(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
 
 
 def _refuse_capture(x: torch.Tensor) -> None:
@@ -444,7 +453,7 @@ def _dense_forward(x, w_first, w_down, w_up) -> tuple:
     round away, see :func:`_dense_rows_backward`). Returns :func:`_forward`'s tuple."""
     M = x.shape[0]
     # the inputs' dtype throughout (autocast would recast the products, not the backward's)
-    with torch.autocast(x.device.type, enabled=False):
+    with autocast_off(x.device.type):
         a = torch.mm(x, w_first.t())
         s, u, y, l1_rows, unit_counts, row_counts = _dense_rows(x, a, w_up, w_down)
     del a
@@ -496,7 +505,7 @@ def _backward(dy, dl1, x, w_first, w_down, w_up, counts, values, u, cols, heavy,
         # w_down held as the transpose of a contiguous [f, d] matrix (the kernels' layout): its
         # gradient is made [f, d] and handed back transposed, in the parameter's own layout
         down_t = kernel_layout(w_down)
-        with torch.autocast(x.device.type, enabled=False):  # a backward run inside autocast too
+        with autocast_off(x.device.type):  # a backward run inside autocast too
             dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), values, u, c, w_first, w_up, w_down,
                                                              down_t=down_t, needs=(need_x, need_first, need_up, need_down))
         if down_t and dw_down is not None:
