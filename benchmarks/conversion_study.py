@@ -61,34 +61,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
+# the corpus and the step timing of the 0.5b study beside this script (benchmarks/trained_model.py)
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from trained_model import corpus_specs, seconds_per_step  # noqa: E402
+
 RUNS = ("dense", "converted_10", "converted_25", "scratch_sparse")
 CONVERSIONS = (("converted_10", 0.10), ("converted_25", 0.25))  # (name, share of the dense run's tokens)
 PHASE_FILE = "conversion_{}.json"
 LOG_FILE = "conversion_{}_log.csv"
-
-
-def corpus_specs() -> list[str]:
-    """stdlib plus the source folders of transformers and torch (their .py/.md/.txt files)."""
-    import torch
-    import transformers
-
-    return ["stdlib", os.path.dirname(transformers.__file__), os.path.dirname(torch.__file__)]
-
-
-def seconds_per_step(trainer, warmup: int = 5, timed: int = 15) -> float:
-    """Wall seconds of one of ``trainer``'s steps, after ``warmup`` untimed ones."""
-    import torch
-
-    for _ in range(warmup):
-        trainer.train_step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(timed):
-        trainer.train_step()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / timed
 
 
 def gpu_tag() -> str:
