@@ -67,15 +67,18 @@ def test_forward(dtype, M, f, gated):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("M,f", [(1, 1), (7, 5), (33, 300), (18, 257)])
 @pytest.mark.parametrize("gated", [True, False])
-@pytest.mark.parametrize("c", [0.0, 0.25])
-def test_backward(dtype, M, f, gated, c):
+@pytest.mark.parametrize("c,how", [(0.0, "tensor"), (0.0, "none"), (0.25, "tensor"), (0.25, "scaled")])
+def test_backward(dtype, M, f, gated, c, how):
     a, u, dz = case(M, f, dtype, seed=1)
     if not gated:
         a = torch.relu(a)  # what the op saves non-gated: h itself
-    c_t = torch.tensor([c], dtype=torch.float32, device=DEV)
+    # c given as it is, as None (no L1 gradient), or as the training ops pass it: l1's gradient
+    # (a 0-d tensor) and 1 / M
+    c_t, scale = {"tensor": (torch.tensor([c], dtype=torch.float32, device=DEV), 1.0), "none": (None, 1.0),
+                  "scaled": (torch.tensor(c * 8, dtype=torch.float32, device=DEV), 1 / 8)}[how]
     d1_ref, da_ref, h_ref = backward_ref(dz, a, u if gated else None, c)
     dz_in = dz.clone()
-    d1, da, h = dense_rows_backward(dz_in, a, u if gated else None, c_t)
+    d1, da, h = dense_rows_backward(dz_in, a, u if gated else None, c_t, scale)
     assert d1.data_ptr() == dz_in.data_ptr()  # written over dz
     assert rel_err(d1, d1_ref) < TOL[dtype]
     if gated:

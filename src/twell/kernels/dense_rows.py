@@ -15,7 +15,7 @@ at M 16384, f 5632 on the H200 (dense PyTorch: 5.0 ms). Here each direction is o
 
 Gated: ``g = relu(a)``, ``h = g u``. Non-gated: ``h = relu(a)``, and the backward's ``a`` may be
 ``h`` itself (relu(h) = h), which is what the training op saves. ``c`` is the L1 term's gradient
-per ``|h|`` (a one-element fp32 tensor: no host sync). Math, with every product in fp32 and one
+per ``|h|``, read on the device as a one-element tensor times a scale (no host sync). Math, with every product in fp32 and one
 rounding to the storage dtype per stored value (``relu`` keeps a NaN as torch.relu does)::
 
     dh = dz + c sign(h)             du = dh g        da = dh u [a fires]   (gated)
@@ -65,19 +65,21 @@ def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, rc_ptr, M, F,
         l1 += tl.sum(tl.abs(h.to(tl.float32)), axis=1)
         active = fires(a).to(tl.int32)
         per_row += tl.sum(active, axis=1)
-        n = tl.sum(active, axis=0)
+        n = tl.sum(active, axis=0).to(tl.int64)
         tl.atomic_add(cnt_ptr + cols, n, mask=(cols < F) & (n > 0), sem="relaxed")
     tl.store(l1_ptr + rows, l1, mask=row_ok)
     tl.store(rc_ptr + rows, per_row, mask=row_ok)
 
 
 @triton.jit
-def _backward_kernel(dz_ptr, a_ptr, u_ptr, da_ptr, h_ptr, c_ptr, M, F,
-                     GATED: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+def _backward_kernel(dz_ptr, a_ptr, u_ptr, da_ptr, h_ptr, c_ptr, c_scale, M, F,
+                     HAS_C: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     base = rows.to(tl.int64)[:, None] * F
-    c = tl.load(c_ptr)
+    c = 0.0
+    if HAS_C:
+        c = tl.load(c_ptr).to(tl.float32) * c_scale
     for f0 in range(0, F, BF):
         cols = f0 + tl.arange(0, BF)
         ok = row_ok[:, None] & (cols < F)[None, :]
@@ -109,7 +111,8 @@ def _check(name: str, t: torch.Tensor, like: torch.Tensor) -> None:
 
 
 def _blocks(f: int, widest: int = 256) -> tuple[int, int]:
-    bf = min(widest, triton.next_power_of_2(max(f, 1)))
+    # plain integer arithmetic: triton.next_power_of_2 costs host time on every call
+    bf = min(widest, 1 << (max(f, 1) - 1).bit_length())
     return 4096 // bf, bf  # about 4K values per step per program
 
 
@@ -120,20 +123,23 @@ def _blocks(f: int, widest: int = 256) -> tuple[int, int]:
 FORWARD_WIDEST, FORWARD_WARPS = 128, 4
 
 
-def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor], check: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The forward's element-wise pass over rows held dense.
 
     Args:
         a: ``[M, f]`` contiguous pre-activation (x w_gate^T gated, x w_up^T non-gated).
         u: ``[M, f]`` up projection (gated), same dtype and device; None non-gated.
+        check: validate a and u (the training ops, whose own products made them, skip it:
+            at a few thousand tokens a call is bound by its host time).
 
     Returns:
         ``(h [M, f] in a's dtype, l1_rows [M] fp32 = sum_j |h_ij|, unit_counts [f] int64 =
         tokens where a_ij fires (> 0 or NaN), row_counts [M] int32 = units that fire)``.
     """
-    _check("a", a, a)
-    if u is not None:
-        _check("u", u, a)
+    if check:
+        _check("a", a, a)
+        if u is not None:
+            _check("u", u, a)
     M, f = a.shape
     if not (a.is_cuda or triton_interpreting()):
         h = torch.relu(a) if u is None else torch.relu(a) * u
@@ -143,41 +149,47 @@ def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor]) -> tuple[torc
     h = torch.empty_like(a)
     l1 = torch.empty(M, dtype=torch.float32, device=a.device)
     row_counts = torch.empty(M, dtype=torch.int32, device=a.device)
-    counts = torch.zeros(f, dtype=torch.int32, device=a.device)
+    counts = torch.zeros(f, dtype=torch.int64, device=a.device)
     if M and f:
         BM, BF = _blocks(f, FORWARD_WIDEST)
         with on_device_of(a):
-            _forward_kernel[(triton.cdiv(M, BM),)](a, a if u is None else u, h, l1, counts, row_counts, M, f,
+            _forward_kernel[((M + BM - 1) // BM,)](a, a if u is None else u, h, l1, counts, row_counts, M, f,
                                                    GATED=u is not None, BM=BM, BF=BF, num_warps=FORWARD_WARPS)
     else:
         l1.zero_()
         row_counts.zero_()
-    return h, l1, counts.to(torch.int64), row_counts
+    return h, l1, counts, row_counts
 
 
 def dense_rows_backward(dz: torch.Tensor, a: torch.Tensor, u: Optional[torch.Tensor],
-                        c: torch.Tensor) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
+                        c: Optional[torch.Tensor], c_scale: float = 1.0,
+                        check: bool = True) -> tuple[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor]]:
     """The backward's element-wise pass over rows held dense; ``dz`` is overwritten.
 
     Args:
         dz: ``[M, f]`` contiguous, ``dy w_down`` (the gradient reaching h from the down product).
         a: ``[M, f]`` the forward's pre-activation (non-gated: it or h).
         u: ``[M, f]`` the up projection (gated); None non-gated.
-        c: one-element fp32 tensor, the L1 term's gradient per ``|h|`` (its loss weight over M).
+        c: one-element float tensor on a's device; ``c * c_scale`` is the L1 term's gradient per
+            ``|h|`` (the training ops pass the l1 output's gradient and ``1 / M``: no host sync,
+            no launch to scale it). None: no L1 gradient.
+        check: validate the arguments (the training ops, which made them, skip it).
 
     Returns:
         gated ``(du, da, h)``, du being ``dz``'s storage; non-gated ``(dh, None, None)``, dh being
         ``dz``'s storage. All in dz's dtype.
     """
-    _check("dz", dz, a)
-    _check("a", a, a)
-    if u is not None:
-        _check("u", u, a)
-    check_tensor(c, "c", dtypes=(torch.float32,))
-    if c.numel() != 1 or c.device != a.device:
-        raise ValueError(f"c must be a one-element fp32 tensor on {a.device}, got {list(c.shape)} on {c.device}")
+    if check:
+        _check("dz", dz, a)
+        _check("a", a, a)
+        if u is not None:
+            _check("u", u, a)
+        if c is not None:
+            check_tensor(c, "c", dtypes=_FLOATS)
+            if c.numel() != 1 or c.device != a.device:
+                raise ValueError(f"c must be a one-element tensor on {a.device}, got {list(c.shape)} on {c.device}")
     if not (a.is_cuda or triton_interpreting()):
-        return _backward_torch(dz, a, u, c)
+        return _backward_torch(dz, a, u, c, c_scale)
     M, f = a.shape
     da = h = None
     if u is not None:
@@ -185,15 +197,16 @@ def dense_rows_backward(dz: torch.Tensor, a: torch.Tensor, u: Optional[torch.Ten
     if M and f:
         BM, BF = _blocks(f)
         with on_device_of(a):
-            _backward_kernel[(triton.cdiv(M, BM),)](dz, a, a if u is None else u, dz if da is None else da,
-                                                    dz if h is None else h, c.reshape(1), M, f,
-                                                    GATED=u is not None, BM=BM, BF=BF, num_warps=8)
+            _backward_kernel[((M + BM - 1) // BM,)](dz, a, a if u is None else u, dz if da is None else da,
+                                                    dz if h is None else h, a if c is None else c, float(c_scale),
+                                                    M, f, HAS_C=c is not None, GATED=u is not None, BM=BM, BF=BF,
+                                                    num_warps=8)
     return dz, da, h
 
 
-def _backward_torch(dz, a, u, c):
+def _backward_torch(dz, a, u, c, c_scale):
     """:func:`dense_rows_backward` in PyTorch ops, for CPU tensors without the Triton interpreter."""
-    c = c.reshape(()).to(torch.float32)
+    c = 0.0 if c is None else c.reshape(()).to(torch.float32) * c_scale
     if u is None:
         # relu's gradient passes NaN on; the L1 term's c sign(h) is 0 there (torch.sign(NaN) is 0)
         dz.copy_(torch.where(~(a <= 0), dz.float() + torch.where(a > 0, c, 0.0), 0.0))

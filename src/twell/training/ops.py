@@ -125,7 +125,7 @@ class TrainFFNOutput(NamedTuple):
     n_heavy: torch.Tensor
 
 
-def _check_args(x, w_up, w_down, w_gate, width) -> int:
+def _check_args(x, w_up, w_down, w_gate, width, sparse: bool = True) -> int:
     d, f = check_mlp_args(x, w_up, w_down, w_gate)
     check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
     if not x.is_contiguous():
@@ -133,7 +133,7 @@ def _check_args(x, w_up, w_down, w_gate, width) -> int:
     for w, name in ((w_gate, "w_gate"), (w_up, "w_up")):
         if w is not None and w.stride(1) != 1:
             raise ValueError(f"{name} must have unit-stride rows (stride(1) == 1), got strides {w.stride()}")
-    if not weights_addressable(w_up, w_down):  # the heavy rows' forward kernels (int32 weight offsets)
+    if sparse and not weights_addressable(w_up, w_down):  # the heavy rows' forward kernels (int32 weight offsets)
         raise ValueError(f"the sparse training ops take weights of fewer than 2^31 elements (d {d}, f {f}); "
                          "use the dense path (train_kernels='dense')")
     check_launchable(x, "x")
@@ -341,12 +341,13 @@ def _dense_rows(x_r, a_r, w_up, w_down):
     the backward needs besides u: a_r gated (it recomputes g and h), h non-gated (u None). The
     element-wise work is one pass (:func:`twell.kernels.dense_rows.dense_rows_forward`)."""
     u = None if w_up is None else torch.mm(x_r, w_up.t())
-    h, l1_rows, unit_counts, row_counts = dense_rows_forward(a_r, u)
+    h, l1_rows, unit_counts, row_counts = dense_rows_forward(a_r, u, check=False)  # (made by torch.mm here)
     y = torch.mm(h, w_down.t())
     return (h if u is None else a_r), u, y, l1_rows, unit_counts, row_counts
 
 
-def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down, down_t=True, needs=(True, True, True, True)):
+def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down, down_t=True, needs=(True, True, True, True),
+                         c_scale=1.0):
     """The backward of rows held dense: ``(dx_r, (dw_up, dw_gate, dw_down))`` gated, ``(dx_r,
     (dw_first, None, dw_down))`` non-gated: their share of the weight gradients, ``dw_down`` as
     ``[f, d]`` (``down_t``: the layout the per-unit kernel adds the light rows into) or ``[d, f]``
@@ -358,7 +359,7 @@ def _dense_rows_backward(x_r, dy_r, s, u, c, w_first, w_up, w_down, down_t=True,
     operand, in the inputs' dtype, as in dense autograd. The element-wise work is one pass
     (:func:`twell.kernels.dense_rows.dense_rows_backward`)."""
     need_x, need_first, need_up, need_down = needs
-    d1, da, h = dense_rows_backward(torch.mm(dy_r, w_down), s, u, c)
+    d1, da, h = dense_rows_backward(torch.mm(dy_r, w_down), s, u, c, c_scale, check=False)
     if u is None:  # d1 is dh, s is h
         h, d_first, d_up = s, d1, None
     else:  # d1 is du
@@ -429,7 +430,7 @@ def _forward(x, w_first, w_down, w_up, width, owner=None) -> tuple:
     if width == LAYER_CHOICE:
         return _layer_forward(x, w_first, w_down, w_up, owner)
     gated = w_up is not None
-    W = _check_args(x, w_up if gated else w_first, w_down, w_first if gated else None, max(width, 1))
+    W = _check_args(x, w_up if gated else w_first, w_down, w_first if gated else None, max(width, 1), sparse=width != 0)
     if width == 0:
         return _dense_forward(x, w_first, w_down, w_up)
     _refuse_capture(x)
@@ -458,7 +459,9 @@ def _dense_forward(x, w_first, w_down, w_up) -> tuple:
         s, u, y, l1_rows, unit_counts, row_counts = _dense_rows(x, a, w_up, w_down)
     del a
     n_heavy = torch.zeros((), dtype=torch.int64, device=x.device)
-    return (y, l1_rows.sum() / max(M, 1), row_counts, unit_counts, n_heavy, s, u) + (None,) * 5
+    # the mean over tokens (one launch; no tokens: 0, where the mean would be NaN)
+    l1 = l1_rows.mean() if M else l1_rows.sum()
+    return (y, l1, row_counts, unit_counts, n_heavy, s, u) + (None,) * 5
 
 
 def _layer_forward(x, w_first, w_down, w_up, owner) -> tuple:
@@ -501,13 +504,14 @@ def _backward(dy, dl1, x, w_first, w_down, w_up, counts, values, u, cols, heavy,
     if dy is None:
         dy = torch.zeros_like(x)
     if cols is None or cols.shape[1] == 0:  # every row dense
-        c = _l1_scale(dl1, x.shape[0], x.device)
         # w_down held as the transpose of a contiguous [f, d] matrix (the kernels' layout): its
         # gradient is made [f, d] and handed back transposed, in the parameter's own layout
         down_t = kernel_layout(w_down)
         with autocast_off(x.device.type):  # a backward run inside autocast too
-            dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), values, u, c, w_first, w_up, w_down,
-                                                             down_t=down_t, needs=(need_x, need_first, need_up, need_down))
+            # the L1 gradient per |h| is dl1 / M, scaled in the element-wise kernel (no launch for it)
+            dx, (dw_a, dw_b, dw_down) = _dense_rows_backward(x, dy.contiguous(), values, u, dl1, w_first, w_up, w_down,
+                                                             down_t=down_t, needs=(need_x, need_first, need_up, need_down),
+                                                             c_scale=1.0 / max(x.shape[0], 1))
         if down_t and dw_down is not None:
             dw_down = dw_down.t()
         return (dx, dw_b, dw_down, dw_a) if gated else (dx, dw_a, dw_down, None)  # gated: dw_a is w_up's
