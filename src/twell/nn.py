@@ -38,6 +38,7 @@ from .training import path as train_path
 from .checks import KERNEL_DTYPES, triton_interpreting
 from .inference.dispatch import MODES, _distributed
 from .optim_layout import follow_layout
+from .training.ops import autocast_off, dense_ffn, dense_gated_ffn, layer_ffn, sparse_ffn, sparse_gated_ffn
 
 __all__ = ["SparsityStats", "SparseGatedMLP", "SparseMLP", "l1_loss", "sparse_modules", "use_kernel_layout"]
 
@@ -422,8 +423,6 @@ class _SparseFFN(nn.Module):
         ``weights``: (first, up, down) gated, (up, down) non-gated. Under autocast the input and
         the weights are cast to its dtype here (differentiably: gradients reach fp32 weights in
         fp32)."""
-        from .training.ops import autocast_off, dense_ffn, dense_gated_ffn, layer_ffn, sparse_ffn, sparse_gated_ffn
-
         shape = x.shape
         x2 = _token_rows(x)
         dev = x.device.type
