@@ -424,7 +424,7 @@ class _SparseFFN(nn.Module):
         the weights are cast to its dtype here (differentiably: gradients reach fp32 weights in
         fp32)."""
         shape = x.shape
-        x2 = _token_rows(x)
+        x2 = x if x.dim() == 2 else _token_rows(x)
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
@@ -442,7 +442,7 @@ class _SparseFFN(nn.Module):
             self._record_counts(out.row_counts, out.unit_counts)
         if path != "layer":  # (the layer's op notes its own choice)
             self._twell_train.note_call(path, out.row_counts, self.intermediate_size)
-        return out.y.reshape(shape)
+        return out.y if x.dim() == 2 else out.y.reshape(shape)
 
     def _train_dense_done(self, first: torch.Tensor) -> None:
         """After a dense training call that made a path choice: note it, and publish the row
