@@ -3,9 +3,10 @@ large token counts: GPU kernels, GPU idle, host.
 
     CASES=1024:29:even,4096:29:even python benchmarks/train_call_stage.py OUTDIR
 
-For each case ``M:k:distribution`` (d 2048, f 5632, bf16) four variants, each forward +
+For each case ``M:k:distribution`` (d 2048, f 5632, bf16) five variants, each forward +
 backward of ``y`` for a gradient ``dy``: ``dense`` (three-Linear PyTorch MLP, no L1 term),
 ``module`` (:class:`twell.SparseGatedMLP`, default settings, its L1 term in the loss),
+``plain_module`` (the module on its dense path as PyTorch ops: ``FUSED_DENSE`` off),
 ``fused_dense`` (:func:`twell.training.ops.dense_gated_ffn`, with the L1 term) and ``sparse``
 (:func:`twell.training.ops.sparse_gated_ffn` at the width its mean gives, with the L1 term).
 Each is timed call by call in turn with the others (``interleaved_ms``), its host time to issue
@@ -15,7 +16,7 @@ and the kernels by total time. The question it answers: where a training call be
 ``twell.training.path.MIN_SPARSE_TOKENS`` tokens loses to dense PyTorch.
 
 With HOST_PROFILE=1 it also prints, per case, where the host spends a call of ``module`` and
-of ``fused_dense`` (cProfile over 20 calls, the functions by their own time).
+of ``plain_module`` and ``fused_dense`` (cProfile over 20 calls, the functions by their own time).
 
 Writes OUTDIR/train_call_stage_<gpu>.json; prints a table last.
 """
@@ -74,10 +75,19 @@ def variants(M: int, k: int, dist: str) -> dict:
         y = m(x)
         return torch.autograd.grad((y, m.l1), (x, *params), (dy, lam))
 
+    def plain_module():  # the module's dense path as PyTorch ops (train_path.FUSED_DENSE off)
+        from twell.training import path as train_path
+
+        train_path.FUSED_DENSE = False
+        try:
+            return module()
+        finally:
+            train_path.FUSED_DENSE = True
+
     for _ in range(4):
         module()
     torch.cuda.synchronize()
-    return {"dense": dense, "module": module,
+    return {"dense": dense, "module": module, "plain_module": plain_module,
             "fused_dense": op(lambda: dense_gated_ffn(x, wg, wu, wd)),
             "sparse": op(lambda: sparse_gated_ffn(x, wg, wu, wd, width)),
             "_module": m, "_width": width}
@@ -118,7 +128,7 @@ def main(out: str) -> None:
             import cProfile
             import pstats
 
-            for n in ("module", "fused_dense"):
+            for n in ("module", "plain_module", "fused_dense"):
                 prof = cProfile.Profile()
                 prof.enable()
                 for _ in range(20):
@@ -142,7 +152,7 @@ def main(out: str) -> None:
         print(f"M {r['M']:6d} k {r['k']:3d} {r['distribution']:6s} {r['variant']:12s} {r['ms']:7.3f} ms "
               f"({base['ms'] / r['ms']:.2f}x) host {r['host_us']:7.0f} us  GPU span {r['span_us']:7.0f} us kernels "
               f"{r['kernels_us']:7.0f} us in {r['launches']:.0f} launches  path {r['module_path']}")
-        if r["variant"] in ("module", "fused_dense") or r["M"] <= 4096:
+        if r["variant"] in ("module", "fused_dense") or r["M"] <= 4096:  # (plain_module: PyTorch's kernels)
             print("      " + "; ".join(f"{n[:40]} {t:.0f}" for n, t in r["top_kernels"][:8]))
 
 
