@@ -15,7 +15,7 @@ a time: the span from the first kernel's start to the last one's end, the kernel
 and the kernels by total time. The question it answers: where a training call below
 ``twell.training.path.MIN_SPARSE_TOKENS`` tokens loses to dense PyTorch.
 
-With HOST_PROFILE=1 it also prints, per case, where the host spends a call of ``module`` and
+With HOST_PROFILE=1 it also prints, per case, where the host spends a call of ``module``,
 of ``plain_module`` and ``fused_dense`` (cProfile over 20 calls, the functions by their own time).
 
 Writes OUTDIR/train_call_stage_<gpu>.json; prints a table last.
