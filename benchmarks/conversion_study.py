@@ -37,6 +37,9 @@ outlive its call, so each phase benchmarks the models it trained):
         command of phase B, with the dense run's steps
     python benchmarks/conversion_study.py --phase B --out $OUT --steps N
         scratch_sparse for N steps (the dense run's) and its benchmark: conversion_B.json and its log
+    python benchmarks/conversion_study.py --phase AB --out $OUT [--train-s 80]
+        both in one process, the corpus prepared once and B at A's steps: where one device call
+        must hold the whole study (a shorter dense run)
     python benchmarks/conversion_study.py --phase report --out DIR
         DIR/conversion_A.json and DIR/conversion_B.json merged into DIR/conversion_<gpu>.json and
         conversion_<gpu>.png (per-layer active and dead shares of every run, validation losses)
@@ -366,9 +369,11 @@ def bench_or_note(a, what, *args) -> dict:
     return {"bench": what(*args)}
 
 
-def phase_a(a, out: Path) -> None:
-    clock = Clock()
-    data = prepare_data(a, clock)
+def phase_a(a, out: Path, data: Optional[dict] = None, clock: Optional[Clock] = None) -> int:
+    """Phase A (see the module's text); ``data``: a corpus :func:`prepare_data` made already
+    (phase AB). Returns the dense run's steps."""
+    clock = clock or Clock()
+    data = data or prepare_data(a, clock)
     doc = {"phase": "A", "preset": a.preset, **machine(), "tokenizer": data["tokenizer"], "corpus": data["corpus"],
            "settings": settings(a), "runs": [], "seconds": clock.stages}
     base = base_config(a, data["folder"])
@@ -423,11 +428,13 @@ def phase_a(a, out: Path) -> None:
     print(f"\nphase A done in {clock.elapsed:.0f} s; phase B: python benchmarks/conversion_study.py --phase B "
           f"--out OUT --steps {steps}" + (f" --preset {a.preset}" if a.preset != "0.5b" else ""), flush=True)
     print_table(doc["runs"])
+    return steps
 
 
-def phase_b(a, out: Path) -> None:
-    clock = Clock()
-    data = prepare_data(a, clock)
+def phase_b(a, out: Path, data: Optional[dict] = None, clock: Optional[Clock] = None) -> None:
+    """Phase B (see the module's text); ``data`` as :func:`phase_a` takes it."""
+    clock = clock or Clock()
+    data = data or prepare_data(a, clock)
     doc = {"phase": "B", "preset": a.preset, **machine(), "tokenizer": data["tokenizer"], "corpus": data["corpus"],
            "settings": settings(a), "runs": [], "seconds": clock.stages}
     base = base_config(a, data["folder"])
@@ -580,8 +587,8 @@ def print_table(runs: list[dict]) -> None:
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 epilog="Phases: A (dense, export, converted_10, converted_25), B (scratch_sparse, "
-                                "--steps of the dense run), report (merge). See the module's docstring.")
-    p.add_argument("--phase", choices=["A", "B", "report"], required=True)
+                                "--steps of the dense run), AB (both in one process), report (merge). See the module's docstring.")
+    p.add_argument("--phase", choices=["A", "B", "AB", "report"], required=True)
     p.add_argument("--out", required=True, help="the phase's JSON and logs; for report, where both phases' JSON lie")
     p.add_argument("--inputs", nargs=2, metavar=("A_JSON", "B_JSON"), help="report: the phases' files (default: in --out)")
     p.add_argument("--preset", default="0.5b")
@@ -628,6 +635,12 @@ def main(argv=None) -> None:
         raise SystemExit(f"conversion_study: unknown preset {a.preset!r}; choose one of {', '.join(PRESETS)}")
     out.mkdir(parents=True, exist_ok=True)
     Path(a.runs_dir).mkdir(parents=True, exist_ok=True)
+    if a.phase == "AB":  # both in one process: the corpus prepared once, B at A's steps
+        clock = Clock()
+        data = prepare_data(a, clock)
+        a.steps = phase_a(a, out, data, clock)
+        phase_b(a, out, data, clock)
+        return
     (phase_a if a.phase == "A" else phase_b)(a, out)
 
 

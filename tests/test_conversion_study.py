@@ -96,3 +96,17 @@ def test_phase_b_needs_the_dense_runs_steps(tmp_path, study):
     with pytest.raises(SystemExit, match="phase B needs --steps N"):
         script.main(["--phase", "B", "--out", str(tmp_path / "b"), *common])
     assert not (tmp_path / "b").exists()
+
+
+def test_phase_ab_runs_both_on_one_corpus(tmp_path, study, capsys):
+    script, common = study
+    script.main(["--phase", "AB", "--out", str(tmp_path / "ab"), "--train-s", "0.01", *common])
+    a = json.loads((tmp_path / "ab" / "conversion_A.json").read_text())
+    b = json.loads((tmp_path / "ab" / "conversion_B.json").read_text())
+    assert [r["name"] for r in a["runs"]] == ["dense", "converted_10", "converted_25"]
+    assert [r["name"] for r in b["runs"]] == ["scratch_sparse"]
+    assert b["runs"][0]["tokens"] == a["runs"][0]["tokens"]  # B at A's steps
+    assert b["tokenizer"] == a["tokenizer"] and b["corpus"] == a["corpus"]  # prepared once
+    assert capsys.readouterr().out.count("] tokenizer (") == 1
+    script.main(["--phase", "report", "--out", str(tmp_path / "ab")])
+    assert json.loads((tmp_path / "ab" / "conversion_cpu.json").read_text())["problems"] == []
