@@ -260,3 +260,29 @@ def test_fp8_custom_op_passes_opcheck():
     w = fp8.fp8_gated_weights(wg, wu, wd)
     torch.library.opcheck(ffn_fp8, (x, w.gate.q, w.gate.scale, w.up.q, w.up.scale, w.down_t.q, w.down_t.scale),
                           test_utils=("test_faketensor",))  # (test_schema multiplies the inputs: no float8 CPU kernel)
+
+
+def test_fp8_module_dense_path_is_the_per_unit_scaled_math_and_follows_new_weights():
+    """A layer too dense for the sparse path (k_est above MAX_DENSITY f) computes dense FP8 from
+    its own rows: the down rows' per-unit scales folded into the up product, h quantised per
+    token, the e4m3 down rows. Its kept copies are remade when new weights are loaded."""
+    from twell.fp8_nn import Fp8SparseGatedMLP
+
+    def plain(x, w):  # the same math in plain PyTorch, fp32 throughout
+        xq = fp8.quantize_tokens(x)
+        u = xq.dequantize() @ w.up.dequantize().t() * w.down_t.scale
+        h = torch.relu(xq.dequantize() @ w.gate.dequantize().t()) * u
+        return fp8.quantize_tokens(h).dequantize() @ w.down_t.q.float()
+
+    x, wg, wu, wd = gate_case(12, 40, 100, torch.float32, seed=6)
+    m = Fp8SparseGatedMLP.from_weights(wg, wu, wd)
+    m.k_est = float(m.intermediate_size)  # as a layer that measured every unit active
+    with torch.no_grad():
+        y = m(x)
+        assert m.last_path == "dense"
+        assert rel_err(y, plain(x, m.weights())) < 1e-5
+        _, wg2, wu2, wd2 = gate_case(12, 40, 100, torch.float32, seed=7)
+        m.load_state_dict(Fp8SparseGatedMLP.from_weights(wg2, wu2, wd2).state_dict())
+        y2 = m(x)
+        assert m.last_path == "dense"
+        assert rel_err(y2, plain(x, m.weights())) < 1e-5

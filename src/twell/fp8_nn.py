@@ -67,6 +67,7 @@ class Fp8SparseGatedMLP(nn.Module):
         self._event = None
         self._scratch = None
         self._down_cm: Optional[torch.Tensor] = None
+        self._up_down_scale: Optional[torch.Tensor] = None
 
     @classmethod
     def from_weights(cls, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> "Fp8SparseGatedMLP":
@@ -92,6 +93,11 @@ class Fp8SparseGatedMLP(nn.Module):
     def weights(self) -> Fp8GatedWeights:
         return Fp8GatedWeights(Fp8Rows(self.gate_q, self.gate_scale), Fp8Rows(self.up_q, self.up_scale),
                                Fp8Rows(self.down_t_q, self.down_scale))
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        super()._load_from_state_dict(*args, **kwargs)
+        # the dense path's kept copies were made from the old weights
+        self._down_cm = self._up_down_scale = None
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, weights=float8_e4m3fn per-row"
@@ -135,9 +141,12 @@ class Fp8SparseGatedMLP(nn.Module):
         if self.k_est is not None and self.k_est > MAX_DENSITY * self.intermediate_size:
             self.last_path = "dense"
             if (self._down_cm is None or self._down_cm.device != x.device) and not capturing:
-                # the down rows as _scaled_mm's column-major operand, kept: a dense layer's extra third
+                # the down rows as _scaled_mm's column-major operand, kept: a dense layer's extra
+                # third; and the up rows' scales times the down rows' (f floats)
                 self._down_cm = self.down_t_q.t().contiguous().t()
-            return dense_fp8_down_per_unit(x, w, self._down_cm if self._down_cm is not None and self._down_cm.device == x.device else None)
+                self._up_down_scale = self.up_scale * self.down_scale
+            kept = self._down_cm is not None and self._down_cm.device == x.device
+            return dense_fp8_down_per_unit(x, w, self._down_cm if kept else None, self._up_down_scale if kept else None)
         self.last_path = "prefill"
         y, g = prefill_fp8(x, w, k_est=self.k_est)
         if x.is_cuda and not capturing and self._event is None and (self.k_est is None or self._calls % PROBE_EVERY == 1):

@@ -80,23 +80,31 @@ def prefill_fp8(x: torch.Tensor, w: Fp8GatedWeights, tile: Optional[int] = None,
     return y, g
 
 
-def dense_fp8_down_per_unit(x: torch.Tensor, w: Fp8GatedWeights, down_cm: Optional[torch.Tensor] = None) -> torch.Tensor:
+def dense_fp8_down_per_unit(x: torch.Tensor, w: Fp8GatedWeights, down_cm: Optional[torch.Tensor] = None,
+                            up_down_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The dense FP8 computation of twell's FP8 weights (down scaled per unit): gate and up
     rowwise-scaled FP8 products, ``relu(g) * u`` with each unit's down scale folded in, quantised
     per token, and the down product against the e4m3 down rows (unit scale 1 per output). What
     an FP8 layer too dense for the sparse path computes. ``x [M, d]`` -> ``y [M, d]``.
-    ``down_cm``: the down rows as ``torch._scaled_mm`` reads its second operand,
-    ``w.down_t.q.t().contiguous().t()`` (a caller's kept copy; else made per call)."""
+
+    The down scale is folded into the up product's per-unit scale (``_scaled_mm`` applies it in
+    its epilogue), so that the element-wise work is the dense FP8 layer's: one ``relu(g) * u``
+    pass in x's dtype and one quantisation. ``down_cm``: the down rows as ``torch._scaled_mm``
+    reads its second operand, ``w.down_t.q.t().contiguous().t()``; ``up_down_scale``: ``[f]``
+    fp32, ``w.up.scale * w.down_t.scale`` (a caller's kept copies; else made per call)."""
     from ..kernels.elementwise import relu_mul_
 
     xq = quantize_activations(x)
-    u = _scaled_mm(xq, w.up, torch.float32) * w.down_t.scale[None, :]
-    h = relu_mul_(u, _scaled_mm(xq, w.gate, x.dtype).float()) if x.is_cuda else torch.relu(_scaled_mm(xq, w.gate, x.dtype).float()) * u
+    if up_down_scale is None:
+        up_down_scale = w.up.scale * w.down_t.scale
+    u = _scaled_mm(xq, Fp8Rows(w.up.q, up_down_scale), x.dtype)
+    g = _scaled_mm(xq, w.gate, x.dtype)
+    h = relu_mul_(u, g) if x.is_cuda else torch.relu(g.float()).mul_(u.float()).to(x.dtype)
     hq = quantize_activations(h)
-    ones = torch.ones(w.down_t.q.shape[1], dtype=torch.float32, device=x.device)
     if down_cm is None:  # the down rows as a [f, d] column-major operand
         down_cm = w.down_t.q.t().contiguous().t()
-    return torch._scaled_mm(hq.q, down_cm, scale_a=hq.scale[:, None], scale_b=ones[None, :], out_dtype=x.dtype)
+    ones = hq.scale.new_ones(1, down_cm.shape[1])  # (the down rows' scales are folded in above)
+    return torch._scaled_mm(hq.q, down_cm, scale_a=hq.scale[:, None], scale_b=ones, out_dtype=x.dtype)
 
 
 _SCRATCH: dict = {}  # (device, d) -> DecodeScratch for the custom op's decode calls
