@@ -179,6 +179,30 @@ def test_compiled_training_step_equals_eager(cls, kernels, use_checkpoint, small
         assert torch.equal(compiled.fire_counts, eager.fire_counts) and int(compiled.tokens_seen) == 9
 
 
+def test_compiled_plain_dense_path_is_the_pytorch_ops(monkeypatch):
+    """With train_kernels "dense" and FUSED_DENSE off a compiled module trains on its PyTorch ops
+    (no twell op in the graph, for the compiler to fuse), with eager's output, L1 term,
+    gradients and statistics."""
+    monkeypatch.setattr(train_path, "FUSED_DENSE", False)
+    eager, compiled = _pair(SparseGatedMLP, "dense")
+    x = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(5)).to(DEV)
+    r = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(6)).to(DEV)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    got = _step(torch.compile(compiled, fullgraph=True, backend=backend), compiled, x, r)
+    want = _step(eager, eager, x, r)
+    assert len(graphs) == 1 and "twell" not in graphs[0].code
+    for name, a, b in zip(["y", "l1", "dx"] + [n for n, _ in eager.named_parameters()], got, want):
+        assert rel_err(a, b) < 1e-6, (name, rel_err(a, b))
+    assert torch.equal(compiled.stats.unit_counts, eager.stats.unit_counts)
+    assert torch.equal(compiled.fire_counts, eager.fire_counts)
+
+
 @pytest.mark.parametrize("fullgraph", [True, False])
 def test_no_graph_break_in_the_mlp(fullgraph):
     """One graph, the training op inside it, with or without fullgraph (without it dynamo would

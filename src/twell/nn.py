@@ -399,7 +399,8 @@ class _SparseFFN(nn.Module):
         bias; fp32/fp16/bf16 after autocast; no forward hooks on the projections); None: the
         plain dense math, no choice made. While ``torch.compile`` traces: ``("layer",
         LAYER_CHOICE)``, the choice left to the training op at run time
-        (:func:`twell.training.ops.layer_ffn`)."""
+        (:func:`twell.training.ops.layer_ffn`); with ``train_kernels`` "dense" and
+        ``twell.training.path.FUSED_DENSE`` off, None (the PyTorch ops, compiled)."""
         if not torch.is_grad_enabled() or self.down_proj.bias is not None or _hooked(self._modules.values()):
             return None
         if not x.is_cuda and not (self.train_kernels != "auto" and triton_interpreting() and not x.is_meta):
@@ -409,6 +410,8 @@ class _SparseFFN(nn.Module):
         if dtype not in KERNEL_DTYPES:
             return None  # float64 and the like: the dense math
         if torch.compiler.is_compiling():
+            if self.train_kernels == "dense" and not train_path.FUSED_DENSE:
+                return None  # the dense path as PyTorch ops, which the compiler fuses as it likes
             # The choice reads this layer's measured sparsity on the host and changes with it: made
             # in the op at run time, so that one compiled graph serves every layer and every choice
             return "layer", train_path.LAYER_CHOICE

@@ -32,9 +32,10 @@ trained model instead (its own sparsity, ``sparsity_source`` "trained") and runs
 its run's validation split; records of other models already in the JSON are kept.
 
 ``training`` times the gated FFN's forward + backward, dense PyTorch against twell's sparse
-training kernels (M 16384 and 65536, k 8 to 5632, three distributions), with every gradient's
-error and the bytes saved for backward, then training steps of the 0.5b preset with constructed
-sparsity on dense and on sparse kernels: ``training_mlp_<gpu>.{json,csv,png}``.
+training kernels (M 1024 to 65536, k 8 to 280, three distributions), eager and compiled, with
+every gradient's error and the bytes saved for backward, then training steps of the 0.5b preset
+with constructed sparsity on dense and on sparse kernels, eager and with each decoder layer
+compiled: ``training_mlp_<gpu>.{json,csv,png}``.
 
 ``compiled`` measures twell under ``torch.compile`` as users run it (:mod:`twell.bench.compiled`):
 the batch grid (1 to 131072 tokens, k 29 and 280, even and heavy rows) eager, in CUDA graphs,
@@ -438,8 +439,9 @@ def plot_training(records: list[dict], steps: list[dict], path_png: str) -> None
         ax.legend(fontsize=7)
     for s in steps:
         axes[2].plot(range(1, len(s["losses"]) + 1), s["losses"], ls="-" if s["kernels"] == "dense" else "--",
-                     label=f"{s['kernels']}, lr {s.get('lr', 3e-4):g}: {s['tokens_per_s']:.0f} tok/s")
-    axes[2].set_xlabel("step (5 warm-up steps first)")
+                     label=f"{s['kernels']}{' compiled' if s.get('compile') else ''}, lr {s.get('lr', 3e-4):g}: "
+                           f"{s['tokens_per_s']:.0f} tok/s")
+    axes[2].set_xlabel("step (the warm-up steps first)")
     axes[2].set_ylabel("cross entropy")
     axes[2].set_title(f"{steps[0]['preset'] if steps else ''} train steps, same weights and batches", fontsize=10)
     axes[2].legend(fontsize=8)

@@ -345,73 +345,96 @@ def train_step(model, opt, ids: torch.Tensor, lam: float = 2e-5) -> torch.Tensor
 
 
 def train_step_records(preset: str = "0.5b", k: float = 29, batch: int = 8, seq: int = 2048, steps: int = 50,
-                       lrs: tuple = (0.0, 3e-4), log: Callable[[str], None] = print) -> list[dict]:
+                       lrs: tuple = (0.0, 3e-4), compiled: bool = True,
+                       log: Callable[[str], None] = print) -> list[dict]:
     """Training steps of ``preset`` (constructed sparsity: :func:`twell.bench.model.calibrate_sparsity`)
     with the MLPs' dense and sparse kernels, from the same weights and batches: tokens/s over the
-    steps after 5 warm-up steps, peak memory (the model, optimizer state and steps: what the process
-    held before the model was built is not counted), and the loss curve (AdamW, bf16 autocast, L1 term).
+    steps after the warm-up steps, peak memory (the model, optimizer state and steps: what the
+    process held before the model was built is not counted), and the loss curve (AdamW, bf16
+    autocast, L1 term).
 
-    Four records per learning rate in ``lrs``, by ``kernels``: "dense" (the modules' plain
+    Four eager records per learning rate in ``lrs``, by ``kernels``: "dense" (the modules' plain
     PyTorch math, ``twell.training.path.FUSED_DENSE`` off: the baseline), "dense_fused" (the dense
-    path as it ships: :func:`twell.training.ops.dense_gated_ffn`), "sparse", "auto" (the default). The constructed sparsity is
-    not a trained one: nothing holds it while the weights move (the first steps at lr 3e-4 made
-    most rows heavier than the ELL width), so lr 0 (every step's work done, the weights kept) is
-    the timing at the constructed sparsity, and lr 3e-4 the loss-curve check. Each record has
-    the layers' active units per token after the first and the last step."""
+    path as it ships: :func:`twell.training.ops.dense_gated_ffn`), "sparse", "auto" (the default).
+    With ``compiled``, two more at lr 0 with each decoder layer compiled (as ``twell train
+    --compile`` does): "dense" (the plain PyTorch math, which inductor fuses) and "auto". Each
+    record says ``compile``. The constructed sparsity is not a trained one: nothing holds it while
+    the weights move (the first steps at lr 3e-4 made most rows heavier than the ELL width), so lr
+    0 (every step's work done, the weights kept) is the timing at the constructed sparsity, and
+    lr 3e-4 the loss-curve check. Each record has the layers' active units per token after the
+    first and the last step."""
+    from ..training import path as train_path
+
+    vocab = 49152
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    warm = 8  # (compiled layers compile in the first steps)
+    ids = torch.randint(0, vocab, (steps + warm, batch, seq + 1), device="cuda", generator=gen)
+    config, state = constructed_state(preset, k, ids[0, :4, :seq], vocab)
+    variants = [(lr, kernels, False) for lr in lrs for kernels in ("dense", "dense_fused", "sparse", "auto")]
+    if compiled:
+        variants += [(0.0, "dense", True), (0.0, "auto", True)]
+    out = []
+    was = train_path.FUSED_DENSE
+    try:
+        for lr, kernels, compile_layers in variants:
+            train_path.FUSED_DENSE = kernels != "dense"
+            rec = _time_train_steps(config, state, ids, kernels.replace("_fused", ""), lr, compile_layers, warm)
+            rec.update(preset=preset, kernels=kernels, compile=compile_layers, lr=lr, k=k, batch=batch, seq=seq,
+                       steps=steps)
+            out.append(rec)
+            log(f"train step {preset} lr {lr:g} kernels {kernels}{' compiled' if compile_layers else ''}: "
+                f"{rec['tokens_per_s']:.0f} tokens/s, peak {rec['peak_bytes'] / 2**30:.1f} GiB, loss "
+                f"{rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}, paths {rec['paths']}, active per layer first/last "
+                f"step {[round(v, 1) for v in rec['active_mean_first_step']]} / "
+                f"{[round(v, 1) for v in rec['active_mean_last_step']]}, max {rec['active_max_first_step']} / "
+                f"{rec['active_max_last_step']}")
+    finally:
+        train_path.FUSED_DENSE = was
+    return out
+
+
+def _time_train_steps(config, state: dict, ids: torch.Tensor, kernels: str, lr: float, compile_layers: bool,
+                      warm: int) -> dict:
+    """One record of :func:`train_step_records`: the model built on ``kernels`` (each decoder
+    layer compiled with ``compile_layers``), ``len(ids) - warm`` timed steps after ``warm``."""
     import time
 
     from ..nn import sparse_modules
 
-    info = machine_info()
-    vocab = 49152
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    ids = torch.randint(0, vocab, (steps + 5, batch, seq + 1), device="cuda", generator=gen)
-    config, state = constructed_state(preset, k, ids[0, :4, :seq], vocab)
-    from ..training import path as train_path
-
-    out = []
-    was = train_path.FUSED_DENSE
-    try:
-        for lr in lrs:
-            for kernels in ("dense", "dense_fused", "sparse", "auto"):
-                train_path.FUSED_DENSE = kernels != "dense"
-                reset_peak()  # each variant makes its own cuBLAS workspaces inside its window
-                held_before = torch.cuda.memory_allocated()  # the caller's tensors (the grid's, say): not this step's
-                model = sparse_model(config, state, kernels.replace("_fused", ""))
-                mods = sparse_modules(model)
-                opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1 if lr else 0.0, fused=True)
-                losses = []
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-                t0 = None
-                first_mean = first_max = None
-                for i in range(steps + 5):
-                    if i == 5:
-                        torch.cuda.synchronize()
-                        t0 = time.perf_counter()
-                    losses.append(train_step(model, opt, ids[i]))
-                    if i == 0:
-                        first_mean = [float(m.stats.active_mean) for m in mods]
-                        first_max = [int(m.stats.active_max) for m in mods]
-                torch.cuda.synchronize()
-                seconds = time.perf_counter() - t0
-                paths = sorted({m.last_train_path for m in mods if getattr(m, "last_train_path", None)})
-                rec = dict(preset=preset, kernels=kernels, lr=lr, k=k, batch=batch, seq=seq, steps=steps,
-                           tokens_per_s=steps * batch * seq / seconds, peak_bytes=int(torch.cuda.max_memory_allocated() - held_before),
-                           losses=[float(v) for v in torch.stack(losses)], paths=paths,
-                           active_mean_first_step=first_mean, active_max_first_step=first_max,
-                           active_mean_last_step=[float(m.stats.active_mean) for m in mods],
-                           active_max_last_step=[int(m.stats.active_max) for m in mods], **info)
-                out.append(rec)
-                log(f"train step {preset} lr {lr:g} kernels {kernels}: {rec['tokens_per_s']:.0f} tokens/s, peak "
-                    f"{rec['peak_bytes'] / 2**30:.1f} GiB, loss {rec['losses'][0]:.4f} -> {rec['losses'][-1]:.4f}, paths {paths}, "
-                    f"active per layer first/last step {[round(v, 1) for v in first_mean]} / "
-                    f"{[round(v, 1) for v in rec['active_mean_last_step']]}, max {first_max} / {rec['active_max_last_step']}")
-                del model, opt, mods
-                torch.cuda.empty_cache()
-    finally:
-        train_path.FUSED_DENSE = was
-    return out
+    reset_peak()  # each variant makes its own cuBLAS workspaces inside its window
+    held_before = torch.cuda.memory_allocated()  # the caller's tensors (the grid's, say): not this step's
+    model = sparse_model(config, state, kernels)
+    if compile_layers:
+        for layer in model.model.layers:
+            layer.compile()
+    mods = sparse_modules(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1 if lr else 0.0, fused=True)
+    losses = []
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = None
+    first_mean = first_max = None
+    for i in range(len(ids)):
+        if i == warm:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        losses.append(train_step(model, opt, ids[i]))
+        if i == 0:
+            first_mean = [float(m.stats.active_mean) for m in mods]
+            first_max = [int(m.stats.active_max) for m in mods]
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    steps, (batch, seq) = len(ids) - warm, ids.shape[1:]
+    rec = dict(tokens_per_s=steps * batch * (seq - 1) / seconds,
+               peak_bytes=int(torch.cuda.max_memory_allocated() - held_before),
+               losses=[float(v) for v in torch.stack(losses)],
+               paths=sorted({m.last_train_path for m in mods if getattr(m, "last_train_path", None)}),
+               active_mean_first_step=first_mean, active_max_first_step=first_max,
+               active_mean_last_step=[float(m.stats.active_mean) for m in mods],
+               active_max_last_step=[int(m.stats.active_max) for m in mods], **machine_info())
+    del model, opt, mods
+    torch.cuda.empty_cache()
+    return rec
 
 
 def stage_tensors(M: int, k: float, distribution: str = "even", d: int = 2048, f: int = 5632, seed: int = 1):
