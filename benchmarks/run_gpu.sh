@@ -20,6 +20,7 @@
 #   prefillstage benchmarks/prefill_stage.py: one prefill call's kernels and idle gaps, profiled
 #   hotab        benchmarks/hot_units_ab.py: the prefill path with and without hot units
 #   trainstage   benchmarks/train_call_stage.py: one training call's kernels, GPU idle and host time (CASES)
+#   compiledstage benchmarks/compiled_call_stage.py: one compiled call at a few tokens, host and kernels (CASES)
 # Results sit under OUTDIR/STEP/ and together in OUTDIR/results.tar.gz. Prints each step's last lines.
 set -u
 OUTDIR="$1"
@@ -50,6 +51,7 @@ for step in "$@"; do
     prefillstage) cmd=(timeout "${PREFILLSTAGE_S:-240}" $PY benchmarks/prefill_stage.py "$dir") ;;
     hotab)       cmd=(timeout "${HOTAB_S:-300}" $PY benchmarks/hot_units_ab.py "$dir") ;;
     trainstage)  cmd=(timeout "${TRAINSTAGE_S:-240}" $PY benchmarks/train_call_stage.py "$dir") ;;
+    compiledstage) cmd=(timeout "${COMPILEDSTAGE_S:-240}" $PY benchmarks/compiled_call_stage.py "$dir") ;;
     *) echo "unknown step $step"; continue ;;
   esac
   "${cmd[@]}" > "$OUTDIR/$step.log" 2>&1

@@ -236,3 +236,29 @@ def test_bench_shape_parses_d_by_f_and_refuses_anything_else():
     # the command refuses a bad shape before it looks for a GPU
     with pytest.raises(SystemExit, match="--shape takes DxF"):
         bench_main(["batch", "--shape", "4096y11008"])
+
+
+def test_bench_training_no_grid_times_the_steps_only_and_keeps_the_files_grid(tmp_path, monkeypatch):
+    """``twell bench training --no-grid``: the train steps replace the file's, its grid records
+    and tuning stay as they were, and no grid call is made."""
+    import argparse
+    import json
+
+    from twell.bench import cli, training
+
+    grid = [dict(M=4096, k=29, distribution="even", dense_ms=2.0, sparse_ms=1.0, sparse_speedup=2.0, dense_path_ms=2.0,
+                 dense_path_speedup=1.0, twell_ms=1.0, speedup=2.0, twell_path="sparse", grad_rel_err={"x": 1e-3},
+                 max_row_err=1e-3, dense_max_row_err=1e-3, saved_bytes=1, dense_saved_bytes=2)]
+    path = tmp_path / "training_mlp_cpu.json"
+    path.write_text(json.dumps({"records": grid, "train_step": [{"old": True}], "tuning": {"kept": 1}}))
+    new_steps = [dict(preset="0.5b", kernels=k, compile=False, lr=0.0, tokens_per_s=t, peak_bytes=2**30, losses=[1.0],
+                      paths=["dense"]) for k, t in (("dense", 100.0), ("auto", 120.0))]
+    monkeypatch.setattr(training, "train_step_records", lambda *a, **kw: new_steps)
+    monkeypatch.setattr(training, "run_training_grid", lambda *a, **kw: pytest.fail("the grid ran"))
+    monkeypatch.setattr(cli, "plot_training", lambda *a, **kw: None)
+    args = argparse.Namespace(out=str(tmp_path), variants=False, no_grid=True, no_steps=False, quick=False, M=None,
+                              preset=None, k=29)
+    cli._training_bench(args, "cpu", lambda s: None, 0.0)
+    doc = json.loads(path.read_text())
+    assert doc["records"] == grid and doc["tuning"] == {"kept": 1}
+    assert doc["train_step"] == new_steps

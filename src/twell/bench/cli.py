@@ -148,7 +148,8 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--out", default="benchmarks/results", help="folder for the result files")
     parser.add_argument("--quick", action="store_true", help="a small grid (M 16384, k 29/56/280, even)")
     parser.add_argument("--variants", action="store_true", help="also time the design variants")
-    parser.add_argument("--no-grid", action="store_true", help="skip the main grid")
+    parser.add_argument("--no-grid", action="store_true", help="skip the main grid (training: the train steps "
+                        "only, the results file keeps its grid; compiled: the model only)")
     parser.add_argument("--rep", type=int, default=100, help="do_bench repetition budget in ms (the training grid instead times 40 calls of each variant in turn)")
     parser.add_argument("--M", type=int, nargs="+", help="inference: only these tokens per call (d 2048 rows of the "
                         "grid; a check, not a results file: written as inference_mlp_<gpu>_M.json); batch: "
@@ -382,26 +383,29 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
         tuning = tune_configs(log=log)
         with open(os.path.join(args.out, f"training_tuning_{tag}.json"), "w") as fh:
             json.dump(tuning, fh, indent=1)
-    if args.no_grid:
-        return
-    if args.quick:
-        records = run_training_grid(Ms=tuple(args.M or (16384,)), ks=(8, 29, 56, 280), distributions=("even", "heavy"),
-                                    log=log, partial_path=partial)
-    else:
-        records = run_training_grid(**({"Ms": tuple(args.M)} if args.M else {}), log=log, partial_path=partial)
     old = {}
     if os.path.exists(path):
         with open(path) as fh:
             old = json.load(fh)
-    if args.M:  # a part of the grid: the file keeps its records of the other token counts
+    if args.no_grid and args.no_steps:
+        return
+    if args.no_grid:  # the train steps only: the file keeps its grid
+        records = old.get("records", [])
+    elif args.quick:
+        records = run_training_grid(Ms=tuple(args.M or (16384,)), ks=(8, 29, 56, 280), distributions=("even", "heavy"),
+                                    log=log, partial_path=partial)
+    else:
+        records = run_training_grid(**({"Ms": tuple(args.M)} if args.M else {}), log=log, partial_path=partial)
+    if args.M and not args.no_grid:  # a part of the grid: the file keeps its records of the other token counts
         key = lambda r: (r["M"], r["k"], r["distribution"])  # noqa: E731
         new_keys = {key(r) for r in records}
         records = sorted([r for r in old.get("records", []) if key(r) not in new_keys] + records,
                          key=lambda r: (r["M"], r["distribution"], r["k"]))
     steps = old.get("train_step", []) if args.no_steps else train_step_records(args.preset or "0.5b", k=args.k, log=log)
     with open(path, "w") as fh:
-        json.dump({"records": records, "train_step": steps, "tuning": tuning}, fh, indent=1)
-    os.remove(partial)
+        json.dump({"records": records, "train_step": steps, "tuning": tuning or old.get("tuning")}, fh, indent=1)
+    if os.path.exists(partial):
+        os.remove(partial)
     _write_csv(records, os.path.splitext(path)[0] + ".csv")
     plot_training(records, steps, os.path.splitext(path)[0] + ".png")
     log(f"\n{'M':>6} {'k':>5} {'dist':7} {'dense':>7} {'sparse':>7} {'x':>5} {'dpath':>7} {'x':>5} {'twell':>7} {'x':>5} "
