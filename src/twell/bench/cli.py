@@ -332,7 +332,7 @@ def _model_bench(args, tag: str, log, t0: float) -> None:
     rows = [("prefill, HF default", "prefill_tok_per_ms"), ("prefill, lean", "prefill_lean_tok_per_ms"),
             ("decode b1, HF default", "decode_tok_per_s_b1"), ("decode b16, HF default", "decode_tok_per_s_b16"),
             ("decode b1, lean", "decode_lean_tok_per_s_b1"), ("decode b16, lean", "decode_lean_tok_per_s_b16"),
-            ("train step", "train_tok_per_s")]
+            ("train step", "train_tok_per_s"), ("train step, compiled", "train_compiled_tok_per_s")]
     log(f"\n{'':22s} {'dense':>10s} {'twell':>10s} {'ratio':>7s}")
     for name, key in rows:
         if dense.get(key) and twell.get(key):
@@ -502,7 +502,8 @@ def plot_model(records: list[dict], path_png: str) -> None:
     items = [("prefill\nHF default", "prefill_tok_per_ms", False), ("prefill\nlean", "prefill_lean_tok_per_ms", False),
              ("decode b1\nHF default", "decode_tok_per_s_b1", False), ("decode b16\nHF default", "decode_tok_per_s_b16", False),
              ("decode b1\nlean", "decode_lean_tok_per_s_b1", False), ("decode b16\nlean", "decode_lean_tok_per_s_b16", False),
-             ("train\nstep", "train_tok_per_s", False), ("energy\nHF default", "mj_per_token", True),
+             ("train\nstep", "train_tok_per_s", False), ("train step\ncompiled", "train_compiled_tok_per_s", False),
+             ("energy\nHF default", "mj_per_token", True),
              ("energy\nlean", "mj_per_token_lean", True), ("peak mem.\nprefill", "peak_bytes", True),
              ("peak mem.\nlean", "peak_bytes_lean", True)]
     names, ratios = [], []

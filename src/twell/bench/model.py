@@ -295,28 +295,41 @@ def _mlp_ms(model, tokens: int) -> float:
         return eager_ms(lambda: mlp(x), rep=300)
 
 
-def _train_step(model, batch: int, seq: int, steps: int = 4) -> dict:
+def _train_step(model, batch: int, seq: int, steps: int = 4, compiled: bool = True) -> dict:
     """Tokens/s and peak memory of forward + backward + AdamW (lr 0: the weights stay as they
-    are) on ``batch x seq`` random tokens, bf16 weights."""
+    are) on ``batch x seq`` random tokens, bf16 weights: ``train_tok_per_s``,
+    ``train_peak_bytes``; with ``compiled``, the same with each decoder layer compiled (as
+    ``twell train --compile`` does; three warm-up steps compile it): ``train_compiled_tok_per_s``,
+    ``train_compiled_peak_bytes``."""
     model.train()
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.0, weight_decay=0.0,
                             fused=True)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), device="cuda")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    reset_peak()
+    out = {}
+    layers = list(model.model.layers)
     try:
-        for i in range(steps + 2):
-            if i == 2:
-                start.record()
-            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        end.record()
-        end.synchronize()
-        return {"train_tok_per_s": steps * batch * seq / (start.elapsed_time(end) / 1e3),
-                "train_peak_bytes": int(torch.cuda.max_memory_allocated())}
+        for sfx, warm in (("", 2), ("_compiled", 3))[:2 if compiled else 1]:
+            if sfx:
+                torch._dynamo.reset()
+                for layer in layers:
+                    layer.compile(dynamic=False)
+            reset_peak()
+            for i in range(steps + warm):
+                if i == warm:
+                    start.record()
+                model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+            end.record()
+            end.synchronize()
+            out[f"train{sfx}_tok_per_s"] = steps * batch * seq / (start.elapsed_time(end) / 1e3)
+            out[f"train{sfx}_peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        return out
     finally:
         del opt
+        for layer in layers:  # (what nn.Module.compile set)
+            layer._compiled_call_impl = None
         model.eval()
         torch.cuda.empty_cache()
 
@@ -530,7 +543,8 @@ def bench_model(preset: str = "2b", k: float = 29, batch: int = 16, seq: int = 2
         if train_batch:
             rec.update(_train_step(model, train_batch, seq))
             log(f"{variant} train step ({train_batch} x {seq}): {rec['train_tok_per_s']:.0f} tokens/s, peak "
-                f"{rec['train_peak_bytes'] / 2**30:.1f} GiB")
+                f"{rec['train_peak_bytes'] / 2**30:.1f} GiB; decoder layers compiled "
+                f"{rec['train_compiled_tok_per_s']:.0f} tokens/s, peak {rec['train_compiled_peak_bytes'] / 2**30:.1f} GiB")
         rec.update(info)
         records.append(rec)
     decode = []
