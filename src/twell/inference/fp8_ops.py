@@ -26,6 +26,7 @@ from ..fp8 import Fp8GatedWeights, Fp8Rows, quantize_rows, quantize_tokens
 from ..format import TwELL
 from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
 from ..kernels.updown import default_config, splits
+from .op_library import inference_op
 from .ops import DEFAULT_COMPRESSION, default_tile
 
 __all__ = ["twell_fp8_ffn", "twell_gated_mlp_fp8", "DenseFp8Weights", "dense_fp8_weights", "dense_fp8_ffn", "quantize_activations"]
@@ -110,7 +111,12 @@ def dense_fp8_down_per_unit(x: torch.Tensor, w: Fp8GatedWeights, down_cm: Option
 _SCRATCH: dict = {}  # (device, d) -> DecodeScratch for the custom op's decode calls
 
 
-@torch.library.custom_op("twell::ffn_fp8", mutates_args=())
+def _ffn_fp8_fake(x, gate_q, gate_scale, up_q, up_scale, down_t_q, down_scale):
+    return x.new_empty(x.shape[0], x.shape[1])
+
+
+@inference_op("ffn_fp8", "(Tensor x, Tensor gate_q, Tensor gate_scale, Tensor up_q, Tensor up_scale, "
+                         "Tensor down_t_q, Tensor down_scale) -> Tensor", _ffn_fp8_fake)
 def ffn_fp8(x: torch.Tensor, gate_q: torch.Tensor, gate_scale: torch.Tensor, up_q: torch.Tensor, up_scale: torch.Tensor,
             down_t_q: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
     """twell's FP8 FFN as a custom op, for :class:`twell.fp8_nn.Fp8SparseGatedMLP` under
@@ -127,11 +133,6 @@ def ffn_fp8(x: torch.Tensor, gate_q: torch.Tensor, gate_scale: torch.Tensor, up_
         if scratch is None:
             scratch = _SCRATCH[key] = DecodeScratch(x.shape[1], x.device)
     return twell_fp8_ffn(x, w, scratch)
-
-
-@ffn_fp8.register_fake
-def _ffn_fp8_fake(x, gate_q, gate_scale, up_q, up_scale, down_t_q, down_scale):
-    return x.new_empty(x.shape[0], x.shape[1])
 
 
 def twell_fp8_ffn(x: torch.Tensor, w: Fp8GatedWeights, scratch=None, counters: Optional[OverflowCounters] = None,
