@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from .dispatch import layer_of_weight
-from .op_library import inference_op
+from .op_library import inference_op, off_default_stream
 
 __all__ = ["ffn_infer"]
 
@@ -63,8 +63,7 @@ def ffn_infer(x: torch.Tensor, w_first: torch.Tensor, w_down: torch.Tensor, w_up
         raise ValueError(f"twell::ffn_infer: x must be 2-D [M, d], got shape {list(x.shape)}")
     state = layer_of_weight(w_first)
     if state is not None:
-        if x.is_cuda and (torch.cuda.current_stream(x.device) != torch.cuda.default_stream(x.device)
-                          or torch.cuda.is_current_stream_capturing()):
+        if x.is_cuda and off_default_stream(x.get_device()):  # (a capture is never on the default stream)
             return state.run(x, w_first, w_down, w_up, make_scratch=False)
         return state.call(x, w_first, w_down, w_up, fresh_output=True)
     warnings.warn("twell::ffn_infer: no twell module owns these weights (copied by a compiler?); "

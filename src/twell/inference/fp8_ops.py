@@ -26,7 +26,7 @@ from ..fp8 import Fp8GatedWeights, Fp8Rows, quantize_rows, quantize_tokens
 from ..format import TwELL
 from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
 from ..kernels.updown import default_config, splits
-from .op_library import inference_op
+from .op_library import inference_op, off_default_stream
 from .ops import DEFAULT_COMPRESSION, default_tile
 
 __all__ = ["twell_fp8_ffn", "twell_gated_mlp_fp8", "DenseFp8Weights", "dense_fp8_weights", "dense_fp8_ffn", "quantize_activations"]
@@ -126,8 +126,7 @@ def ffn_fp8(x: torch.Tensor, gate_q: torch.Tensor, gate_scale: torch.Tensor, up_
 
     w = Fp8GatedWeights(Fp8Rows(gate_q, gate_scale), Fp8Rows(up_q, up_scale), Fp8Rows(down_t_q, down_scale))
     scratch = None
-    if x.is_cuda and not torch.cuda.is_current_stream_capturing() and \
-            torch.cuda.current_stream(x.device) == torch.cuda.default_stream(x.device):
+    if x.is_cuda and not off_default_stream(x.get_device()):  # (a capture is never on the default stream)
         key = (x.device, x.shape[1])
         scratch = _SCRATCH.get(key)
         if scratch is None:

@@ -18,9 +18,10 @@ from typing import Callable
 
 import torch
 
-__all__ = ["inference_op"]
+__all__ = ["inference_op", "off_default_stream"]
 
 _LIB = torch.library.Library("twell", "FRAGMENT")  # kept alive: the registrations live as long as it
+_DEFAULT_STREAM: dict = {}  # CUDA device index -> its default stream's handle
 
 
 def inference_op(name: str, schema: str, fake: Callable) -> Callable:
@@ -36,3 +37,13 @@ def inference_op(name: str, schema: str, fake: Callable) -> Callable:
         return getattr(torch.ops.twell, name).default
 
     return register
+
+
+def off_default_stream(index: int) -> bool:
+    """Whether the current stream of CUDA device ``index`` is not its default stream (inductor's
+    warm-up of its CUDA graphs, a caller's own stream, any capture): compared by handle, as
+    inductor's generated code reads it, without making two ``torch.cuda.Stream`` objects a call."""
+    default = _DEFAULT_STREAM.get(index)
+    if default is None:
+        default = _DEFAULT_STREAM[index] = torch.cuda.default_stream(index).cuda_stream
+    return torch._C._cuda_getCurrentRawStream(index) != default
