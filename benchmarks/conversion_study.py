@@ -42,7 +42,8 @@ outlive its call, so each phase benchmarks the models it trained):
         must hold the whole study (a shorter dense run)
     python benchmarks/conversion_study.py --phase report --out DIR
         DIR/conversion_A.json and DIR/conversion_B.json merged into DIR/conversion_<gpu>.json and
-        conversion_<gpu>.png (per-layer active and dead shares of every run, validation losses)
+        conversion_<gpu>.png (per-layer active and dead shares of every run, validation losses),
+        the runs' logs beside them as conversion_<gpu>_<run>_log.csv
 
 Each phase rewrites its JSON after every run, so a phase cut short keeps the runs it finished,
 and ends with a table of its runs. ``--preset tiny --train-s 10`` runs every phase on a CPU in a
@@ -558,6 +559,13 @@ def report(a, out: Path) -> dict:
         raise SystemExit(f"conversion_study report: {err}")
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"conversion_{study['gpu_tag']}.json"
+    for run in study["runs"]:  # the runs' logs beside it, named after the GPU as the study is
+        log = run.get("log")
+        src = inputs[0 if run.get("phase") == "A" else 1].parent / log if log else None
+        if src is not None and src.is_file():
+            run["log"] = f"conversion_{study['gpu_tag']}_{run['name']}_log.csv"
+            if src.resolve() != (out / run["log"]).resolve():
+                shutil.copy(src, out / run["log"])
     path.write_text(json.dumps(study, indent=1))
     plot(study, path.with_suffix(".png"))
     for problem in study["problems"]:

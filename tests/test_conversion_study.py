@@ -62,6 +62,10 @@ def test_the_phases_and_the_report(tmp_path, study, capsys):
     assert runs["dense"]["tokens"] == runs["scratch_sparse"]["tokens"] == 20 * batch_tokens
     assert runs["converted_10"]["tokens"] == 2 * batch_tokens and runs["converted_25"]["tokens"] == 5 * batch_tokens
     for r in doc["runs"]:
+        # each run's log copied beside the study, named after the GPU, the same rows as its phase's
+        assert r["log"] == f"conversion_cpu_{r['name']}_log.csv"
+        phase_dir = tmp_path / ("b" if r["name"] == "scratch_sparse" else "a")
+        assert (report / r["log"]).read_text() == (phase_dir / f"conversion_{r['name']}_log.csv").read_text()
         assert isinstance(r["val_loss"], float) and 0 < r["val_loss"] < 10
         assert r["val_tokens"] == runs["dense"]["val_tokens"]  # the same validation windows
         assert len(r["active_share_per_layer"]) == len(r["dead_share_per_layer"]) == 4
