@@ -409,7 +409,8 @@ def phase_a(a, out: Path, data: Optional[dict] = None, clock: Optional[Clock] = 
     clock.mark("dense prefill")
     for name, share in CONVERSIONS:
         n = max(1, round(share * steps))
-        cfg = replace(base, preset=None, init_from=str(export), lr=a.finetune_lr, l1=a.l1, l1_target=a.target,
+        cfg = replace(base, preset=None, init_from=str(export), lr=a.finetune_lr,
+                      l1=a.finetune_l1 if a.finetune_l1 is not None else a.l1, l1_target=a.target,
                       steps=n, eval_every=eval_every(n, a.log_every), out=str(runs / name))
         rec, checkpoint = train_run(name, cfg, out, before=at_start)
         rec.update(bench_or_note(a, prefill_sparse_model, a, checkpoint, tokens))
@@ -609,6 +610,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--finetune-lr", type=float, help="peak learning rate of the converted runs (default: twell "
                    "train's with --init-from)")
     p.add_argument("--l1", type=float, default=1e-4, help="lambda the sparse runs start from (default 1e-4)")
+    p.add_argument("--finetune-l1", type=float, help="lambda the converted runs ramp up to before the controller "
+                   "steers it (default: --l1); short conversions reach the target sooner from a larger one")
     p.add_argument("--target", type=float, default=0.01, help="active share per layer the sparse runs steer to "
                    "(--l1-target; default 0.01)")
     p.add_argument("--log-every", type=int, default=5, help="steps between log rows, where lambda adapts (default 5)")

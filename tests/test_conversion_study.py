@@ -104,11 +104,14 @@ def test_phase_b_needs_the_dense_runs_steps(tmp_path, study):
 
 def test_phase_ab_runs_both_on_one_corpus(tmp_path, study, capsys):
     script, common = study
-    script.main(["--phase", "AB", "--out", str(tmp_path / "ab"), "--train-s", "0.01", *common])
+    script.main(["--phase", "AB", "--out", str(tmp_path / "ab"), "--train-s", "0.01", "--l1", "2e-4",
+                 "--finetune-l1", "7e-4", *common])
     a = json.loads((tmp_path / "ab" / "conversion_A.json").read_text())
     b = json.loads((tmp_path / "ab" / "conversion_B.json").read_text())
     assert [r["name"] for r in a["runs"]] == ["dense", "converted_10", "converted_25"]
     assert [r["name"] for r in b["runs"]] == ["scratch_sparse"]
+    # the conversions start from --finetune-l1, the run from scratch from --l1
+    assert [r["l1"] for r in a["runs"][1:]] == [7e-4, 7e-4] and b["runs"][0]["l1"] == 2e-4
     assert b["runs"][0]["tokens"] == a["runs"][0]["tokens"]  # B at A's steps
     assert b["tokenizer"] == a["tokenizer"] and b["corpus"] == a["corpus"]  # prepared once
     assert capsys.readouterr().out.count("] tokenizer (") == 1
