@@ -2576,3 +2576,16 @@ def test_optimizer_hook_walks_a_snapshot_of_the_modules(monkeypatch):
         p.grad = torch.ones_like(p)
     opt.step()
     opt.step()
+
+
+def test_inference_ops_have_no_autograd_wrapper():
+    """twell's inference ops are registered with one kernel for every backend and no Autograd
+    kernel: ``torch.library.custom_op`` would add one, a Python wrapper that redispatches and
+    checks aliasing on every call, which cost a compiled model more host time per layer than
+    the op's own work at a few tokens."""
+    import twell.inference.custom_op  # noqa: F401
+    import twell.inference.fp8_ops  # noqa: F401
+
+    for name in ("twell::ffn_infer", "twell::ffn_fp8"):
+        assert torch._C._dispatch_has_kernel_for_dispatch_key(name, "CompositeExplicitAutograd"), name
+        assert not torch._C._dispatch_has_kernel_for_dispatch_key(name, "Autograd"), name
