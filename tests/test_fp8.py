@@ -210,7 +210,17 @@ def test_fp8_decode_kernel(M, dtype):
         ffn_decode_fp8(torch.zeros(9, 40, dtype=dtype), w)
 
 
-def test_sparsify_fp8_makes_inference_modules_that_match_the_reference():
+@pytest.fixture
+def fp8_nn(monkeypatch):
+    """twell.fp8_nn with its path constants restored after the test."""
+    from twell import fp8_nn as mod
+
+    for name in ("PREFILL_MIN_M", "EAGER_PREFILL_MIN_M", "HEAVY_PREFILL_MIN_M", "MAX_WHOLE_ROWS", "MAX_DENSITY"):
+        monkeypatch.setattr(mod, name, getattr(mod, name))
+    return mod
+
+
+def test_sparsify_fp8_makes_inference_modules_that_match_the_reference(fp8_nn):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     import twell
@@ -227,7 +237,10 @@ def test_sparsify_fp8_makes_inference_modules_that_match_the_reference():
     assert len(mods) == 2 and not any(isinstance(m, torch.nn.Linear) for m in mods[0].modules())
     x = torch.randn(2, 5, 32)
     with torch.no_grad():
-        y = mods[0](x)  # 10 tokens: the prefill path
+        mods[0](x)  # 10 tokens, fewer than PREFILL_MIN_M: dense FP8
+        assert mods[0].last_path == "dense"
+        fp8_nn.PREFILL_MIN_M = fp8_nn.EAGER_PREFILL_MIN_M = 10  # (restored by the fixture)
+        y = mods[0](x)  # 10 tokens now the prefill path
         assert mods[0].last_path == "prefill"
         assert rel_err(y.reshape(10, 32), fp8.twell_fp8_reference(x.reshape(10, 32), w)) < 1e-5
         y1 = mods[0](x[:1, :3])  # 3 tokens: the decode kernel
@@ -262,17 +275,20 @@ def test_fp8_custom_op_passes_opcheck():
                           test_utils=("test_faketensor",))  # (test_schema multiplies the inputs: no float8 CPU kernel)
 
 
+def plain(x, w):
+    """The FP8 module's dense path in plain PyTorch, fp32 throughout: the down rows' per-unit
+    scales folded into the up product, h quantised per token, the e4m3 down rows."""
+    xq = fp8.quantize_tokens(x)
+    u = xq.dequantize() @ w.up.dequantize().t() * w.down_t.scale
+    h = torch.relu(xq.dequantize() @ w.gate.dequantize().t()) * u
+    return fp8.quantize_tokens(h).dequantize() @ w.down_t.q.float()
+
+
 def test_fp8_module_dense_path_is_the_per_unit_scaled_math_and_follows_new_weights():
     """A layer too dense for the sparse path (k_est above MAX_DENSITY f) computes dense FP8 from
     its own rows: the down rows' per-unit scales folded into the up product, h quantised per
     token, the e4m3 down rows. Its kept copies are remade when new weights are loaded."""
     from twell.fp8_nn import Fp8SparseGatedMLP
-
-    def plain(x, w):  # the same math in plain PyTorch, fp32 throughout
-        xq = fp8.quantize_tokens(x)
-        u = xq.dequantize() @ w.up.dequantize().t() * w.down_t.scale
-        h = torch.relu(xq.dequantize() @ w.gate.dequantize().t()) * u
-        return fp8.quantize_tokens(h).dequantize() @ w.down_t.q.float()
 
     x, wg, wu, wd = gate_case(12, 40, 100, torch.float32, seed=6)
     m = Fp8SparseGatedMLP.from_weights(wg, wu, wd)
@@ -286,3 +302,132 @@ def test_fp8_module_dense_path_is_the_per_unit_scaled_math_and_follows_new_weigh
         y2 = m(x)
         assert m.last_path == "dense"
         assert rel_err(y2, plain(x, m.weights())) < 1e-5
+
+
+def test_fp8_module_path_choice(fp8_nn):
+    """Decode kernel up to 8 tokens; dense FP8 below PREFILL_MIN_M (EAGER_PREFILL_MIN_M outside a
+    capture); from it the prefill path while the measured layer is sparse enough and, below
+    HEAVY_PREFILL_MIN_M tokens, few of its rows are computed whole. A layer never measured takes
+    the prefill path in an eager call (which measures it on a GPU), dense in a capture."""
+    from twell.fp8_nn import Fp8SparseGatedMLP
+
+    _, wg, wu, wd = gate_case(4, 40, 1000, torch.float32, seed=3)
+    m = Fp8SparseGatedMLP.from_weights(wg, wu, wd)
+    lo, eager, heavy = fp8_nn.PREFILL_MIN_M, fp8_nn.EAGER_PREFILL_MIN_M, fp8_nn.HEAVY_PREFILL_MIN_M
+    assert 8 < lo < eager < heavy
+    pays = m._prefill_pays
+    assert not pays(eager - 1) and pays(eager)  # not measured yet: an eager call measures
+    assert not pays(lo, capturing=True) and not pays(heavy, capturing=True)  # a capture would not
+    m.k_est, m.whole_rows = 0.5 * fp8_nn.MAX_DENSITY * 1000, 0.0
+    assert pays(lo, capturing=True) and not pays(lo - 1, capturing=True)
+    assert not pays(lo) and pays(eager) and pays(heavy)
+    m.whole_rows = 2 * fp8_nn.MAX_WHOLE_ROWS  # heavy-tailed rows: prefill from HEAVY_PREFILL_MIN_M only
+    assert not pays(lo, capturing=True) and not pays(heavy - 1, capturing=True) and pays(heavy, capturing=True)
+    assert not pays(eager) and pays(heavy)
+    m.k_est, m.whole_rows = 2 * fp8_nn.MAX_DENSITY * 1000, 0.0  # too dense at any size
+    assert not pays(heavy) and not pays(10 * heavy, capturing=True)
+    x = torch.randn(12, 40)
+    with torch.no_grad():
+        fp8_nn.PREFILL_MIN_M = fp8_nn.EAGER_PREFILL_MIN_M = 12
+        m(x)
+        assert m.last_path == "dense"
+        m.k_est = None
+        m(x)
+        assert m.last_path == "prefill"
+        m(x[:8])
+        assert m.last_path == "decode"
+
+
+def test_fp8_compiled_op_calls_its_module(fp8_nn):
+    """Under torch.compile the op finds its module from the gate rows and takes the module's
+    path, also for a deep copy (new storage) and after .to(); rows no module owns take the
+    size-only function."""
+    import copy
+
+    from twell.fp8_nn import Fp8SparseGatedMLP, module_of_gate
+
+    x, wg, wu, wd = gate_case(12, 40, 100, torch.float32, seed=5)
+    m = Fp8SparseGatedMLP.from_weights(wg, wu, wd)
+    m2 = copy.deepcopy(m)
+    assert module_of_gate(m.gate_q) is m and module_of_gate(m2.gate_q) is m2
+    old = m2.gate_q
+    m2._apply(lambda t: t.clone())  # new storage, as .to(other device) gives
+    assert m2.gate_q.data_ptr() != old.data_ptr() and module_of_gate(m2.gate_q) is m2
+    assert module_of_gate(m.gate_q.clone()) is None
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    with torch.no_grad():
+        m.last_path = None
+        y = compiled(x)  # 12 tokens: dense FP8, as eager
+        assert m.last_path == "dense" and torch.equal(y, m(x))
+        fp8_nn.PREFILL_MIN_M = fp8_nn.EAGER_PREFILL_MIN_M = 12
+        m.last_path = None
+        y = compiled(x)
+        assert m.last_path == "prefill" and torch.equal(y, m(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fp8_module_measures_its_rows_on_the_gpu():
+    """d 2048, f 5632, k 20 in bf16: the first call of 4096 tokens (dense in eager mode) measures
+    the layer (waited for); a layer with heavy-tailed rows then computes dense FP8 at 8192 tokens
+    and in a CUDA graph of 4096, and the prefill path at HEAVY_PREFILL_MIN_M, one with even rows
+    the prefill path at all three; each output within rounding of the math of its path."""
+    from twell.bench.inference import errors
+    from twell.bench.synthetic import make_ffn
+    from twell.fp8_nn import EAGER_PREFILL_MIN_M, HEAVY_PREFILL_MIN_M, MAX_WHOLE_ROWS, PREFILL_MIN_M, Fp8SparseGatedMLP
+
+    assert PREFILL_MIN_M <= 4096 < EAGER_PREFILL_MIN_M <= 8192
+
+    for dist in ("even", "heavy"):
+        # k 20: the heavy-tailed rows' sampled mean stays under MAX_DENSITY f (k 29 read 40 here)
+        s = make_ffn(HEAVY_PREFILL_MIN_M, 2048, 5632, 20, dist, dtype=torch.bfloat16, device="cuda", seed=8)
+        m = Fp8SparseGatedMLP.from_weights(s.w_gate, s.w_up, s.w_down)
+        w = m.weights()
+        x4, x = s.x[:4096].contiguous(), s.x[:8192]
+        heavy = dist == "heavy"
+        with torch.no_grad():
+            y = m(x4)  # fewer than EAGER_PREFILL_MIN_M tokens: dense, and the first measurement
+            assert m.last_path == "dense" and m.k_est is not None and 10 < m.k_est < 30
+            assert (m.whole_rows > MAX_WHOLE_ROWS) == heavy
+            assert errors(y, plain(x4, w))[0] < 5e-2  # g and u rounded to bf16 before h is quantised
+            y = m(x)
+            assert m.last_path == ("dense" if heavy else "prefill")
+            if not heavy:
+                assert errors(y, fp8.twell_fp8_reference(x, w))[1] < 1e-2  # bf16 output rounding
+            m(s.x)
+            assert m.last_path == "prefill"
+            # a CUDA graph of 4096 tokens records the prefill path where the measurement allows
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                y = m(x4)
+            assert m.last_path == ("dense" if heavy else "prefill")
+            graph.replay()
+            torch.cuda.synchronize()
+            ref = plain(x4, w) if heavy else fp8.twell_fp8_reference(x4, w)
+            assert errors(y, ref)[0] < (5e-2 if heavy else 1e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_fp8_module_compiled_on_the_gpu(mode):
+    """A compiled Fp8SparseGatedMLP, compiled before any eager call, takes the eager call's path
+    at 1, 16 and 16384 tokens and returns its output (reduce-overhead: its warm-up, an eager call,
+    measures the layer before the capture)."""
+    from twell.bench.synthetic import make_ffn
+    from twell.fp8_nn import Fp8SparseGatedMLP
+
+    s = make_ffn(16384, 2048, 5632, 29, "even", dtype=torch.bfloat16, device="cuda", seed=9)
+    m = Fp8SparseGatedMLP.from_weights(s.w_gate, s.w_up, s.w_down)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, mode=mode, dynamic=False)
+    with torch.no_grad():
+        for M, path in ((16384, "prefill"), (16, "dense"), (1, "decode")):
+            x = s.x[:M].contiguous()
+            for _ in range(3):  # (reduce-overhead: warm-up, capture, replay)
+                y = compiled(x).clone()
+            assert m.last_path == path
+            want = m(x)
+            assert m.last_path == path
+            torch.testing.assert_close(y, want, rtol=2e-2, atol=2e-2)

@@ -10,23 +10,31 @@ Per call of ``M`` tokens:
 - ``M <= FP8_DECODE_MAX_M`` (8): the fused FP8 decode kernel
   (:func:`twell.kernels.decode_fp8.ffn_decode_fp8`), which reads the gate whole and the up and
   down rows of the batch's active units only; never more weight bytes than dense FP8.
-- larger calls: twell's FP8 prefill path (:func:`twell.inference.fp8_ops.twell_gated_mlp_fp8`)
-  while the layer's measured active units per token are at most ``MAX_DENSITY`` of f, else the
-  dense FP8 computation of the same weights (``torch._scaled_mm`` for the three products).
+- ``M >= PREFILL_MIN_M`` (4096) inside a CUDA graph capture, ``M >= EAGER_PREFILL_MIN_M`` (8192)
+  outside one, where the host must also issue the path's launches: twell's FP8 prefill path
+  (:func:`twell.inference.fp8_ops.twell_gated_mlp_fp8`) while the layer's measured active units
+  per token are at most ``MAX_DENSITY`` of f and, below ``HEAVY_PREFILL_MIN_M`` tokens, at most
+  ``MAX_WHOLE_ROWS`` of its rows are computed whole (heavy or overflowed rows); else the dense
+  FP8 computation of the same weights (``torch._scaled_mm`` for the three products).
+- between the two: the dense FP8 computation, where the prefill path's fixed costs (the
+  packing pass, three launches, the heavy rows' tensor-core pass) outweigh the rows it skips.
 
-The measurement costs no synchronisation: every ``PROBE_EVERY`` calls of the prefill path the
-mean active units per token of the call's TwELL are copied to pinned host memory, read at a
-later call once their event completed; inside a CUDA graph capture nothing is measured. A layer
-that goes dense stays dense (its dense calls measure nothing: a model's layers keep their
-sparsity from one call to the next) and keeps a column-major copy of its down rows for
-``torch._scaled_mm``. Under
-``torch.compile`` the module calls the custom op ``twell::ffn_fp8`` (inference only,
+The measurement costs no synchronisation but the layer's first: every ``PROBE_EVERY`` calls of
+the prefill path (and of dense calls of at least ``PREFILL_MIN_M`` tokens, on their gate product)
+the mean active units per token and the share of rows computed whole are copied to pinned host
+memory, read at a later call once their event completed; inside a CUDA graph capture nothing is
+measured, and a capture of a layer never measured records the dense path. A layer on the dense
+path keeps a column-major copy of its down rows for ``torch._scaled_mm``.
+
+Under ``torch.compile`` the module calls the custom op ``twell::ffn_fp8`` (inference only,
 :func:`twell.inference.fp8_ops.ffn_fp8`), whose fake implementation gives the output's shape: no
-graph break; there the path follows the call's size alone.
+graph break. The op finds the module from its gate rows (:func:`module_of_gate`) and makes the
+same per-call choice as an eager call.
 """
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
@@ -34,7 +42,8 @@ from torch import nn
 
 from .fp8 import Fp8GatedWeights, Fp8Rows, fp8_gated_weights
 
-__all__ = ["Fp8SparseGatedMLP", "MAX_DENSITY", "PROBE_EVERY"]
+__all__ = ["Fp8SparseGatedMLP", "module_of_gate", "MAX_DENSITY", "MAX_WHOLE_ROWS", "PREFILL_MIN_M", "EAGER_PREFILL_MIN_M",
+           "HEAVY_PREFILL_MIN_M", "PROBE_EVERY"]
 
 # Largest mean share of active units per token for which calls above the decode kernel's take
 # the FP8 prefill path; denser layers compute dense FP8. Measured (H100, d 2048, f 5632, evenly
@@ -42,7 +51,35 @@ __all__ = ["Fp8SparseGatedMLP", "MAX_DENSITY", "PROBE_EVERY"]
 # graphs, k 280 0.27x and 0.33x; the break-even between them is not measured, and 0.6% of f (34
 # units) is the bf16 training path's bar.
 MAX_DENSITY = 0.006
+# Smallest call that takes the FP8 prefill path. Measured (H100, k 29, CUDA graphs): at 16 and 256
+# tokens the prefill path ran 0.62x and 0.69x dense FP8 with units spread evenly, 0.13x and 0.09x
+# with heavy-tailed rows, where the dense computation of the same weights ran 0.97x to 1.01x; at
+# 4096 tokens 1.23x (even).
+PREFILL_MIN_M = 4096
+# The same outside CUDA graphs: there the host issues the path's quantisation, cuBLAS product,
+# packing pass and up/down launches on every call, and at 4096 tokens that took longer than the
+# GPU's work on a busy host (H100 machine, k 29 even: 0.53 ms eager against 0.27 ms in a CUDA
+# graph; dense FP8 0.33 ms), as for the bf16 modules (twell.inference.dispatch.EAGER_PREFILL_MIN_M).
+EAGER_PREFILL_MIN_M = 8192
+# Below HEAVY_PREFILL_MIN_M tokens, the largest share of a call's rows computed whole (more than
+# twell.kernels.updown.DENSE_ROW_MIN active units, or an overflowed tile) for which the prefill
+# path is taken. Measured (H100, k 29, heavy-tailed rows with 6.6% of rows over 128 units): 0.90x
+# dense FP8 at 4096 tokens, 1.35x at 16384; with even rows (none whole) 1.23x at 4096. Between
+# 0 and 6.6% the break-even is not measured.
+MAX_WHOLE_ROWS = 0.02
+HEAVY_PREFILL_MIN_M = 16384
 PROBE_EVERY = 16
+
+# the live modules by their gate rows' address, for the custom op (which is given tensors only)
+_BY_GATE: "weakref.WeakValueDictionary[int, Fp8SparseGatedMLP]" = weakref.WeakValueDictionary()
+
+
+def module_of_gate(gate_q: torch.Tensor) -> Optional["Fp8SparseGatedMLP"]:
+    """The live :class:`Fp8SparseGatedMLP` whose ``gate_q`` buffer is ``gate_q`` (the same
+    storage), or None."""
+    m = _BY_GATE.get(gate_q.data_ptr())
+    return m if m is not None and m.gate_q.data_ptr() == gate_q.data_ptr() and gate_q.data_ptr() != 0 else None
+
 
 class Fp8SparseGatedMLP(nn.Module):
     """``y = (relu(x W_gate^T) * (x W_up^T)) W_down^T`` on FP8 weights, inference only (see the
@@ -61,6 +98,7 @@ class Fp8SparseGatedMLP(nn.Module):
         for name in ("gate", "up", "down"):
             self.register_buffer(f"{name}_scale", torch.ones(f, dtype=torch.float32, device=device))
         self.k_est: Optional[float] = None  # measured mean active units per token (None before)
+        self.whole_rows: Optional[float] = None  # measured share of rows computed whole
         self.last_path: Optional[str] = None
         self._calls = 0
         self._host: Optional[torch.Tensor] = None
@@ -68,6 +106,21 @@ class Fp8SparseGatedMLP(nn.Module):
         self._scratch = None
         self._down_cm: Optional[torch.Tensor] = None
         self._up_down_scale: Optional[torch.Tensor] = None
+        self._ones: Optional[torch.Tensor] = None
+        self._register()
+
+    def _register(self) -> None:
+        _BY_GATE[self.gate_q.data_ptr()] = self
+
+    def __setstate__(self, state):  # (copy.deepcopy, unpickling: new storage, as _apply)
+        super().__setstate__(state)
+        self._register()
+
+    def _apply(self, fn, recurse=True):
+        # .to() / .cuda() give the buffers new storage: the op finds the module by the new one
+        out = super()._apply(fn, recurse)
+        self._register()
+        return out
 
     @classmethod
     def from_weights(cls, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> "Fp8SparseGatedMLP":
@@ -97,7 +150,7 @@ class Fp8SparseGatedMLP(nn.Module):
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
         # the dense path's kept copies were made from the old weights
-        self._down_cm = self._up_down_scale = None
+        self._down_cm = self._up_down_scale = self._ones = None
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, weights=float8_e4m3fn per-row"
@@ -120,41 +173,89 @@ class Fp8SparseGatedMLP(nn.Module):
             y = self.call(x2)
         return y.reshape(shape)
 
-    def call(self, x: torch.Tensor) -> torch.Tensor:
-        """One eager call on ``x [M, d]`` (the path of the module's text)."""
+    def _prefill_pays(self, M: int, capturing: bool = False) -> bool:
+        """Whether a call of ``M`` tokens (more than the decode kernel's) takes the prefill path."""
+        if M < (PREFILL_MIN_M if capturing else EAGER_PREFILL_MIN_M):
+            return False
+        if self.k_est is None:
+            # an eager call measures the layer; a capture measures nothing and would record the
+            # prefill path blind (a layer's first calls outside the capture measure it)
+            return not capturing
+        if self.k_est > MAX_DENSITY * self.intermediate_size:
+            return False
+        return M >= HEAVY_PREFILL_MIN_M or self.whole_rows is None or self.whole_rows <= MAX_WHOLE_ROWS
+
+    def call(self, x: torch.Tensor, keep: bool = True) -> torch.Tensor:
+        """One eager call on ``x [M, d]`` (the path of the module's text). ``keep`` False: make
+        no buffer that outlives the call (the compiled op's calls in the warm-up of inductor's
+        CUDA graphs, whose allocations belong to the graphs' memory pool)."""
         from .inference.fp8_ops import dense_fp8_down_per_unit, prefill_fp8
         from .kernels.decode_fp8 import FP8_DECODE_MAX_M, ffn_decode_fp8
         from .kernels.decode_fused import DecodeScratch
+        from .kernels.updown import DENSE_ROW_MIN
 
         M = x.shape[0]
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         w = self.weights()
         if M <= FP8_DECODE_MAX_M:
-            if self._scratch is None and x.is_cuda and not capturing:
+            if self._scratch is None and x.is_cuda and not capturing and keep:
                 self._scratch = DecodeScratch(self.hidden_size, x.device)
             self.last_path = "decode"
             return ffn_decode_fp8(x, w, self._scratch)[0]
         if not capturing:
             self._calls += 1
             if self._event is not None and self._event.query():
-                self.k_est, self._event = float(self._host[0]), None
-        if self.k_est is not None and self.k_est > MAX_DENSITY * self.intermediate_size:
+                self._poll()
+        if not self._prefill_pays(M, capturing):
             self.last_path = "dense"
-            if (self._down_cm is None or self._down_cm.device != x.device) and not capturing:
+            if (self._down_cm is None or self._down_cm.device != x.device) and not capturing and keep:
                 # the down rows as _scaled_mm's column-major operand, kept: a dense layer's extra
-                # third; and the up rows' scales times the down rows' (f floats)
+                # third; the up rows' scales times the down rows' (f floats); the down product's
+                # unit output scales (d floats)
                 self._down_cm = self.down_t_q.t().contiguous().t()
                 self._up_down_scale = self.up_scale * self.down_scale
+                self._ones = torch.ones(1, self.hidden_size, dtype=torch.float32, device=x.device)
             kept = self._down_cm is not None and self._down_cm.device == x.device
-            return dense_fp8_down_per_unit(x, w, self._down_cm if kept else None, self._up_down_scale if kept else None)
+            # calls that could take the prefill path in a capture measure the layer as its
+            # prefill calls do: a layer whose eager calls stay under EAGER_PREFILL_MIN_M tokens
+            # then captures the prefill path where it pays
+            probe = M >= PREFILL_MIN_M and self._wants_probe(x, capturing)
+            out = dense_fp8_down_per_unit(x, w, *((self._down_cm, self._up_down_scale, self._ones) if kept else ()),
+                                          return_gate=probe)
+            if not probe:
+                return out
+            y, gate = out
+            with torch.no_grad():
+                per_row = (gate > 0).sum(dim=1)
+                self._publish(per_row, per_row > DENSE_ROW_MIN)  # (a dense call has no tiles to overflow)
+            return y
         self.last_path = "prefill"
         y, g = prefill_fp8(x, w, k_est=self.k_est)
-        if x.is_cuda and not capturing and self._event is None and (self.k_est is None or self._calls % PROBE_EVERY == 1):
+        if self._wants_probe(x, capturing):
             with torch.no_grad():
-                mean = g.counts.sum(dim=1, dtype=torch.float32).mean().reshape(1)
-                if self._host is None:
-                    self._host = torch.empty(1, dtype=torch.float32, pin_memory=True)
-                self._host.copy_(mean, non_blocking=True)
-                self._event = torch.cuda.Event()
-                self._event.record()
+                per_row = g.counts.sum(dim=1)
+                self._publish(per_row, (g.counts > g.values.shape[2]).any(dim=1) | (per_row > DENSE_ROW_MIN))
         return y
+
+    def _wants_probe(self, x: torch.Tensor, capturing: bool) -> bool:
+        return x.is_cuda and not capturing and self._event is None and (self.k_est is None or self._calls % PROBE_EVERY == 1)
+
+    def _publish(self, per_row: torch.Tensor, whole: torch.Tensor) -> None:
+        """Copy the call's mean active units per token (``per_row [M]``) and share of rows
+        computed whole (``whole [M]`` bool) to pinned host memory without blocking; the layer's
+        first measurement is waited for."""
+        first = self.k_est is None
+        stats = torch.stack([per_row.float().mean(), whole.float().mean()])
+        if self._host is None or self._host.numel() != 2:
+            self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+        self._host.copy_(stats, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+        if first:
+            # (once) a model compiled in mode="reduce-overhead" captures its graphs at its next
+            # call, where nothing is polled, and would capture without the measurement
+            self._event.synchronize()
+            self._poll()
+
+    def _poll(self) -> None:
+        self.k_est, self.whole_rows, self._event = float(self._host[0]), float(self._host[1]), None

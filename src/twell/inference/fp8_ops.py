@@ -82,7 +82,8 @@ def prefill_fp8(x: torch.Tensor, w: Fp8GatedWeights, tile: Optional[int] = None,
 
 
 def dense_fp8_down_per_unit(x: torch.Tensor, w: Fp8GatedWeights, down_cm: Optional[torch.Tensor] = None,
-                            up_down_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            up_down_scale: Optional[torch.Tensor] = None,
+                            ones: Optional[torch.Tensor] = None, return_gate: bool = False):
     """The dense FP8 computation of twell's FP8 weights (down scaled per unit): gate and up
     rowwise-scaled FP8 products, ``relu(g) * u`` with each unit's down scale folded in, quantised
     per token, and the down product against the e4m3 down rows (unit scale 1 per output). What
@@ -92,7 +93,10 @@ def dense_fp8_down_per_unit(x: torch.Tensor, w: Fp8GatedWeights, down_cm: Option
     its epilogue), so that the element-wise work is the dense FP8 layer's: one ``relu(g) * u``
     pass in x's dtype and one quantisation. ``down_cm``: the down rows as ``torch._scaled_mm``
     reads its second operand, ``w.down_t.q.t().contiguous().t()``; ``up_down_scale``: ``[f]``
-    fp32, ``w.up.scale * w.down_t.scale`` (a caller's kept copies; else made per call)."""
+    fp32, ``w.up.scale * w.down_t.scale``; ``ones``: ``[1, d]`` fp32 ones, the down product's
+    output scales (a caller's kept copies; else made per call: one more launch).
+    ``return_gate``: return ``(y, gate)``, ``gate [M, f]`` the gate product (x's dtype), for a
+    caller that measures the layer's sparsity on it."""
     from ..kernels.elementwise import relu_mul_
 
     xq = quantize_activations(x)
@@ -104,8 +108,10 @@ def dense_fp8_down_per_unit(x: torch.Tensor, w: Fp8GatedWeights, down_cm: Option
     hq = quantize_activations(h)
     if down_cm is None:  # the down rows as a [f, d] column-major operand
         down_cm = w.down_t.q.t().contiguous().t()
-    ones = hq.scale.new_ones(1, down_cm.shape[1])  # (the down rows' scales are folded in above)
-    return torch._scaled_mm(hq.q, down_cm, scale_a=hq.scale[:, None], scale_b=ones, out_dtype=x.dtype)
+    if ones is None:  # (the down rows' scales are folded in above)
+        ones = hq.scale.new_ones(1, down_cm.shape[1])
+    y = torch._scaled_mm(hq.q, down_cm, scale_a=hq.scale[:, None], scale_b=ones, out_dtype=x.dtype)
+    return (y, g) if return_gate else y
 
 
 _SCRATCH: dict = {}  # (device, d) -> DecodeScratch for the custom op's decode calls
@@ -120,13 +126,22 @@ def _ffn_fp8_fake(x, gate_q, gate_scale, up_q, up_scale, down_t_q, down_scale):
 def ffn_fp8(x: torch.Tensor, gate_q: torch.Tensor, gate_scale: torch.Tensor, up_q: torch.Tensor, up_scale: torch.Tensor,
             down_t_q: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
     """twell's FP8 FFN as a custom op, for :class:`twell.fp8_nn.Fp8SparseGatedMLP` under
-    ``torch.compile``: :func:`twell_fp8_ffn` by the call's size alone (the decode kernel up to 8
-    tokens, the prefill path above; no layer state, so no dense fallback)."""
+    ``torch.compile``: the call of the module that owns ``gate_q``
+    (:func:`twell.fp8_nn.module_of_gate`), the same per-call choice as in eager mode. Off the
+    device's default stream (the warm-up of inductor's CUDA graphs, and their captures) the call
+    keeps no buffer: there allocations come from the graphs' memory pool. Rows no live module
+    owns (a compiler that copied them) take :func:`twell_fp8_ffn`, by the call's size alone."""
+    from ..fp8_nn import module_of_gate
+
+    off_default = x.is_cuda and off_default_stream(x.get_device())  # (a capture is never on the default stream)
+    m = module_of_gate(gate_q)
+    if m is not None:
+        return m.call(x if x.stride(1) == 1 else x.contiguous(), keep=not off_default)
     from ..kernels.decode_fused import DecodeScratch
 
     w = Fp8GatedWeights(Fp8Rows(gate_q, gate_scale), Fp8Rows(up_q, up_scale), Fp8Rows(down_t_q, down_scale))
     scratch = None
-    if x.is_cuda and not off_default_stream(x.get_device()):  # (a capture is never on the default stream)
+    if x.is_cuda and not off_default:
         key = (x.device, x.shape[1])
         scratch = _SCRATCH.get(key)
         if scratch is None:
