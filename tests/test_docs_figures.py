@@ -150,11 +150,16 @@ def _numbers(obj, prefix: str, out: dict) -> None:
 class Record(dict):
     """A record's numbers by flattened key; ``group``: records of one list share it (they may be
     paired), the top-level object of a file has "top", any other record a group of its own;
-    ``settings``: its own string and boolean fields (``variant``, ``kernels``, ``distribution``)."""
+    ``settings``: its own string and boolean fields (``variant``, ``kernels``, ``distribution``),
+    apart from where and when it ran (``PROVENANCE``: two variants timed one after the other in
+    one process carry two dates)."""
 
     group: object = None
     settings: dict = {}
     text = False  # numbers of a .log or .csv file: no field names
+
+
+PROVENANCE = ("date", "gpu", "torch", "triton", "transformers")
 
 
 def _records_of(obj, out: list, group) -> None:
@@ -164,7 +169,7 @@ def _records_of(obj, out: list, group) -> None:
         _numbers(obj, "", flat)
         if flat:
             flat.group = group
-            flat.settings = {k: v for k, v in obj.items() if isinstance(v, (str, bool))}
+            flat.settings = {k: v for k, v in obj.items() if isinstance(v, (str, bool)) and k not in PROVENANCE}
             out.append(flat)
         for v in obj.values():
             _records_of(v, out, object())
