@@ -62,12 +62,21 @@ def _opcheck(op, args):
     pytest.param(W, True, True, id="sparse-gated", marks=pytest.mark.slow),
     pytest.param(W, False, False, id="sparse-plain", marks=pytest.mark.slow),
     pytest.param(0, True, True, id="dense-gated"), pytest.param(0, False, False, id="dense-plain")])
-def test_opcheck_forward(width, gated, kernel_layout):
+@pytest.mark.parametrize("f", [F, 300], ids=["f40", "f300"])
+def test_opcheck_forward(width, gated, kernel_layout, f):
     """The forward op with its autograd formula (which calls the backward op): schema, fake
     implementation (exact shapes, dtypes and strides; w_down in the kernels' layout or
-    nn.Linear's), autograd registration and AOT dispatch, on the sparse path (heavy rows
-    included) and the dense one."""
+    nn.Linear's), no output aliasing another, autograd registration and AOT dispatch, on the
+    sparse path (heavy rows included) and the dense one; f 300: the dense path's element-wise
+    passes split f into column chunks (twell.kernels.dense_rows), which once returned the unit
+    and row counts as views of one buffer."""
+    if f != F and width:
+        pytest.skip("the chunks are the dense path's")
     x, wg, wu, wd = _case()
+    if f != F:
+        g = torch.Generator().manual_seed(1)
+        wg, wu = (torch.randn(f, D, generator=g).to(DEV) / math.sqrt(D) for _ in range(2))
+        wd = torch.randn(D, f, generator=g).to(DEV) / math.sqrt(f)
     if kernel_layout:
         wd = wd.t().contiguous().t()
     args = (x.requires_grad_(), wg.requires_grad_(), wd.requires_grad_(), wu.requires_grad_() if gated else None, width, None)
