@@ -431,3 +431,21 @@ def test_fp8_module_compiled_on_the_gpu(mode):
             want = m(x)
             assert m.last_path == path
             torch.testing.assert_close(y, want, rtol=2e-2, atol=2e-2)
+
+
+def test_fp8_module_weights_follow_its_buffers():
+    """The module keeps its Fp8GatedWeights between calls: a buffer replaced (assigned, or moved
+    by .to()) is what the next call reads, and the custom op still finds the module."""
+    from twell.fp8_nn import Fp8SparseGatedMLP, module_of_gate
+
+    x, wg, wu, wd = gate_case(3, 40, 100, torch.float32, seed=11)
+    m = Fp8SparseGatedMLP.from_weights(wg, wu, wd)
+    w = m.weights()
+    assert m.weights() is w and w.gate.q is m.gate_q and w.down_t.scale is m.down_scale
+    other = Fp8SparseGatedMLP.from_weights(*gate_case(3, 40, 100, torch.float32, seed=12)[1:])
+    m.up_q = other.up_q.clone()
+    assert m.weights().up.q is m.up_q
+    with torch.no_grad():  # the decode kernel reads the new up rows
+        torch.testing.assert_close(m(x), fp8.twell_fp8_reference(x, m.weights()), rtol=1e-5, atol=1e-5)
+    m._apply(lambda t: t.clone())
+    assert m.weights().gate.q is m.gate_q and module_of_gate(m.gate_q) is m

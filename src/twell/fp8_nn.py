@@ -70,6 +70,20 @@ MAX_WHOLE_ROWS = 0.02
 HEAVY_PREFILL_MIN_M = 16384
 PROBE_EVERY = 16
 
+_PATHS: tuple = ()  # what call() runs, imported at its first call (twell loads kernels on first use)
+
+
+def _load_paths() -> tuple:
+    global _PATHS
+    from .inference.fp8_ops import dense_fp8_down_per_unit, prefill_fp8
+    from .kernels.decode_fp8 import FP8_DECODE_MAX_M, ffn_decode_fp8
+    from .kernels.decode_fused import DecodeScratch
+    from .kernels.updown import DENSE_ROW_MIN
+
+    _PATHS = (dense_fp8_down_per_unit, prefill_fp8, FP8_DECODE_MAX_M, ffn_decode_fp8, DecodeScratch, DENSE_ROW_MIN)
+    return _PATHS
+
+
 # the live modules by their gate rows' address, for the custom op (which is given tensors only)
 _BY_GATE: "weakref.WeakValueDictionary[int, Fp8SparseGatedMLP]" = weakref.WeakValueDictionary()
 
@@ -144,8 +158,14 @@ class Fp8SparseGatedMLP(nn.Module):
         return cls.from_weights(*(lin.weight for lin in lins))
 
     def weights(self) -> Fp8GatedWeights:
-        return Fp8GatedWeights(Fp8Rows(self.gate_q, self.gate_scale), Fp8Rows(self.up_q, self.up_scale),
-                               Fp8Rows(self.down_t_q, self.down_scale))
+        """The module's buffers as :class:`twell.fp8.Fp8GatedWeights` (kept while the buffers are
+        the same tensors: an eager call of a few tokens is bound by the host's time)."""
+        b, w = self._buffers, self.__dict__.get("_weights")
+        if w is None or w.gate.q is not b["gate_q"] or w.gate.scale is not b["gate_scale"] or w.up.q is not b["up_q"] \
+                or w.up.scale is not b["up_scale"] or w.down_t.q is not b["down_t_q"] or w.down_t.scale is not b["down_scale"]:
+            w = self.__dict__["_weights"] = Fp8GatedWeights(
+                Fp8Rows(b["gate_q"], b["gate_scale"]), Fp8Rows(b["up_q"], b["up_scale"]), Fp8Rows(b["down_t_q"], b["down_scale"]))
+        return w
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
@@ -161,7 +181,7 @@ class Fp8SparseGatedMLP(nn.Module):
         if torch.is_grad_enabled() and x.requires_grad:
             raise RuntimeError("Fp8SparseGatedMLP is inference only: call it under torch.no_grad() / torch.inference_mode()")
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
+        x2 = x if x.dim() == 2 else x.reshape(-1, shape[-1])
         if x2.stride(-1) != 1:
             x2 = x2.contiguous()
         if torch.compiler.is_compiling():
@@ -171,7 +191,7 @@ class Fp8SparseGatedMLP(nn.Module):
                                         self.down_scale)
         else:
             y = self.call(x2)
-        return y.reshape(shape)
+        return y if x2 is x else y.reshape(shape)
 
     def _prefill_pays(self, M: int, capturing: bool = False) -> bool:
         """Whether a call of ``M`` tokens (more than the decode kernel's) takes the prefill path."""
@@ -189,25 +209,24 @@ class Fp8SparseGatedMLP(nn.Module):
         """One eager call on ``x [M, d]`` (the path of the module's text). ``keep`` False: make
         no buffer that outlives the call (the compiled op's calls in the warm-up of inductor's
         CUDA graphs, whose allocations belong to the graphs' memory pool)."""
-        from .inference.fp8_ops import dense_fp8_down_per_unit, prefill_fp8
-        from .kernels.decode_fp8 import FP8_DECODE_MAX_M, ffn_decode_fp8
-        from .kernels.decode_fused import DecodeScratch
-        from .kernels.updown import DENSE_ROW_MIN
-
+        dense_fp8_down_per_unit, prefill_fp8, FP8_DECODE_MAX_M, ffn_decode_fp8, DecodeScratch, DENSE_ROW_MIN = \
+            _PATHS or _load_paths()
+        # plain attributes through __dict__: nn.Module.__setattr__ costs microseconds a call
+        state = self.__dict__
         M = x.shape[0]
         capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
         w = self.weights()
         if M <= FP8_DECODE_MAX_M:
             if self._scratch is None and x.is_cuda and not capturing and keep:
                 self._scratch = DecodeScratch(self.hidden_size, x.device)
-            self.last_path = "decode"
+            state["last_path"] = "decode"
             return ffn_decode_fp8(x, w, self._scratch)[0]
         if not capturing:
-            self._calls += 1
+            state["_calls"] += 1
             if self._event is not None and self._event.query():
                 self._poll()
         if not self._prefill_pays(M, capturing):
-            self.last_path = "dense"
+            state["last_path"] = "dense"
             if (self._down_cm is None or self._down_cm.device != x.device) and not capturing and keep:
                 # the down rows as _scaled_mm's column-major operand, kept: a dense layer's extra
                 # third; the up rows' scales times the down rows' (f floats); the down product's
@@ -229,7 +248,7 @@ class Fp8SparseGatedMLP(nn.Module):
                 per_row = (gate > 0).sum(dim=1)
                 self._publish(per_row, per_row > DENSE_ROW_MIN)  # (a dense call has no tiles to overflow)
             return y
-        self.last_path = "prefill"
+        state["last_path"] = "prefill"
         y, g = prefill_fp8(x, w, k_est=self.k_est)
         if self._wants_probe(x, capturing):
             with torch.no_grad():
