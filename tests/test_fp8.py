@@ -271,8 +271,9 @@ def test_fp8_custom_op_passes_opcheck():
 
     x, wg, wu, wd = gate_case(10, 40, 100, torch.float32, seed=4)
     w = fp8.fp8_gated_weights(wg, wu, wd)
-    torch.library.opcheck(ffn_fp8, (x, w.gate.q, w.gate.scale, w.up.q, w.up.scale, w.down_t.q, w.down_t.scale),
-                          test_utils=("test_faketensor",))  # (test_schema multiplies the inputs: no float8 CPU kernel)
+    with pytest.warns(RuntimeWarning, match="no twell module owns"):  # (rows of no module: by size alone)
+        torch.library.opcheck(ffn_fp8, (x, w.gate.q, w.gate.scale, w.up.q, w.up.scale, w.down_t.q, w.down_t.scale),
+                              test_utils=("test_faketensor",))  # (test_schema multiplies the inputs: no float8 CPU kernel)
 
 
 def plain(x, w):
@@ -434,8 +435,9 @@ def test_fp8_module_compiled_on_the_gpu(mode):
 
 
 def test_fp8_module_weights_follow_its_buffers():
-    """The module keeps its Fp8GatedWeights between calls: a buffer replaced (assigned, or moved
-    by .to()) is what the next call reads, and the custom op still finds the module."""
+    """The module keeps its Fp8GatedWeights and the dense path's copies between calls: a buffer
+    replaced (assigned, or moved by .to()) is what the next call reads, on the decode and the
+    dense path, and the custom op still finds the module by its new gate rows."""
     from twell.fp8_nn import Fp8SparseGatedMLP, module_of_gate
 
     x, wg, wu, wd = gate_case(3, 40, 100, torch.float32, seed=11)
@@ -449,3 +451,63 @@ def test_fp8_module_weights_follow_its_buffers():
         torch.testing.assert_close(m(x), fp8.twell_fp8_reference(x, m.weights()), rtol=1e-5, atol=1e-5)
     m._apply(lambda t: t.clone())
     assert m.weights().gate.q is m.gate_q and module_of_gate(m.gate_q) is m
+    # the dense path's kept copies follow the buffers too
+    m.k_est = float(m.intermediate_size)  # as a layer that measured every unit active
+    x = torch.randn(12, 40)
+    with torch.no_grad():
+        m(x)
+        assert m.last_path == "dense" and m._down_cm is not None
+        m.down_t_q, m.down_scale = other.down_t_q.clone(), other.down_scale.clone()
+        m.gate_q = other.gate_q.clone()
+        y = m(x)
+        assert m.last_path == "dense" and rel_err(y, plain(x, m.weights())) < 1e-5
+        assert module_of_gate(m.gate_q) is m
+
+
+@pytest.mark.parametrize("f", [100, 300])
+def test_dense_call_measures_the_rows_prefill_would_compute_whole(f, monkeypatch):
+    """The FP8 module's probe of a dense call (on its gate product) counts the rows that the
+    prefill path computes whole: an overflowed TwELL tile (as pack_relu packs the gate) or more
+    than DENSE_ROW_MIN active units. f 100: one partial tile per row; f 300 with 64-wide tiles:
+    whole tiles and a partial one."""
+    from twell.fp8_nn import _rows_of_gate
+    from twell.inference import ops
+    from twell.kernels import pack_relu
+
+    if f == 300:
+        monkeypatch.setattr(ops, "default_tile", lambda f: 64)
+    g = torch.Generator().manual_seed(f)
+    gate = torch.randn(40, f, generator=g) - 2.0
+    gate[3] = 1.0  # every unit of row 3 active
+    gate[5, :12] = 1.0  # a dozen in row 5's first tile
+    per_row, whole = _rows_of_gate(gate, dense_row_min=20)
+    t = pack_relu(gate, ops.default_tile(f), ops.DEFAULT_COMPRESSION)
+    assert torch.equal(per_row, (gate > 0).sum(dim=1))
+    want = (t.counts > t.values.shape[2]).any(dim=1) | (t.counts.sum(dim=1) > 20)
+    assert torch.equal(whole, want) and bool(whole[3]) and 0 < int(whole.sum()) < 40
+
+
+def test_fp8_module_copies_and_pickles_without_its_kept_state():
+    """copy.deepcopy and torch.save of a module leave out what a call keeps (a CUDA event in
+    flight, which neither can copy, and copies of the buffers); the copy computes as the
+    original, and the original keeps its state."""
+    import copy
+    import io
+    import threading
+
+    from twell.fp8_nn import Fp8SparseGatedMLP, module_of_gate
+
+    x, wg, wu, wd = gate_case(3, 40, 100, torch.float32, seed=13)
+    m = Fp8SparseGatedMLP.from_weights(wg, wu, wd)
+    with torch.no_grad():
+        y = m(x)
+    lock = threading.Lock()  # (stands for an event: neither deep-copies nor pickles)
+    m._event = lock
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    for c in (copy.deepcopy(m), torch.load(buf, weights_only=False)):
+        assert c._event is None and c._weights is None and module_of_gate(c.gate_q) is c
+        with torch.no_grad():
+            assert torch.equal(c(x), y)
+    assert m._event is lock and m._weights is not None

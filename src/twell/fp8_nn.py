@@ -29,7 +29,11 @@ path keeps a column-major copy of its down rows for ``torch._scaled_mm``.
 Under ``torch.compile`` the module calls the custom op ``twell::ffn_fp8`` (inference only,
 :func:`twell.inference.fp8_ops.ffn_fp8`), whose fake implementation gives the output's shape: no
 graph break. The op finds the module from its gate rows (:func:`module_of_gate`) and makes the
-same per-call choice as an eager call.
+same per-call choice as an eager call. Off the device's default stream (inductor's CUDA graphs
+warm up and capture there, allocating from their own memory pool) a call keeps nothing: a model
+compiled with ``mode="reduce-overhead"`` before any eager call then captures, on its dense
+path, the column-major copy of the down rows made per call, and on the decode path an
+accumulator per graph. One eager call of each kind before compiling makes them once.
 """
 
 from __future__ import annotations
@@ -69,6 +73,28 @@ EAGER_PREFILL_MIN_M = 8192
 MAX_WHOLE_ROWS = 0.02
 HEAVY_PREFILL_MIN_M = 16384
 PROBE_EVERY = 16
+
+def _rows_of_gate(gate: torch.Tensor, dense_row_min: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(active units per row [M], rows the prefill path would compute whole [M] bool)`` of a
+    dense call's gate product ``gate [M, f]``: rows of more than ``dense_row_min`` active units,
+    or with a tile of TwELL's default tiling (``default_tile(f)``, ``DEFAULT_COMPRESSION``) over
+    its slots, as :func:`twell.kernels.pack_relu` would pack them."""
+    from .format import twell_slots
+    from .inference.ops import DEFAULT_COMPRESSION, default_tile
+
+    M, f = gate.shape
+    active = gate > 0
+    per_row = active.sum(dim=1)
+    tile = default_tile(f)
+    slots = twell_slots(tile, DEFAULT_COMPRESSION)
+    full = f // tile * tile
+    whole = per_row > dense_row_min
+    if full:
+        whole |= (active[:, :full].reshape(M, full // tile, tile).sum(dim=2) > slots).any(dim=1)
+    if full < f:  # the last, partial tile
+        whole |= active[:, full:].sum(dim=1) > slots
+    return per_row, whole
+
 
 _PATHS: tuple = ()  # what call() runs, imported at its first call (twell loads kernels on first use)
 
@@ -121,18 +147,36 @@ class Fp8SparseGatedMLP(nn.Module):
         self._down_cm: Optional[torch.Tensor] = None
         self._up_down_scale: Optional[torch.Tensor] = None
         self._ones: Optional[torch.Tensor] = None
+        self._weights: Optional[Fp8GatedWeights] = None
         self._register()
 
     def _register(self) -> None:
         _BY_GATE[self.gate_q.data_ptr()] = self
 
+    # what a call keeps between calls, made again from the buffers: the weights' view, the dense
+    # path's copies, the decode kernel's accumulator; and the measurement in flight
+    _KEPT = ("_weights", "_down_cm", "_up_down_scale", "_ones", "_scratch", "_event")
+
+    def _drop_kept(self) -> None:
+        for name in self._KEPT:
+            self.__dict__[name] = None
+
+    def __getstate__(self):  # (copy.deepcopy, pickling: no CUDA event, no copies of the buffers)
+        state = dict(super().__getstate__())
+        state.update(dict.fromkeys(self._KEPT), _host=None)
+        return state
+
     def __setstate__(self, state):  # (copy.deepcopy, unpickling: new storage, as _apply)
         super().__setstate__(state)
+        for name, value in (("whole_rows", None), ("_host", None), *((n, None) for n in self._KEPT)):
+            self.__dict__.setdefault(name, value)  # (a module pickled by an older version)
         self._register()
 
     def _apply(self, fn, recurse=True):
-        # .to() / .cuda() give the buffers new storage: the op finds the module by the new one
+        # .to() / .cuda() give the buffers new storage: the op finds the module by the new one,
+        # and what was kept from the old buffers (on their device) goes
         out = super()._apply(fn, recurse)
+        self._drop_kept()
         self._register()
         return out
 
@@ -163,14 +207,19 @@ class Fp8SparseGatedMLP(nn.Module):
         b, w = self._buffers, self.__dict__.get("_weights")
         if w is None or w.gate.q is not b["gate_q"] or w.gate.scale is not b["gate_scale"] or w.up.q is not b["up_q"] \
                 or w.up.scale is not b["up_scale"] or w.down_t.q is not b["down_t_q"] or w.down_t.scale is not b["down_scale"]:
+            # a buffer replaced: the copies kept from the old ones go, and the op finds the module
+            # by its gate rows as they are now
+            self._drop_kept()
+            self._register()
             w = self.__dict__["_weights"] = Fp8GatedWeights(
                 Fp8Rows(b["gate_q"], b["gate_scale"]), Fp8Rows(b["up_q"], b["up_scale"]), Fp8Rows(b["down_t_q"], b["down_scale"]))
         return w
 
     def _load_from_state_dict(self, *args, **kwargs):
         super()._load_from_state_dict(*args, **kwargs)
-        # the dense path's kept copies were made from the old weights
-        self._down_cm = self._up_down_scale = self._ones = None
+        # the kept copies were made from the old weights (assign=True: new buffers as well)
+        self._drop_kept()
+        self._register()
 
     def extra_repr(self) -> str:
         return f"hidden_size={self.hidden_size}, intermediate_size={self.intermediate_size}, weights=float8_e4m3fn per-row"
@@ -222,7 +271,8 @@ class Fp8SparseGatedMLP(nn.Module):
             state["last_path"] = "decode"
             return ffn_decode_fp8(x, w, self._scratch)[0]
         if not capturing:
-            state["_calls"] += 1
+            if M >= PREFILL_MIN_M:  # the calls that measure the layer, one in PROBE_EVERY
+                state["_calls"] += 1
             if self._event is not None and self._event.query():
                 self._poll()
         if not self._prefill_pays(M, capturing):
@@ -245,8 +295,7 @@ class Fp8SparseGatedMLP(nn.Module):
                 return out
             y, gate = out
             with torch.no_grad():
-                per_row = (gate > 0).sum(dim=1)
-                self._publish(per_row, per_row > DENSE_ROW_MIN)  # (a dense call has no tiles to overflow)
+                self._publish(*_rows_of_gate(gate, DENSE_ROW_MIN))
             return y
         state["last_path"] = "prefill"
         y, g = prefill_fp8(x, w, k_est=self.k_est)
@@ -266,10 +315,12 @@ class Fp8SparseGatedMLP(nn.Module):
         first = self.k_est is None
         stats = torch.stack([per_row.float().mean(), whole.float().mean()])
         if self._host is None or self._host.numel() != 2:
-            self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
+            with torch.inference_mode(False):  # (made in inference mode it could not be written outside it)
+                self._host = torch.empty(2, dtype=torch.float32, pin_memory=True)
         self._host.copy_(stats, non_blocking=True)
         self._event = torch.cuda.Event()
-        self._event.record()
+        # on the stream the copy went to: the call's device's, which need not be the current device
+        self._event.record(torch.cuda.current_stream(per_row.device))
         if first:
             # (once) a model compiled in mode="reduce-overhead" captures its graphs at its next
             # call, where nothing is polled, and would capture without the measurement

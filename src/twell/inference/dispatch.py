@@ -597,7 +597,8 @@ class LayerState:
             return
         self._no_overflow = no_overflow
         if self._host is None or self._host.numel() != values.numel():
-            self._host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
+            with torch.inference_mode(False):  # (made in inference mode it could not be written outside it)
+                self._host = torch.empty(values.numel(), dtype=torch.float32, pin_memory=True)
         self._host.copy_(values, non_blocking=True)
         self._event = torch.cuda.Event()
         # on the stream the copy went to: values' device's, which need not be the current device

@@ -16,6 +16,7 @@ take the same one-pass kernel as twell's.
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Optional
 
@@ -137,6 +138,8 @@ def ffn_fp8(x: torch.Tensor, gate_q: torch.Tensor, gate_scale: torch.Tensor, up_
     m = module_of_gate(gate_q)
     if m is not None:
         return m.call(x if x.stride(1) == 1 else x.contiguous(), keep=not off_default)
+    warnings.warn("twell::ffn_fp8: no twell module owns these gate rows (copied by a compiler?); choosing the "
+                  "path by the call's size alone", RuntimeWarning, stacklevel=2)
     from ..kernels.decode_fused import DecodeScratch
 
     w = Fp8GatedWeights(Fp8Rows(gate_q, gate_scale), Fp8Rows(up_q, up_scale), Fp8Rows(down_t_q, down_scale))

@@ -27,8 +27,9 @@ PyTorch's does), and the per-unit and per-row counts count the same units.
 One program per ``BM`` rows walks f in ``BF``-column steps; where that makes fewer programs than
 ``TARGET_PROGRAMS`` (a few thousand tokens), f is split into chunks of whole steps, one program
 per row block and chunk. Each program's |h| sums are its own, added over the chunks in a fixed
-order afterwards (deterministic); the per-unit and per-row counts are integer atomics, the
-per-unit ones skipped where a column step has none.
+order afterwards (deterministic); the per-unit counts are integer atomics, skipped where a column
+step has none, and so are the per-row counts where f is split (else each row's program stores
+its own).
 """
 
 from __future__ import annotations
@@ -130,8 +131,9 @@ def _blocks(f: int, widest: int = 256) -> tuple[int, int]:
 # Programs a pass aims for. Where a call has fewer row blocks, each row block's columns are split
 # into chunks, one program each: at 1024 tokens (f 5632) the forward had 32 programs of 32 rows
 # for the H100's 132 SMs and took 94.5 us, where PyTorch's relu-and-product pass over the same
-# [M, f] took 38.7 us (benchmarks/results/train_call_stage_h100.json); from 16384 tokens a pass
-# has 512 row blocks or more and runs as before, one program per row block.
+# [M, f] took 38.7 us (benchmarks/results/train_call_stage_h100.json). From 512 row blocks (16384
+# tokens for the forward's blocks at f 5632, 8192 for the backward's) a pass runs one program per
+# row block.
 TARGET_PROGRAMS = 512
 
 
