@@ -38,13 +38,13 @@ accumulator per graph. One eager call of each kind before compiling makes them o
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
 from torch import nn
 
 from .fp8 import Fp8GatedWeights, Fp8Rows, fp8_gated_weights
+from .inference.fp8_owners import module_of_gate, register
 
 __all__ = ["Fp8SparseGatedMLP", "module_of_gate", "MAX_DENSITY", "MAX_WHOLE_ROWS", "PREFILL_MIN_M", "EAGER_PREFILL_MIN_M",
            "HEAVY_PREFILL_MIN_M", "PROBE_EVERY"]
@@ -110,17 +110,6 @@ def _load_paths() -> tuple:
     return _PATHS
 
 
-# the live modules by their gate rows' address, for the custom op (which is given tensors only)
-_BY_GATE: "weakref.WeakValueDictionary[int, Fp8SparseGatedMLP]" = weakref.WeakValueDictionary()
-
-
-def module_of_gate(gate_q: torch.Tensor) -> Optional["Fp8SparseGatedMLP"]:
-    """The live :class:`Fp8SparseGatedMLP` whose ``gate_q`` buffer is ``gate_q`` (the same
-    storage), or None."""
-    m = _BY_GATE.get(gate_q.data_ptr())
-    return m if m is not None and m.gate_q.data_ptr() == gate_q.data_ptr() and gate_q.data_ptr() != 0 else None
-
-
 class Fp8SparseGatedMLP(nn.Module):
     """``y = (relu(x W_gate^T) * (x W_up^T)) W_down^T`` on FP8 weights, inference only (see the
     module's text). ``x [..., d]`` (bf16 or fp16 on a GPU) -> ``y [..., d]``.
@@ -151,7 +140,7 @@ class Fp8SparseGatedMLP(nn.Module):
         self._register()
 
     def _register(self) -> None:
-        _BY_GATE[self.gate_q.data_ptr()] = self
+        register(self)
 
     # what a call keeps between calls, made again from the buffers: the weights' view, the dense
     # path's copies, the decode kernel's accumulator; and the measurement in flight

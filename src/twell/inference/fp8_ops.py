@@ -27,6 +27,7 @@ from ..fp8 import Fp8GatedWeights, Fp8Rows, quantize_rows, quantize_tokens
 from ..format import TwELL
 from ..kernels import OverflowCounters, ffn_from_twell, pack_relu
 from ..kernels.updown import default_config, splits
+from .fp8_owners import module_of_gate
 from .op_library import inference_op, off_default_stream
 from .ops import DEFAULT_COMPRESSION, default_tile
 
@@ -128,12 +129,10 @@ def ffn_fp8(x: torch.Tensor, gate_q: torch.Tensor, gate_scale: torch.Tensor, up_
             down_t_q: torch.Tensor, down_scale: torch.Tensor) -> torch.Tensor:
     """twell's FP8 FFN as a custom op, for :class:`twell.fp8_nn.Fp8SparseGatedMLP` under
     ``torch.compile``: the call of the module that owns ``gate_q``
-    (:func:`twell.fp8_nn.module_of_gate`), the same per-call choice as in eager mode. Off the
+    (:func:`twell.inference.fp8_owners.module_of_gate`), the same per-call choice as in eager mode. Off the
     device's default stream (the warm-up of inductor's CUDA graphs, and their captures) the call
     keeps no buffer: there allocations come from the graphs' memory pool. Rows no live module
     owns (a compiler that copied them) take :func:`twell_fp8_ffn`, by the call's size alone."""
-    from ..fp8_nn import module_of_gate
-
     off_default = x.is_cuda and off_default_stream(x.get_device())  # (a capture is never on the default stream)
     m = module_of_gate(gate_q)
     if m is not None:
