@@ -283,8 +283,8 @@ class Fp8SparseGatedMLP(nn.Module):
             if not probe:
                 return out
             y, gate = out
-            with torch.no_grad():
-                self._publish(*_rows_of_gate(gate, DENSE_ROW_MIN))
+            with torch.no_grad():  # (on its first PREFILL_MIN_M rows: a bounded pass, however large the call)
+                self._publish(*_rows_of_gate(gate[:PREFILL_MIN_M], DENSE_ROW_MIN))
             return y
         state["last_path"] = "prefill"
         y, g = prefill_fp8(x, w, k_est=self.k_est)
