@@ -132,10 +132,12 @@ def test_empty():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_gpu_bf16_real_shape_keeps_the_l1_term():
-    """M 4096, f 5632 in bf16: the formulas hold, and a c far below half a bf16 step of dz still
-    moves du and da (it is added in fp32 before the products)."""
-    a, u, dz = case(4096, 5632, torch.bfloat16, seed=3)
+@pytest.mark.parametrize("M", [1024, 4096, 20000])
+def test_gpu_bf16_real_shape_keeps_the_l1_term(M):
+    """f 5632 in bf16, with f split into column chunks (1024 and 4096 tokens) and not (20000): the
+    formulas hold, and a c far below half a bf16 step of dz still moves du and da (it is added in
+    fp32 before the products)."""
+    a, u, dz = case(M, 5632, torch.bfloat16, seed=3)
     h, l1, counts, row_counts = dense_rows_forward(a, u)
     h_ref, l1_ref, counts_ref, row_counts_ref = forward_ref(a, u)
     assert torch.equal(h, h_ref) and rel_err(l1, l1_ref) < 1e-6 and torch.equal(counts, counts_ref)
@@ -172,17 +174,22 @@ def test_pytorch_fallback_matches_the_kernels(gated, monkeypatch):
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6, equal_nan=True)
 
 
-def test_forward_writes_only_its_rows(monkeypatch):
+@pytest.mark.parametrize("f", [100, 300])
+def test_forward_writes_only_its_rows(monkeypatch, f):
     """The per-row outputs (|h| sums, active counts) of M 33 rows, which the kernel's last block
     of 32 rows overhangs, are written in their [M] buffers and nowhere past them (a guard after
     each stays as it was). A store without its row mask wrote past the allocation, which the
-    other tests caught only when the heap corruption happened to crash the process."""
+    other tests caught only when the heap corruption happened to crash the process. f 100: one
+    program per row block; f 300: each row block's columns in chunks (few rows), whose |h| sums
+    go to a [chunks * M] buffer and whose row counts add into a zeroed [M] buffer."""
+    from twell.kernels.dense_rows import FORWARD_WIDEST, _blocks, _chunks
     from kernel_cases import guard_empty, untouched
 
-    # 1-D buffers: 64 poisoned elements past each, past the last block's overhang (f 300:
-    # blocks of 32 rows, 31 past M)
+    assert (_chunks(33, f, *_blocks(f, FORWARD_WIDEST))[0] > 1) == (f == 300)
+    # 1-D buffers: 64 poisoned elements past each, past the last block's overhang (blocks of 32
+    # rows, 31 past M)
     handed = guard_empty(monkeypatch, lambda size, kw: len(size) == 1, after=64)
-    a, u, _ = case(33, 300, torch.float32)
+    a, u, _ = case(33, f, torch.float32)
     _, l1, _, row_counts = dense_rows_forward(a, u)
     _, l1_ref, _, row_counts_ref = forward_ref(a, u)
     assert rel_err(l1, l1_ref) < 1e-6 and torch.equal(row_counts.long(), row_counts_ref)

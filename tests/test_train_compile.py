@@ -68,10 +68,10 @@ def test_opcheck_forward(width, gated, kernel_layout, f):
     implementation (exact shapes, dtypes and strides; w_down in the kernels' layout or
     nn.Linear's), no output aliasing another, autograd registration and AOT dispatch, on the
     sparse path (heavy rows included) and the dense one; f 300: the dense path's element-wise
-    passes over more than one column step (twell.kernels.dense_rows), whose unit and row counts
-    must stay two tensors (an op's outputs may not alias each other)."""
+    passes split f into column chunks (twell.kernels.dense_rows), which once returned the unit
+    and row counts as views of one buffer."""
     if f != F and width:
-        pytest.skip("the column steps are the dense path's")
+        pytest.skip("the chunks are the dense path's")
     x, wg, wu, wd = _case()
     if f != F:
         g = torch.Generator().manual_seed(1)

@@ -24,8 +24,11 @@ rounding to the storage dtype per stored value (``relu`` keeps a NaN as torch.re
 where ``a`` fires when ``a > 0`` or NaN (:mod:`._activity`; relu's gradient passes a NaN on, as
 PyTorch's does), and the per-unit and per-row counts count the same units.
 
-One program per ``BM`` rows walks f in ``BF``-column steps, so each row's |h| sum is its own
-(deterministic); the per-unit counts are integer atomics, skipped where a column step has none.
+One program per ``BM`` rows walks f in ``BF``-column steps; where that makes fewer programs than
+``TARGET_PROGRAMS`` (a few thousand tokens), f is split into chunks of whole steps, one program
+per row block and chunk. Each program's |h| sums are its own, added over the chunks in a fixed
+order afterwards (deterministic); the per-unit and per-row counts are integer atomics, the
+per-unit ones skipped where a column step has none.
 """
 
 from __future__ import annotations
@@ -46,14 +49,16 @@ _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @triton.jit
-def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, rc_ptr, M, F,
-                    GATED: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, rc_ptr, M, F, CHUNK,
+                    GATED: tl.constexpr, SPLIT: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+    # program (i, j): rows i*BM.., columns j*CHUNK.. (CHUNK a multiple of BF; one chunk: all of f)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     base = rows.to(tl.int64)[:, None] * F
+    start = tl.program_id(1) * CHUNK
     l1 = tl.zeros([BM], dtype=tl.float32)
     per_row = tl.zeros([BM], dtype=tl.int32)
-    for f0 in range(0, F, BF):
+    for f0 in range(start, tl.minimum(start + CHUNK, F), BF):
         cols = f0 + tl.arange(0, BF)
         ok = row_ok[:, None] & (cols < F)[None, :]
         a = tl.load(a_ptr + base + cols[None, :], mask=ok, other=0.0).to(tl.float32)
@@ -67,20 +72,26 @@ def _forward_kernel(a_ptr, u_ptr, h_ptr, l1_ptr, cnt_ptr, rc_ptr, M, F,
         per_row += tl.sum(active, axis=1)
         n = tl.sum(active, axis=0).to(tl.int64)
         tl.atomic_add(cnt_ptr + cols, n, mask=(cols < F) & (n > 0), sem="relaxed")
-    tl.store(l1_ptr + rows, l1, mask=row_ok)
-    tl.store(rc_ptr + rows, per_row, mask=row_ok)
+    # this chunk's |h| sums in its own row of l1 ([chunks, M]; summed in a fixed order after)
+    tl.store(l1_ptr + tl.program_id(1) * M + rows, l1, mask=row_ok)
+    if SPLIT:
+        tl.atomic_add(rc_ptr + rows, per_row, mask=row_ok, sem="relaxed")
+    else:
+        tl.store(rc_ptr + rows, per_row, mask=row_ok)
 
 
 @triton.jit
-def _backward_kernel(dz_ptr, a_ptr, u_ptr, da_ptr, h_ptr, c_ptr, c_scale, M, F,
+def _backward_kernel(dz_ptr, a_ptr, u_ptr, da_ptr, h_ptr, c_ptr, c_scale, M, F, CHUNK,
                      HAS_C: tl.constexpr, GATED: tl.constexpr, BM: tl.constexpr, BF: tl.constexpr):
+    # program (i, j): rows i*BM.., columns j*CHUNK.. (as the forward's)
     rows = tl.program_id(0) * BM + tl.arange(0, BM)
     row_ok = rows < M
     base = rows.to(tl.int64)[:, None] * F
+    start = tl.program_id(1) * CHUNK
     c = 0.0
     if HAS_C:
         c = tl.load(c_ptr).to(tl.float32) * c_scale
-    for f0 in range(0, F, BF):
+    for f0 in range(start, tl.minimum(start + CHUNK, F), BF):
         cols = f0 + tl.arange(0, BF)
         ok = row_ok[:, None] & (cols < F)[None, :]
         at = base + cols[None, :]
@@ -116,6 +127,23 @@ def _blocks(f: int, widest: int = 256) -> tuple[int, int]:
     return 4096 // bf, bf  # about 4K values per step per program
 
 
+# Programs a pass aims for. Where a call has fewer row blocks, each row block's columns are split
+# into chunks, one program each: at 1024 tokens (f 5632) the forward had 32 programs of 32 rows
+# for the H100's 132 SMs and took 94.5 us, where PyTorch's relu-and-product pass over the same
+# [M, f] took 38.7 us (benchmarks/results/train_call_stage_h100.json); from 16384 tokens a pass
+# has 512 row blocks or more and runs as before, one program per row block.
+TARGET_PROGRAMS = 512
+
+
+def _chunks(M: int, f: int, BM: int, BF: int) -> tuple[int, int]:
+    """``(chunks, columns per chunk)``: how a pass of ``M`` rows splits f (chunks of whole BF steps)."""
+    row_blocks = (M + BM - 1) // BM
+    steps = (f + BF - 1) // BF
+    chunks = max(1, min(steps, TARGET_PROGRAMS // max(row_blocks, 1)))
+    per = max(1, (steps + chunks - 1) // chunks)
+    return max(1, (steps + per - 1) // per), per * BF
+
+
 # The forward pass's block: 32 rows x 128 columns, 4 warps. On the H200 (bf16, f 5632) it took
 # 0.207 / 0.754 ms at M 16384 / 65536 against 0.473 / 1.819 for the backward's 16 x 256 with 8
 # warps (PyTorch's relu and product alone: 0.221 / 0.853): twice the rows per program halve the
@@ -147,17 +175,25 @@ def dense_rows_forward(a: torch.Tensor, u: Optional[torch.Tensor], check: bool =
         return (h, h.abs().sum(1, dtype=torch.float32), active.sum(0, dtype=torch.int64),
                 active.sum(1, dtype=torch.int32))
     h = torch.empty_like(a)
-    l1 = torch.empty(M, dtype=torch.float32, device=a.device)
-    row_counts = torch.empty(M, dtype=torch.int32, device=a.device)
+    BM, BF = _blocks(f, FORWARD_WIDEST)
+    chunks, chunk = _chunks(M, f, BM, BF)
     counts = torch.zeros(f, dtype=torch.int64, device=a.device)
-    if M and f:
-        BM, BF = _blocks(f, FORWARD_WIDEST)
-        with on_device_of(a):
-            _forward_kernel[((M + BM - 1) // BM,)](a, a if u is None else u, h, l1, counts, row_counts, M, f,
-                                                   GATED=u is not None, BM=BM, BF=BF, num_warps=FORWARD_WARPS)
-    else:
-        l1.zero_()
+    # the chunks add into the row counts, zeroed first. Two tensors of their own, never views of
+    # one buffer: the training op returns both, and a custom op's outputs may not alias each other
+    row_counts = torch.empty(M, dtype=torch.int32, device=a.device)
+    if chunks > 1:
         row_counts.zero_()
+    l1_parts = torch.empty(chunks * M, dtype=torch.float32, device=a.device).view(chunks, M)
+    if M and f:
+        with on_device_of(a):
+            _forward_kernel[((M + BM - 1) // BM, chunks)](
+                a, a if u is None else u, h, l1_parts, counts, row_counts, M, f, chunk,
+                GATED=u is not None, SPLIT=chunks > 1, BM=BM, BF=BF, num_warps=FORWARD_WARPS)
+    else:
+        l1_parts.zero_()
+        row_counts.zero_()
+    # each row's |h| sum in a fixed order whatever the chunks (deterministic)
+    l1 = l1_parts[0] if chunks == 1 else l1_parts.sum(0)
     return h, l1, counts, row_counts
 
 
@@ -196,11 +232,12 @@ def dense_rows_backward(dz: torch.Tensor, a: torch.Tensor, u: Optional[torch.Ten
         da, h = torch.empty_like(a), torch.empty_like(a)
     if M and f:
         BM, BF = _blocks(f)
+        chunks, chunk = _chunks(M, f, BM, BF)
         with on_device_of(a):
-            _backward_kernel[((M + BM - 1) // BM,)](dz, a, a if u is None else u, dz if da is None else da,
-                                                    dz if h is None else h, a if c is None else c, float(c_scale),
-                                                    M, f, HAS_C=c is not None, GATED=u is not None, BM=BM, BF=BF,
-                                                    num_warps=8)
+            _backward_kernel[((M + BM - 1) // BM, chunks)](
+                dz, a, a if u is None else u, dz if da is None else da, dz if h is None else h,
+                a if c is None else c, float(c_scale), M, f, chunk, HAS_C=c is not None, GATED=u is not None,
+                BM=BM, BF=BF, num_warps=8)
     return dz, da, h
 
 
