@@ -317,7 +317,7 @@ def run_record(name: str, trainer, summary: dict, wall: float) -> dict:
         "name": name, "steps": summary["steps"], "tokens": summary["tokens"], "batch_tokens": trainer.tokens_per_step,
         "seq_len": cfg.seq_len, "lr": cfg.lr, "activation": cfg.activation,
         "init_from": "the dense run's export" if cfg.init_from else None,
-        "l1": cfg.l1, "l1_target": cfg.l1_target, "l1_warmup": cfg.l1_warmup, "lambda_by_layer": summary["lambda_by_layer"],
+        "l1": cfg.l1, "l1_target": cfg.l1_target, "l1_warmup": cfg.l1_warmup, "reinit": cfg.reinit, "lambda_by_layer": summary["lambda_by_layer"],
         "val_loss": summary["val_loss"], "val_tokens": summary["val_tokens"],
         "active_share_per_layer": [v / f for v in active] if active is not None else None,
         "dead_share_per_layer": summary["dead_frac_val_by_layer"],
@@ -410,7 +410,7 @@ def phase_a(a, out: Path, data: Optional[dict] = None, clock: Optional[Clock] = 
     for name, share in CONVERSIONS:
         n = max(1, round(share * steps))
         cfg = replace(base, preset=None, init_from=str(export), lr=a.finetune_lr,
-                      l1=a.finetune_l1 if a.finetune_l1 is not None else a.l1, l1_target=a.target,
+                      l1=a.finetune_l1 if a.finetune_l1 is not None else a.l1, l1_target=a.target, reinit=a.reinit,
                       steps=n, eval_every=eval_every(n, a.log_every), out=str(runs / name))
         rec, checkpoint = train_run(name, cfg, out, before=at_start)
         rec.update(bench_or_note(a, prefill_sparse_model, a, checkpoint, tokens))
@@ -440,8 +440,8 @@ def phase_b(a, out: Path, data: Optional[dict] = None, clock: Optional[Clock] = 
     doc = {"phase": "B", "preset": a.preset, **machine(), "tokenizer": data["tokenizer"], "corpus": data["corpus"],
            "settings": settings(a), "runs": [], "seconds": clock.stages}
     base = base_config(a, data["folder"])
-    cfg = replace(base, l1=a.l1, l1_target=a.target, steps=a.steps, eval_every=eval_every(a.steps, a.log_every),
-                  out=str(Path(a.runs_dir) / "scratch_sparse"))
+    cfg = replace(base, l1=a.l1, l1_target=a.target, reinit=a.reinit, steps=a.steps,
+                  eval_every=eval_every(a.steps, a.log_every), out=str(Path(a.runs_dir) / "scratch_sparse"))
     rec, checkpoint = train_run("scratch_sparse", cfg, out)
     clock.mark("scratch_sparse", f"{rec['tokens']:,} tokens, val loss {rec['val_loss']:.4f}")
     rec.update(bench_or_note(a, prefill_sparse_model, a, checkpoint, validation_tokens(data["folder"])))
@@ -614,6 +614,8 @@ def parser() -> argparse.ArgumentParser:
                    "steers it (default: --l1); short conversions reach the target sooner from a larger one")
     p.add_argument("--target", type=float, default=0.01, help="active share per layer the sparse runs steer to "
                    "(--l1-target; default 0.01)")
+    p.add_argument("--reinit", action="store_true", help="the sparse runs re-initialise dead units' gate rows "
+                   "(twell train --reinit, the paper's Eq. 6)")
     p.add_argument("--log-every", type=int, default=5, help="steps between log rows, where lambda adapts (default 5)")
     p.add_argument("--val-batches", type=int, default=16, help="validation micro-batches (default 16)")
     p.add_argument("--data", nargs="+", help="corpus (default: stdlib, transformers and torch sources)")
