@@ -89,8 +89,9 @@ FUSED_DENSE = True
 # sparse op read 0.67x of dense PyTorch at 4096 tokens and 1.33x at 8192 (k 29, one layer): the
 # floor stays. The host sets it: at 4096 tokens the forced sparse op read 1.14x to 1.19x dense on
 # the H100 machine (k 8 and 29, even rows; benchmarks/results/training_mlp_h100.json) and 0.49x to
-# 0.52x on the H200 machine the same day (k 29 even, and skewed and heavy-tailed layers, timed call
-# by call against dense PyTorch), where the fused dense path read 0.91x to 1.05x.
+# 0.52x on the H200 machine the same day (k 29, even rows; 0.32x to 0.46x on skewed and
+# heavy-tailed layers; timed call by call against dense PyTorch), where the fused dense path read
+# 0.84x to 1.05x.
 MIN_SPARSE_TOKENS = 8192
 
 
