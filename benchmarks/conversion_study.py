@@ -614,8 +614,9 @@ def parser() -> argparse.ArgumentParser:
                    "steers it (default: --l1); short conversions reach the target sooner from a larger one")
     p.add_argument("--target", type=float, default=0.01, help="active share per layer the sparse runs steer to "
                    "(--l1-target; default 0.01)")
-    p.add_argument("--reinit", action="store_true", help="the sparse runs re-initialise dead units' gate rows "
-                   "(twell train --reinit, the paper's Eq. 6)")
+    p.add_argument("--reinit", action=argparse.BooleanOptionalAction, default=None,
+                   help="whether the sparse runs re-initialise dead units' gate rows (twell train --reinit, the "
+                   "paper's Eq. 6; default: the recipe's, on)")
     p.add_argument("--log-every", type=int, default=5, help="steps between log rows, where lambda adapts (default 5)")
     p.add_argument("--val-batches", type=int, default=16, help="validation micro-batches (default 16)")
     p.add_argument("--data", nargs="+", help="corpus (default: stdlib, transformers and torch sources)")

@@ -112,7 +112,7 @@ def test_phase_ab_runs_both_on_one_corpus(tmp_path, study, capsys):
     assert [r["name"] for r in b["runs"]] == ["scratch_sparse"]
     # the conversions start from --finetune-l1, the run from scratch from --l1
     assert [r["l1"] for r in a["runs"][1:]] == [7e-4, 7e-4] and b["runs"][0]["l1"] == 2e-4
-    assert [r["reinit"] for r in a["runs"][1:] + b["runs"]] == [False] * 3  # (the recipe's default)
+    assert [r["reinit"] for r in a["runs"][1:] + b["runs"]] == [True] * 3  # (the recipe's default)
     assert b["runs"][0]["tokens"] == a["runs"][0]["tokens"]  # B at A's steps
     assert b["tokenizer"] == a["tokenizer"] and b["corpus"] == a["corpus"]  # prepared once
     assert capsys.readouterr().out.count("] tokenizer (") == 1
@@ -120,10 +120,9 @@ def test_phase_ab_runs_both_on_one_corpus(tmp_path, study, capsys):
     assert json.loads((tmp_path / "ab" / "conversion_cpu.json").read_text())["problems"] == []
 
 
-def test_reinit_reaches_every_sparse_run(tmp_path, study):
+def test_no_reinit_reaches_every_sparse_run(tmp_path, study):
     script, common = study
-    script.main(["--phase", "AB", "--out", str(tmp_path / "ab"), "--train-s", "0.01", "--reinit", "--no-bench", *common])
+    script.main(["--phase", "AB", "--out", str(tmp_path / "ab"), "--train-s", "0.01", "--no-reinit", "--no-bench", *common])
     a = json.loads((tmp_path / "ab" / "conversion_A.json").read_text())
     b = json.loads((tmp_path / "ab" / "conversion_B.json").read_text())
-    assert [r["reinit"] for r in a["runs"][1:] + b["runs"]] == [True] * 3
-    assert "reinit" not in a["runs"][0] or not a["runs"][0]["reinit"]  # the dense run has none
+    assert [r["reinit"] for r in a["runs"]] == [False] * 3 and b["runs"][0]["reinit"] is False

@@ -41,8 +41,9 @@ def test_a_layer_forced_half_dead_keeps_its_lambda(tmp_path, limit):
     """Half of layer 0's gate rows set to zero: those units never fire (no gradient reaches
     them) and the layer's dead share is one half. Under the limit its lambda stays put while
     layer 1's rises toward the target; without the limit both rise. The log, the summary and
-    its printed form carry each layer's dead shares."""
-    t = Trainer(config(tmp_path, steps=8, log_every=2, eval_every=4, dead_window=2, l1_target=0.001, dead_limit=limit))
+    its printed form carry each layer's dead shares. (Re-initialisation off: it would revive them.)"""
+    t = Trainer(config(tmp_path, steps=8, log_every=2, eval_every=4, dead_window=2, l1_target=0.001, dead_limit=limit,
+                       reinit=False))
     with torch.no_grad():
         t.model.model.layers[0].mlp.gate_proj.weight[::2] = 0.0
     summary = t.fit()
@@ -63,6 +64,21 @@ def test_a_layer_forced_half_dead_keeps_its_lambda(tmp_path, limit):
     assert summary["dead_frac_window_by_layer"][0] == pytest.approx(0.5)
     assert summary["dead_frac_window_max_by_layer"][0] == pytest.approx(0.5)
     assert summary["dead_frac_val_by_layer"][0] >= 0.5
+
+
+def test_dead_units_come_back_by_default(tmp_path):
+    """The same half-dead layer with the recipe's defaults: re-initialisation (Eq. 6) is on for
+    ReLU runs, so the zeroed gate rows are nudged after the first window and fire again; the
+    layer's dead share falls from one half, and the summary counts the nudges."""
+    t = Trainer(config(tmp_path, steps=8, log_every=2, eval_every=4, dead_window=2, l1_target=0.001))
+    assert t.cfg.reinit is True
+    with torch.no_grad():
+        t.model.model.layers[0].mlp.gate_proj.weight[::2] = 0.0
+    summary = t.fit()
+    rows = read_history(tmp_path / "run" / "log.csv")
+    assert rows[0]["dead_frac_L0"] == pytest.approx(0.5)  # the first window: dead as made
+    assert rows[-1]["dead_frac_L0"] < 0.1 and summary["dead_frac_val_by_layer"][0] < 0.1
+    assert summary["reinit"] is True and summary["reinit_unit_steps"] > 0
 
 
 def test_no_limit_without_a_target(tmp_path):

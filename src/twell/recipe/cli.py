@@ -30,7 +30,7 @@ With no arguments: the tiny preset on the Python standard library's sources (no 
 
 Examples:
   twell train
-  twell train --preset small --steps 2000 --l1 3e-5 --reinit --out runs/small
+  twell train --preset small --steps 2000 --l1 3e-5 --out runs/small
   twell train --data corpus/*.jsonl --tokenizer HuggingFaceTB/SmolLM-135M --preset 0.5b
   torchrun --nproc_per_node 8 -m twell train --preset 1b --grad-checkpointing [--fsdp]
   twell train --init-from llama-hf --data corpus/ --l1-target 0.02 --out runs/sparse-llama
@@ -102,7 +102,10 @@ def train_parser() -> argparse.ArgumentParser:
                    f"the --l1-warmup ramp raises it) until its share falls back (default {d.dead_limit})")
     s.add_argument("--no-dead-limit", dest="dead_limit", action="store_const", const=None,
                    help="no dead-unit limit: every layer's lambda follows the target alone")
-    s.add_argument("--reinit", action="store_true", help="re-initialise dead units' gate rows after every step (paper's Eq. 6)")
+    s.add_argument("--reinit", action="store_true", help="re-initialise dead units' gate rows after every step "
+                   "(paper's Eq. 6; the default for twell's ReLU MLPs)")
+    s.add_argument("--no-reinit", dest="reinit", action="store_const", const=False,
+                   help="leave dead units dead (the dead-unit limit still holds their layer's lambda)")
     s.add_argument("--reinit-keep", type=float, help=f"Eq. 6: W <- keep * W + (1 - keep) * N(0, std^2) (default keep {d.reinit_keep})")
     s.add_argument("--reinit-std", type=float, help=f"Eq. 6 noise std (default {d.reinit_std})")
     r = p.add_argument_group("run")

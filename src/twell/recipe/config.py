@@ -69,7 +69,15 @@ class TrainConfig:
     # With l1_target: a layer whose dead share over the window exceeds this keeps its lambda
     # from rising (see Trainer.adapt_l1); None: off.
     dead_limit: Optional[float] = 0.1
-    reinit: bool = False
+    # The paper's Eq. 6 after every step: a unit dead over the last window gets its gate row nudged
+    # toward fresh noise until it fires again (twell.recipe.stats.DeadUnits). None: on for twell's
+    # ReLU MLPs, off for a dense baseline. The dead-unit limit only holds lambda: a ReLU unit that
+    # never fires gets no gradient, so without this nothing brings it back. (H200, 0.5b preset,
+    # 17M tokens from scratch at --l1-target 0.01 without it: 10.4% to 55.0% of the units dead in
+    # six of eight layers, benchmarks/results/conversion_h200.json. On the CPU, tiny preset, 800
+    # steps at the same target: 25.6% dead at most in a layer without it, 7.1% with it, validation
+    # loss 5.0275 and 5.0268.)
+    reinit: Optional[bool] = None
     reinit_keep: float = 0.9
     reinit_std: float = 0.02
     log_every: int = 10
@@ -115,6 +123,7 @@ class TrainConfig:
         if c.init_from is not None:
             c._resolve_init_from(resuming)
         c.l1 = c.l1 if c.l1 is not None else DEFAULT_L1
+        c.reinit = c.reinit if c.reinit is not None else True  # (a dense baseline has set False above)
         c.seq_len = c.seq_len or PRESETS[c.preset].context
         c.lr = c.lr if c.lr is not None else INIT_FROM_LR if c.init_from else DEFAULT_LR.get(c.preset, 3e-4)
         c.l1_warmup = c.l1_warmup if c.l1_warmup is not None else (c.steps // 4 if c.init_from else 0)
@@ -166,11 +175,12 @@ class TrainConfig:
             raise ValueError(f"--activation {act} trains a dense baseline with lambda 0: leave --l1 out "
                              f"(got --l1 {self.l1:g}); the L1 term is for twell's ReLU MLPs")
         for option, given in (("--l1-target", self.l1_target is not None), ("--l1-warmup", bool(self.l1_warmup)),
-                              ("--reinit", self.reinit)):
+                              ("--reinit", self.reinit is True)):
             if given:
                 raise ValueError(f"--activation {act} trains a dense baseline with lambda 0 and no dead-unit tracking: "
                                  f"leave {option} out")
         self.l1 = 0.0
+        self.reinit = False
 
     def _resolve_init_from(self, resuming: bool) -> None:
         """In place, on the copy :meth:`resolved` makes: the settings a model folder decides."""
