@@ -26,7 +26,7 @@ The sum over units is the convention of the paper's published training code (its
 writes a mean, with which 2e-5 would be f times weaker); lambda = 2e-5 is the paper's setting.
 
 With no arguments: the tiny preset on the Python standard library's sources (no download),
-5 to 9 minutes on a 2-core CPU; it ends with a summary and runs/twell/training.png.
+5 to 11 minutes on a 2-core CPU; it ends with a summary and runs/twell/training.png.
 
 Examples:
   twell train
