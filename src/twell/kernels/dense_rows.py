@@ -27,8 +27,9 @@ PyTorch's does), and the per-unit and per-row counts count the same units.
 One program per ``BM`` rows walks f in ``BF``-column steps; where that makes fewer programs than
 ``TARGET_PROGRAMS`` (a few thousand tokens), f is split into chunks of whole steps, one program
 per row block and chunk. Each program's |h| sums are its own, added over the chunks in a fixed
-order afterwards (deterministic); the per-unit and per-row counts are integer atomics, the
-per-unit ones skipped where a column step has none.
+order afterwards (deterministic); the per-unit counts are integer atomics, skipped where a column
+step has none, and so are the per-row counts where f is split (else each row's program stores
+its own).
 """
 
 from __future__ import annotations
@@ -133,8 +134,9 @@ def _blocks(f: int, widest: int = 256) -> tuple[int, int]:
 # [M, f] took 38.7 us (benchmarks/results/train_call_stage_h100.json). Timed on the H100 with
 # and without the chunks (bf16, f 5632, do_bench): the forward 81.7 against 117.1 us at 4096
 # tokens and 86.8 against 102.9 us at 1024 (where the host's launch sets the pace), the backward
-# 105.2 against 104.5 us at 4096; from 16384 tokens a pass has 512 row blocks or more and runs as
-# before, one program per row block (231 and 397 us either way).
+# 105.2 against 104.5 us at 4096, and 231 and 397 us either way at 16384. From 512 row blocks
+# (16384 tokens for the forward's blocks at f 5632, 8192 for the backward's) a pass runs one
+# program per row block.
 TARGET_PROGRAMS = 512
 
 
