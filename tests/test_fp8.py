@@ -188,23 +188,28 @@ def test_fp8_path_on_the_gpu(M, dist):
         assert errors(y, ref)[1] <= errors(dense_fp8_ffn(s.x, dw), dref)[1]
 
 
-@pytest.mark.parametrize("M,dtype", [(1, torch.float32), (6, torch.float16)])
-def test_fp8_decode_kernel(M, dtype):
-    from twell.kernels.decode_fp8 import ffn_decode_fp8
+@pytest.mark.parametrize("M,dtype,prequant", [(1, torch.float32, None), (6, torch.float16, None), (8, torch.bfloat16, None),
+                                              (1, torch.float16, True), (3, torch.float32, False)])
+def test_fp8_decode_kernel(M, dtype, prequant):
+    from twell.kernels.decode_fp8 import FP8_PREQUANT_MIN_M, ffn_decode_fp8
     from twell.kernels.decode_fused import DecodeScratch
 
     x, wg, wu, wd = gate_case(M, 40, 100, torch.float32, seed=M)
     w = fp8.fp8_gated_weights(wg, wu, wd)
     x = x.to(dtype)
     ref = fp8.twell_fp8_reference(x, w)
-    y, counts = ffn_decode_fp8(x, w)
-    assert y.dtype == dtype and rel_err(y, ref) < (1e-5 if dtype == torch.float32 else 3e-3)
+    y, counts = ffn_decode_fp8(x, w, prequant=prequant)
+    tol = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 1e-2}[dtype]
+    assert y.dtype == dtype and rel_err(y, ref) < tol
     # the active set is the dense FP8 gate's
     a = fp8.scaled_mm_rows(fp8.quantize_tokens(x), w.gate, dtype)
     assert int(counts.sum()) == int((a > 0).any(dim=0).sum())
+    # x quantised in every program or by a kernel of its own first: the same sums, in the same order
+    other = not (prequant if prequant is not None else M >= FP8_PREQUANT_MIN_M)
+    assert torch.equal(ffn_decode_fp8(x, w, config=(4, 2), prequant=other)[0], ffn_decode_fp8(x, w, config=(4, 2), prequant=not other)[0])
     scratch = DecodeScratch(40, "cpu")
     for _ in range(2):  # the kept accumulator is left zeroed
-        assert torch.equal(ffn_decode_fp8(x, w, scratch)[0], y)
+        assert torch.equal(ffn_decode_fp8(x, w, scratch, prequant=prequant)[0], y)
     assert torch.all(scratch.acc == 0)
     with pytest.raises(ValueError, match="at most"):
         ffn_decode_fp8(torch.zeros(9, 40, dtype=dtype), w)

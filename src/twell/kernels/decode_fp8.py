@@ -3,7 +3,7 @@
 The CUDA-core GEMV of :mod:`.decode_fused` with e4m3 rows and per-unit scales. One program per
 block of ``BU`` units::
 
-    xq[m], sx[m] = x[m] quantised per token, in registers (each program reads x whole anyway)
+    xq[m], sx[m] = x[m] quantised per token                          (see below)
     a[m, u]  = (xq[m] . gq[u]) sx[m] sg[u], rounded to x's dtype    the dense FP8 gate's value
     active   = units that fire for some token                        (the rest are never read again)
     h[m, u]  = relu(a) (x[m] . uq[u]) su[u] sd[u]                    fp32; x itself, not xq
@@ -13,6 +13,12 @@ then ``y = acc`` in x's dtype and the accumulator zeroed by :func:`.decode_fused
 (a programmatic dependent launch on Hopper). The e4m3 products are exact in fp32, so the gate's
 sum differs from ``torch._scaled_mm``'s only by the order of its fp32 additions: its sign, the
 active set, can differ only where ``a`` is within rounding of zero.
+
+Where x is quantised: at one token each program does it in registers (it reads x whole anyway),
+which costs no launch. From ``FP8_PREQUANT_MIN_M`` tokens that work, repeated by every program
+for every token, outweighs a launch: :func:`.quantize._quantize_rows_kernel` runs first, and the
+weight kernel, a programmatic dependent launch of it on Hopper, loads its gate rows before it
+waits for the quantised x.
 """
 
 from __future__ import annotations
@@ -27,9 +33,9 @@ from ..checks import check_tensor
 from ._activity import fires as is_active
 from ._launch import on_device_of, pdl_ok
 from .decode_fused import DecodeScratch, launch_write_out
-from .quantize import _round_e4m3
+from .quantize import _quantize_rows_kernel, _round_e4m3
 
-__all__ = ["ffn_decode_fp8", "FP8_DECODE_MAX_M", "FP8_DECODE_CONFIG"]
+__all__ = ["ffn_decode_fp8", "FP8_DECODE_MAX_M", "FP8_DECODE_CONFIG", "FP8_PREQUANT_MIN_M", "FP8_PREQUANT_CONFIG"]
 
 # Tokens per call the kernel takes: its CUDA-core products grow with M (as the bf16 GEMV's, which
 # hands over to tensor cores from 6 tokens).
@@ -39,15 +45,21 @@ FP8_DECODE_MAX_M = 8
 # and its write-out took 13.9 us at one token with (4, 4) against 16.4 us with one unit per
 # program and 2 warps, and 29.7 against 47.0 us at four tokens ((8, 4): 14.4 and 28.6 us).
 FP8_DECODE_CONFIG = (4, 4)
+# From this many tokens x is quantised by a kernel of its own first (see the module's text), and
+# the weight kernel takes FP8_PREQUANT_CONFIG: on the H100 (as above, CUDA graphs, L2 flushed) at
+# four tokens 21.9 us with (4, 2) against 29.9 us quantising in every program ((4, 4)); at one
+# token 14.7 against 13.9 us, the launch not paid back.
+FP8_PREQUANT_MIN_M = 2
+FP8_PREQUANT_CONFIG = (4, 2)
 
 
 @triton.jit
 def _decode_fp8_kernel(
-    x_ptr, stride_xm,
+    x_ptr, stride_xm, xq_ptr, stride_xq, sx_ptr,
     gq_ptr, sg_ptr, uq_ptr, su_ptr, dq_ptr, sd_ptr, stride_w,
     acc_ptr, counts_ptr,
     M, d, f, fmax, eps,
-    BM: tl.constexpr, BU: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr,
+    BM: tl.constexpr, BU: tl.constexpr, D: tl.constexpr, PREQ: tl.constexpr, GDC: tl.constexpr,
 ):
     if GDC:  # the write-out may be launched now (it waits for this kernel's end to read acc)
         tl.extra.cuda.gdc_launch_dependents()
@@ -61,12 +73,18 @@ def _decode_fp8_kernel(
     wmask = umask[:, None] & cmask[None, :]
     g = tl.load(gq_ptr + w_off, mask=wmask, other=0.0).to(tl.float32)
     sg = tl.load(sg_ptr + units, mask=umask, other=0.0)
+    if PREQ and GDC:  # the quantised x is the kernel before's: wait for it (the gate is in flight)
+        tl.extra.cuda.gdc_wait()
     a = tl.zeros([BM, BU], dtype=tl.float32)
     for m in tl.static_range(BM):
         if m < M:
-            xm = tl.load(x_ptr + m * stride_xm + cols, mask=cmask, other=0.0).to(tl.float32)
-            sx = tl.maximum(tl.max(tl.abs(xm), axis=0), eps) / fmax
-            xq = _round_e4m3(tl.minimum(tl.maximum(xm / sx, -fmax), fmax))
+            if PREQ:
+                xq = tl.load(xq_ptr + m * stride_xq + cols, mask=cmask, other=0.0).to(tl.float32)
+                sx = tl.load(sx_ptr + m)
+            else:
+                xm = tl.load(x_ptr + m * stride_xm + cols, mask=cmask, other=0.0).to(tl.float32)
+                sx = tl.maximum(tl.max(tl.abs(xm), axis=0), eps) / fmax
+                xq = _round_e4m3(tl.minimum(tl.maximum(xm / sx, -fmax), fmax))
             part = tl.sum(g * xq[None, :], axis=1) * sx * sg
             a = tl.where(rows[:, None] == m, part[None, :], a)
     a = a.to(x_ptr.dtype.element_ty).to(tl.float32)  # the dense FP8 gate's rounding (out_dtype x's)
@@ -90,11 +108,14 @@ def _decode_fp8_kernel(
 
 
 def ffn_decode_fp8(x: torch.Tensor, w, scratch: Optional[DecodeScratch] = None,
-                   config: tuple = FP8_DECODE_CONFIG) -> tuple[torch.Tensor, torch.Tensor]:
+                   config: Optional[tuple] = None, prequant: Optional[bool] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y [M, d], counts)`` of twell's FP8 FFN (see the module's text) for ``x [M, d]`` (fp16,
     bf16 or fp32, ``M <= FP8_DECODE_MAX_M``) and ``w`` a :class:`twell.fp8.Fp8GatedWeights`;
     ``counts [f / BU]`` the active units of each block of units. ``scratch``: a kept zeroed
-    accumulator (one launch fewer), as for :func:`.decode_fused.ffn_decode_fused`."""
+    accumulator (one launch fewer), as for :func:`.decode_fused.ffn_decode_fused`.
+    ``prequant``: x quantised by a kernel of its own first (default: from ``FP8_PREQUANT_MIN_M``
+    tokens); ``config``: (units per program, warps), by default ``FP8_PREQUANT_CONFIG`` when
+    prequantising, else ``FP8_DECODE_CONFIG``."""
     from ..fp8 import E4M3, E4M3_MAX, EPS, Fp8GatedWeights
 
     if not isinstance(w, Fp8GatedWeights):
@@ -109,7 +130,9 @@ def ffn_decode_fp8(x: torch.Tensor, w, scratch: Optional[DecodeScratch] = None,
         raise ValueError(f"the FP8 rows must be contiguous [{f}, {d}] {E4M3} on {x.device}")
     if x.stride(1) != 1:
         x = x.contiguous()
-    BU, nw = config
+    if prequant is None:
+        prequant = M >= FP8_PREQUANT_MIN_M
+    BU, nw = config if config is not None else (FP8_PREQUANT_CONFIG if prequant else FP8_DECODE_CONFIG)
     NB = triton.cdiv(f, BU)
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
     if M == 0 or f == 0:
@@ -118,11 +141,21 @@ def ffn_decode_fp8(x: torch.Tensor, w, scratch: Optional[DecodeScratch] = None,
         scratch = None
     acc = scratch.acc if scratch is not None else torch.zeros(M, d, dtype=torch.float32, device=x.device)
     gdc = pdl_ok(x)
+    D = triton.next_power_of_2(max(d, 1))
     with on_device_of(x):
+        if prequant:
+            xq = torch.empty(M, d, dtype=E4M3, device=x.device)
+            sx = torch.empty(M, dtype=torch.float32, device=x.device)
+            QM = max(1, min(triton.next_power_of_2(M), 8192 // D))  # rows per program, as quantize_rows_fp8
+            _quantize_rows_kernel[(triton.cdiv(M, QM),)](x, x.stride(0), xq, d, sx, M, d, EPS, E4M3_MAX,
+                                                         BM=QM, D=D, GDC=gdc, num_warps=4)
+        else:
+            xq, sx = x, acc  # (not read)
         _decode_fp8_kernel[(NB,)](
-            x, x.stride(0), w.gate.q, w.gate.scale, w.up.q, w.up.scale, w.down_t.q, w.down_t.scale, d,
+            x, x.stride(0), xq, xq.stride(0), sx, w.gate.q, w.gate.scale, w.up.q, w.up.scale, w.down_t.q, w.down_t.scale, d,
             acc, counts, M, d, f, E4M3_MAX, EPS,
-            BM=triton.next_power_of_2(max(M, 1)), BU=BU, D=triton.next_power_of_2(max(d, 1)), GDC=gdc, num_warps=nw,
+            BM=triton.next_power_of_2(max(M, 1)), BU=BU, D=D, PREQ=prequant, GDC=gdc, num_warps=nw,
+            launch_pdl=gdc and prequant,
         )
         try:
             y = launch_write_out(acc, M, x.dtype, gdc)

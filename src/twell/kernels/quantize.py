@@ -40,7 +40,9 @@ def _round_e4m3(v):
 
 @triton.jit
 def _quantize_rows_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, M, d, eps, fmax,
-                          BM: tl.constexpr, D: tl.constexpr):
+                          BM: tl.constexpr, D: tl.constexpr, GDC: tl.constexpr = False):
+    if GDC:  # the kernel reading q may be launched now (it waits for this one's end to read it)
+        tl.extra.cuda.gdc_launch_dependents()
     rows = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
     cols = tl.arange(0, D)
     mask = (rows < M)[:, None] & (cols < d)[None, :]
