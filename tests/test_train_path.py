@@ -340,9 +340,9 @@ def test_module_passes_its_tokens_to_the_path_choice(monkeypatch):
     seen = []
     real = TrainPath.choose
 
-    def spy(self, mode, f, max_density=None, capturing=False, tokens=None):
+    def spy(self, mode, f, max_density=None, capturing=False, tokens=None, **kw):
         seen.append(tokens)
-        return real(self, mode, f, max_density, capturing, tokens)
+        return real(self, mode, f, max_density, capturing, tokens, **kw)
 
     monkeypatch.setattr(TrainPath, "choose", spy)
     m = SparseGatedMLP(16, 40)

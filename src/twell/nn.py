@@ -432,6 +432,9 @@ class _SparseFFN(nn.Module):
         if torch.is_autocast_enabled(dev):
             dt = torch.get_autocast_dtype(dev)
             x2, weights = x2.to(dt), tuple(w.to(dt) for w in weights)
+        trial = self._twell_train.trial if path != "layer" else None  # a timed call of twell.training.path_timing
+        if trial is not None:
+            trial.forward_started()
         with autocast_off(dev):
             if path == "layer":
                 first, down, up = weights[0], weights[-1], (weights[1] if len(weights) == 3 else None)
@@ -440,6 +443,8 @@ class _SparseFFN(nn.Module):
                 out = (sparse_gated_ffn if len(weights) == 3 else sparse_ffn)(x2.contiguous(), *weights, width)
             else:
                 out = (dense_gated_ffn if len(weights) == 3 else dense_ffn)(x2.contiguous(), *weights)
+        if trial is not None:
+            trial.forward_done(out.y)
         self._set_l1(out.l1 if self.training else None)
         if self._tracking():
             self._record_counts(out.row_counts, out.unit_counts)

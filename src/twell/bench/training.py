@@ -109,7 +109,7 @@ def _module_fn(x, wg, wu, wd, dy, kernels: str = "auto", module: Optional[torch.
     """``(run, module)``: forward + backward of a :class:`twell.SparseGatedMLP` in training mode
     holding ``wg, wu, wd`` (copies), ``train_kernels = kernels``, loss ``y . dy + LAM l1``.
     ``module``: the module to load them into (else a new one); ``call``: what runs it (a
-    compiled module, say; else the module). A few calls are made first, so that the layer has
+    compiled module, say; else the module). Twenty calls are made first, so that the layer has
     measured its sparsity and chosen its path."""
     from ..nn import SparseGatedMLP
 
@@ -124,7 +124,9 @@ def _module_fn(x, wg, wu, wd, dy, kernels: str = "auto", module: Optional[torch.
         y = fn(x)
         return torch.autograd.grad((y, m.l1), (x, *params), (dy, lam))
 
-    for _ in range(3):
+    # the layer's first calls measure its sparsity, then (near the token floor) time its two
+    # paths (twell.training.path_timing): timed from here, it runs what it settled on
+    for _ in range(20):
         run()
         torch.cuda.synchronize()
     return run, m

@@ -482,7 +482,8 @@ def _layer_forward(x, w_first, w_down, w_up, owner) -> tuple:
                       "training this call on the dense path", RuntimeWarning, stacklevel=2)
         return _forward(x, w_first, w_down, w_up, 0)
     module = state.module
-    path, width = train_path.call_choice(module, x.shape[0], x.is_cuda)
+    # no timing trials here (they time the module's eager calls); a verdict the layer has holds
+    path, width = train_path.call_choice(module, x.shape[0], x.is_cuda, timed=False)
     out = _forward(x, w_first, w_down, w_up, width if path == "sparse" else 0)
     module._twell_train.note_call(path, out[2], module.intermediate_size)
     return out

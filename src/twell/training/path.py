@@ -15,7 +15,9 @@ the width that costs least (:func:`light_rule_width`, ``PROBE_WIDTHS``). Else th
 products, the relu, product, L1 term and statistics in one fused pass each way) while
 ``FUSED_DENSE`` is on, as by default; else the module's plain PyTorch math. Calls below
 ``MIN_SPARSE_TOKENS`` are bound by the host: the sparse op's Python and launches cost more than
-the GPU work it saves.
+the GPU work it saves, on some hosts and not on others, so near that floor (``TIMED_TOKENS``) a
+layer the rule would train sparse times both paths on its own calls and keeps the faster
+(:mod:`twell.training.path_timing`).
 
 The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the layer copies the
 mean and max of its row counts, the share of rows above the width, and the share and light units
@@ -42,6 +44,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from . import path_timing
+from .path_timing import TrainTimer, TrainTrial
 
 __all__ = ["TrainPath", "use_sparse", "light_rule_width", "choose_path", "probe_values", "read_probe", "large_enough", "device_width", "TRAIN_MODES",
            "call_choice", "LAYER_CHOICE", "MAX_DENSITY", "HEAVY_SHARE_MAX", "MIN_SPARSE_TOKENS", "PROBE_WIDTHS", "HEAVY_FIXED", "HEAVY_COST"]
@@ -230,14 +235,17 @@ def large_enough(tokens: Optional[int]) -> bool:
     return tokens is None or tokens >= MIN_SPARSE_TOKENS
 
 
-def call_choice(module, tokens: int, is_cuda: bool) -> tuple[str, int]:
+def call_choice(module, tokens: int, is_cuda: bool, timed: bool = True) -> tuple[str, int]:
     """``(path, width)`` of one training call of ``module`` (a twell FFN) on ``tokens`` tokens:
     its :meth:`TrainPath.choose` for its ``train_kernels`` and ``train_max_density``. Inside a
     CUDA graph capture "auto" takes the dense path (the sparse ops cannot be captured, see
-    :mod:`twell.training.ops`; the dense op can)."""
+    :mod:`twell.training.ops`; the dense op can). ``timed``: the call may be one of the layer's
+    timing trials (:mod:`twell.training.path_timing`; the caller then runs
+    ``module._twell_train.trial`` around it)."""
     capturing = is_cuda and torch.cuda.is_current_stream_capturing()
     mode = module.train_kernels
-    path, width = module._twell_train.choose(mode, module.intermediate_size, module.train_max_density, capturing, tokens)
+    path, width = module._twell_train.choose(mode, module.intermediate_size, module.train_max_density, capturing, tokens,
+                                             timed=timed and is_cuda)
     if capturing and mode == "auto":
         path = "dense"
     return path, width
@@ -271,16 +279,22 @@ class TrainPath:
         self._calls = 0
         self._host: Optional[torch.Tensor] = None
         self._event = None
+        self.timer: Optional[TrainTimer] = None  # made at the first timed call
+        self.trial: Optional[TrainTrial] = None  # this call's timing, if it is one
+        self._forward_path = "dense"  # the last "auto" forward's path, which a recomputation takes
 
     def choose(self, mode: str, f: int, max_density: Optional[float] = None, capturing: bool = False,
-               tokens: Optional[int] = None) -> tuple[str, int]:
+               tokens: Optional[int] = None, timed: bool = False) -> tuple[str, int]:
         """``(path, width)`` for this call; ``mode`` one of :data:`TRAIN_MODES`; ``capturing``:
         inside a CUDA graph capture (no measurement is read there); ``tokens``: the call's
-        tokens (None: no floor), "auto" trains dense below ``MIN_SPARSE_TOKENS``. The
-        measurement is read whatever the size of the call."""
+        tokens (None: no floor), "auto" trains dense below ``MIN_SPARSE_TOKENS``, except where
+        the layer's own timing (``timed``, :mod:`twell.training.path_timing`) says otherwise.
+        The measurement is read whatever the size of the call."""
         if mode not in TRAIN_MODES:
             raise ValueError(f"train_kernels must be one of {TRAIN_MODES}, got {mode!r}")
-        if not _in_backward() and not capturing:
+        self.trial = None
+        in_backward = _in_backward()
+        if not in_backward and not capturing:
             self._calls += 1
             if self._event is not None and self._event.query():
                 mean, top, share, shares, lights = read_probe(self._host.tolist())
@@ -292,7 +306,17 @@ class TrainPath:
             return "dense", self.width
         if mode == "sparse":
             return "sparse", self.width if self.k_mean is not None else 64
-        return (self.path if large_enough(tokens) else "dense"), self.width
+        if in_backward:  # a checkpointed forward's recomputation: the path of the forward it recomputes
+            return self._forward_path, self.width
+        path = self.path if large_enough(tokens) else "dense"
+        if (self.path == "sparse" and not capturing and tokens is not None and self.k_mean is not None
+                and FUSED_DENSE and path_timing.TIMED_CHOICE and path_timing.TIMED_TOKENS[0] <= tokens < path_timing.TIMED_TOKENS[1]):
+            if self.timer is None:
+                self.timer = TrainTimer()
+            path, self.trial = self.timer.choose(tokens, self.k_mean, path, trials=timed)
+        if not capturing:
+            self._forward_path = path
+        return path, self.width
 
     def note_call(self, path: str, row_counts: torch.Tensor, f: int) -> None:
         """After a call on the training ops: ``path`` ("sparse" or "dense") becomes the last path,
