@@ -15,10 +15,12 @@ sum differs from ``torch._scaled_mm``'s only by the order of its fp32 additions:
 active set, can differ only where ``a`` is within rounding of zero.
 
 Where x is quantised: at one token each program does it in registers (it reads x whole anyway),
-which costs no launch. From ``FP8_PREQUANT_MIN_M`` tokens that work, repeated by every program
-for every token, outweighs a launch: :func:`.quantize._quantize_rows_kernel` runs first, and the
-weight kernel, a programmatic dependent launch of it on Hopper, loads its gate rows before it
-waits for the quantised x.
+which costs no launch. From ``FP8_PREQUANT_MIN_M`` tokens inside a CUDA graph capture that work,
+repeated by every program for every token, outweighs a launch: :func:`.quantize._quantize_rows_kernel`
+runs first, and the weight kernel, a programmatic dependent launch of it on Hopper, loads its gate
+rows before it waits for the quantised x. Outside a capture a call of a few tokens is bound by the
+host, where the extra launch would cost more than the GPU time it saves, so x is quantised in
+registers there.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ FP8_DECODE_MAX_M = 8
 # and its write-out took 13.9 us at one token with (4, 4) against 16.4 us with one unit per
 # program and 2 warps, and 29.7 against 47.0 us at four tokens ((8, 4): 14.4 and 28.6 us).
 FP8_DECODE_CONFIG = (4, 4)
-# From this many tokens x is quantised by a kernel of its own first (see the module's text), and
+# From this many tokens (in a CUDA graph) x is quantised by a kernel of its own first (see the module's text), and
 # the weight kernel takes FP8_PREQUANT_CONFIG: on the H100 (as above, CUDA graphs, L2 flushed) at
 # four tokens 21.9 us with (4, 2) against 29.9 us quantising in every program ((4, 4)); at one
 # token 14.7 against 13.9 us, the launch not paid back.
@@ -114,7 +116,7 @@ def ffn_decode_fp8(x: torch.Tensor, w, scratch: Optional[DecodeScratch] = None,
     ``counts [f / BU]`` the active units of each block of units. ``scratch``: a kept zeroed
     accumulator (one launch fewer), as for :func:`.decode_fused.ffn_decode_fused`.
     ``prequant``: x quantised by a kernel of its own first (default: from ``FP8_PREQUANT_MIN_M``
-    tokens); ``config``: (units per program, warps), by default ``FP8_PREQUANT_CONFIG`` when
+    tokens inside a CUDA graph capture); ``config``: (units per program, warps), by default ``FP8_PREQUANT_CONFIG`` when
     prequantising, else ``FP8_DECODE_CONFIG``."""
     from ..fp8 import E4M3, E4M3_MAX, EPS, Fp8GatedWeights
 
@@ -131,7 +133,7 @@ def ffn_decode_fp8(x: torch.Tensor, w, scratch: Optional[DecodeScratch] = None,
     if x.stride(1) != 1:
         x = x.contiguous()
     if prequant is None:
-        prequant = M >= FP8_PREQUANT_MIN_M
+        prequant = M >= FP8_PREQUANT_MIN_M and x.is_cuda and torch.cuda.is_current_stream_capturing()
     BU, nw = config if config is not None else (FP8_PREQUANT_CONFIG if prequant else FP8_DECODE_CONFIG)
     NB = triton.cdiv(f, BU)
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
