@@ -37,7 +37,7 @@ from ._launch import on_device_of, pdl_ok
 from .decode_fused import DecodeScratch, launch_write_out
 from .quantize import _quantize_rows_kernel, _round_e4m3
 
-__all__ = ["ffn_decode_fp8", "FP8_DECODE_MAX_M", "FP8_DECODE_CONFIG", "FP8_PREQUANT_MIN_M", "FP8_PREQUANT_CONFIG"]
+__all__ = ["ffn_decode_fp8", "FP8_DECODE_MAX_M", "FP8_DECODE_CONFIG", "FP8_PREQUANT_MIN_M"]
 
 # Tokens per call the kernel takes: its CUDA-core products grow with M (as the bf16 GEMV's, which
 # hands over to tensor cores from 6 tokens).
@@ -47,12 +47,14 @@ FP8_DECODE_MAX_M = 8
 # and its write-out took 13.9 us at one token with (4, 4) against 16.4 us with one unit per
 # program and 2 warps, and 29.7 against 47.0 us at four tokens ((8, 4): 14.4 and 28.6 us).
 FP8_DECODE_CONFIG = (4, 4)
-# From this many tokens (in a CUDA graph) x is quantised by a kernel of its own first (see the module's text), and
-# the weight kernel takes FP8_PREQUANT_CONFIG: on the H100 (as above, CUDA graphs, L2 flushed) at
-# four tokens 21.9 us with (4, 2) against 29.9 us quantising in every program ((4, 4)); at one
-# token 14.7 against 13.9 us, the launch not paid back.
+# From this many tokens, in a CUDA graph, x is quantised by a kernel of its own first (see the
+# module's text). On the H100 (as above, CUDA graphs, L2 flushed; in-register against this, both
+# (4, 4)): 19.7 against 17.3 us at two tokens, 29.8 against 22.4 at four, 51.7 against 31.9 at
+# eight (dense bf16: 48.6); in a chain of 8 layers without the flush (this with (4, 2) programs,
+# within 5% of (4, 4) and (2, 1) above) 16.0 against 13.5, 24.7 against 17.7 and 44.6 against
+# 28.9 us per layer (dense bf16 36.5 to 37.2). At one token the extra launch does not pay: 14.5
+# against 13.9 us.
 FP8_PREQUANT_MIN_M = 2
-FP8_PREQUANT_CONFIG = (4, 2)
 
 
 @triton.jit
@@ -116,8 +118,8 @@ def ffn_decode_fp8(x: torch.Tensor, w, scratch: Optional[DecodeScratch] = None,
     ``counts [f / BU]`` the active units of each block of units. ``scratch``: a kept zeroed
     accumulator (one launch fewer), as for :func:`.decode_fused.ffn_decode_fused`.
     ``prequant``: x quantised by a kernel of its own first (default: from ``FP8_PREQUANT_MIN_M``
-    tokens inside a CUDA graph capture); ``config``: (units per program, warps), by default ``FP8_PREQUANT_CONFIG`` when
-    prequantising, else ``FP8_DECODE_CONFIG``."""
+    tokens inside a CUDA graph capture); ``config``: (units per program, warps), by default
+    ``FP8_DECODE_CONFIG``."""
     from ..fp8 import E4M3, E4M3_MAX, EPS, Fp8GatedWeights
 
     if not isinstance(w, Fp8GatedWeights):
@@ -134,7 +136,7 @@ def ffn_decode_fp8(x: torch.Tensor, w, scratch: Optional[DecodeScratch] = None,
         x = x.contiguous()
     if prequant is None:
         prequant = M >= FP8_PREQUANT_MIN_M and x.is_cuda and torch.cuda.is_current_stream_capturing()
-    BU, nw = config if config is not None else (FP8_PREQUANT_CONFIG if prequant else FP8_DECODE_CONFIG)
+    BU, nw = config if config is not None else FP8_DECODE_CONFIG
     NB = triton.cdiv(f, BU)
     counts = torch.empty(NB, dtype=torch.int32, device=x.device)
     if M == 0 or f == 0:
