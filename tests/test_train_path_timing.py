@@ -134,7 +134,14 @@ def _measured(mean=29.0):
     return tp
 
 
+def test_timed_choice_is_opt_in():
+    assert path_timing.TIMED_CHOICE is False
+    tp = _measured()
+    assert tp.choose("auto", 5632, tokens=4096, timed=True) == ("dense", 64) and tp.timer is None
+
+
 def test_train_path_times_calls_around_the_floor(monkeypatch):
+    monkeypatch.setattr(path_timing, "TIMED_CHOICE", True)
     clock = Clock({"sparse": 1.0, "dense": 2.0})
     monkeypatch.setattr(path_timing, "TrainTimer", TrainTimer)
     monkeypatch.setattr(train_path, "TrainTimer", lambda: TrainTimer(event=clock.event))
@@ -163,6 +170,7 @@ def test_train_path_times_calls_around_the_floor(monkeypatch):
 
 
 def test_train_path_times_nothing_outside_the_band_or_when_off(monkeypatch):
+    monkeypatch.setattr(path_timing, "TIMED_CHOICE", True)
     tp = _measured()
     assert tp.choose("auto", 5632, tokens=TIMED_TOKENS[0] - 1, timed=True) == ("dense", 64)
     assert tp.choose("auto", 5632, tokens=TIMED_TOKENS[1], timed=True) == ("sparse", 64)
@@ -179,12 +187,13 @@ def test_train_path_times_nothing_outside_the_band_or_when_off(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_gpu_layer_times_its_paths_and_keeps_the_faster():
+def test_gpu_layer_times_its_paths_and_keeps_the_faster(monkeypatch):
     """A sparse-enough layer called with 4096 tokens (below the static floor) on CUDA times both
     paths over its first calls, then trains every call on the path its timing chose; the
     gradients are the dense math's on either."""
     from twell import SparseGatedMLP
 
+    monkeypatch.setattr(path_timing, "TIMED_CHOICE", True)
     torch.manual_seed(0)
     m = SparseGatedMLP(64, 96).cuda()
     m.train()

@@ -15,9 +15,9 @@ the width that costs least (:func:`light_rule_width`, ``PROBE_WIDTHS``). Else th
 products, the relu, product, L1 term and statistics in one fused pass each way) while
 ``FUSED_DENSE`` is on, as by default; else the module's plain PyTorch math. Calls below
 ``MIN_SPARSE_TOKENS`` are bound by the host: the sparse op's Python and launches cost more than
-the GPU work it saves, on some hosts and not on others, so near that floor (``TIMED_TOKENS``) a
-layer the rule would train sparse times both paths on its own calls and keeps the faster
-(:mod:`twell.training.path_timing`).
+the GPU work it saves, on some hosts and not on others. Near that floor (``TIMED_TOKENS``) a
+layer the rule would train sparse can time both paths on its own calls and keep the faster
+(:mod:`twell.training.path_timing`; opt-in, ``TIMED_CHOICE``).
 
 The measurement costs no host synchronisation: every ``PROBE_EVERY`` calls the layer copies the
 mean and max of its row counts, the share of rows above the width, and the share and light units

@@ -5,8 +5,8 @@ by the host, and how fast the host is decides it: at 4096 tokens (k 29, even row
 5632) the forced sparse op read 1.14x to 1.19x dense PyTorch on one H100 machine and 0.49x to
 0.52x on an H200 machine the same day. A fixed floor leaves speed unused on the first kind of
 machine or loses it on the second. So a layer that the static rule (:func:`twell.training.path.choose_path`)
-would train sparse, in calls of ``TIMED_TOKENS`` tokens, times both paths on its own calls and
-keeps the faster:
+would train sparse, in calls of ``TIMED_TOKENS`` tokens, can time both paths on its own calls and
+keep the faster (opt-in: ``TIMED_CHOICE``, see there):
 
 - **Size classes.** Calls are grouped by ``M.bit_length()`` (a power of two of tokens); times are
   compared per token, since one class spans calls of up to twice as many tokens.
@@ -27,7 +27,7 @@ keeps the faster:
   while ``torch.compile`` traces or runs the module's training op (which uses a verdict the layer
   already has, else the static rule), while autograd recomputes a checkpointed forward (which
   takes the path of the forward it recomputes), for forced ``train_kernels``, and with
-  ``TIMED_CHOICE`` off, where the static rule alone decides.
+  ``TIMED_CHOICE`` off (the default), where the static rule alone decides.
 
 Both paths are exact: the choice changes only the time.
 """
@@ -43,8 +43,15 @@ __all__ = ["TrainTimer", "TrainTrial", "TIMED_CHOICE", "TIMED_TOKENS", "SAMPLES"
            "MAX_TRIALS"]
 
 PATHS = ("sparse", "dense")
-# Whether layers time their paths at all (see the module's text).
-TIMED_CHOICE = True
+# Whether layers time their paths at all (see the module's text). Off by default: on one H100
+# machine (d 2048, f 5632, 4096 tokens, eager, each module warmed for 20 calls, then timed call by
+# call in turn with dense PyTorch; benchmarks/results/training_timed_choice_h100.json) the timed
+# layers settled on the sparse kernels at k 8 and k 29 with even rows and on the dense path for
+# every skewed, heavy-tailed and denser layer. At k 8 that read 1.24x dense where the static floor
+# reads 0.99x; at k 29 0.91x, although the forced sparse op read 1.25x and the dense path 0.93x in
+# the same timing: what the trials time (the op's forward and backward on the GPU's stream) missed
+# what made the module's sparse calls slower there, which is not known yet.
+TIMED_CHOICE = False
 # Calls of TIMED_TOKENS[0] <= M < TIMED_TOKENS[1] tokens are timed: around the static floor of
 # 8192, from where the sparse op's GPU work may pay for its host work (4096 on the H100 machine
 # above) to where it does on every machine measured (16384: 1.42x to 2.2x dense at k 29).
