@@ -208,3 +208,18 @@ def test_gpu_layer_times_its_paths_and_keeps_the_faster(monkeypatch):
     assert state.path == "sparse" and {"sparse", "dense"} <= set(paths)
     verdict = state.timer.verdict(4096)
     assert verdict in ("sparse", "dense") and paths[-5:] == [verdict] * 5
+
+
+def test_a_recomputation_takes_the_path_of_its_own_size(monkeypatch):
+    """A layer called at two sizes before its backward (shared weights, say) recomputes each
+    checkpointed forward on that forward's path: by the static rule for untimed sizes, by the
+    timed choice where one was made."""
+    monkeypatch.setattr(path_timing, "TIMED_CHOICE", True)
+    tp = _measured()
+    assert tp.choose("auto", 5632, tokens=MIN_SPARSE_TOKENS * 2, timed=True)[0] == "sparse"
+    assert tp.choose("auto", 5632, tokens=1024, timed=True)[0] == "dense"
+    assert tp.choose("auto", 5632, tokens=4096, timed=True)[0] == "sparse"  # the first timed call: a warm-up of sparse
+    monkeypatch.setattr(train_path, "_in_backward", lambda: True)
+    assert tp.choose("auto", 5632, tokens=MIN_SPARSE_TOKENS * 2)[0] == "sparse"
+    assert tp.choose("auto", 5632, tokens=1024)[0] == "dense"
+    assert tp.choose("auto", 5632, tokens=4096)[0] == "sparse"  # (the static rule would say dense)

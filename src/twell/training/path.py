@@ -281,7 +281,8 @@ class TrainPath:
         self._event = None
         self.timer: Optional[TrainTimer] = None  # made at the first timed call
         self.trial: Optional[TrainTrial] = None  # this call's timing, if it is one
-        self._forward_path = "dense"  # the last "auto" forward's path, which a recomputation takes
+        # the last timed "auto" forward's path per call size, which a recomputation of it takes
+        self._timed_paths: dict = {}
 
     def choose(self, mode: str, f: int, max_density: Optional[float] = None, capturing: bool = False,
                tokens: Optional[int] = None, timed: bool = False) -> tuple[str, int]:
@@ -306,16 +307,17 @@ class TrainPath:
             return "dense", self.width
         if mode == "sparse":
             return "sparse", self.width if self.k_mean is not None else 64
-        if in_backward:  # a checkpointed forward's recomputation: the path of the forward it recomputes
-            return self._forward_path, self.width
         path = self.path if large_enough(tokens) else "dense"
+        if in_backward:  # a checkpointed forward's recomputation: the path of the forward it recomputes
+            return self._timed_paths.get(tokens, path), self.width
         if (self.path == "sparse" and not capturing and tokens is not None and self.k_mean is not None
                 and FUSED_DENSE and path_timing.TIMED_CHOICE and path_timing.TIMED_TOKENS[0] <= tokens < path_timing.TIMED_TOKENS[1]):
             if self.timer is None:
                 self.timer = TrainTimer()
             path, self.trial = self.timer.choose(tokens, self.k_mean, path, trials=timed)
-        if not capturing:
-            self._forward_path = path
+            if len(self._timed_paths) > 64:
+                self._timed_paths.clear()
+            self._timed_paths[tokens] = path
         return path, self.width
 
     def note_call(self, path: str, row_counts: torch.Tensor, f: int) -> None:
