@@ -264,7 +264,7 @@ def test_one_graph_serves_every_layer_and_choice(small_blocks, monkeypatch):
     choices = {id(layers[0]): ("dense", 16), id(layers[1]): ("sparse", W), id(layers[2]): ("sparse", 2 * W)}
     widths = []
     real_forward = T._forward
-    monkeypatch.setattr(train_path, "call_choice", lambda module, tokens, is_cuda: choices[id(module)])
+    monkeypatch.setattr(train_path, "call_choice", lambda module, tokens, is_cuda, **kw: choices[id(module)])
     monkeypatch.setattr(T, "_forward", lambda *a: widths.append(a[4]) or real_forward(*a))
     for m in layers:
         m.compile(backend="aot_eager", fullgraph=True)
