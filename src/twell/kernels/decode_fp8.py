@@ -16,7 +16,7 @@ active set, can differ only where ``a`` is within rounding of zero.
 
 Where x is quantised: at one token each program does it in registers (it reads x whole anyway),
 which costs no launch. From ``FP8_PREQUANT_MIN_M`` tokens inside a CUDA graph capture that work,
-repeated by every program for every token, outweighs a launch: :func:`.quantize._quantize_rows_kernel`
+repeated by every program for every token, outweighs a launch: :func:`.quantize.quantize_rows_fp8`
 runs first, and the weight kernel, a programmatic dependent launch of it on Hopper, loads its gate
 rows before it waits for the quantised x. Outside a capture a call of a few tokens is bound by the
 host, where the extra launch would cost more than the GPU time it saves, so x is quantised in
@@ -35,7 +35,7 @@ from ..checks import check_tensor
 from ._activity import fires as is_active
 from ._launch import on_device_of, pdl_ok
 from .decode_fused import DecodeScratch, launch_write_out
-from .quantize import _quantize_rows_kernel, _round_e4m3
+from .quantize import _round_e4m3, quantize_rows_fp8
 
 __all__ = ["ffn_decode_fp8", "FP8_DECODE_MAX_M", "FP8_DECODE_CONFIG", "FP8_PREQUANT_MIN_M"]
 
@@ -148,11 +148,7 @@ def ffn_decode_fp8(x: torch.Tensor, w, scratch: Optional[DecodeScratch] = None,
     D = triton.next_power_of_2(max(d, 1))
     with on_device_of(x):
         if prequant:
-            xq = torch.empty(M, d, dtype=E4M3, device=x.device)
-            sx = torch.empty(M, dtype=torch.float32, device=x.device)
-            QM = max(1, min(triton.next_power_of_2(M), 8192 // D))  # rows per program, as quantize_rows_fp8
-            _quantize_rows_kernel[(triton.cdiv(M, QM),)](x, x.stride(0), xq, d, sx, M, d, EPS, E4M3_MAX,
-                                                         BM=QM, D=D, GDC=gdc, num_warps=4)
+            xq, sx = quantize_rows_fp8(x, dependent_launch=gdc)
         else:
             xq, sx = x, acc  # (not read)
         _decode_fp8_kernel[(NB,)](

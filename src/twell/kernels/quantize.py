@@ -53,9 +53,11 @@ def _quantize_rows_kernel(x_ptr, stride_xm, q_ptr, stride_qm, s_ptr, M, d, eps, 
     tl.store(s_ptr + rows, scale, mask=rows < M)
 
 
-def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_fp8(x: torch.Tensor, dependent_launch: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q [M, d] float8_e4m3fn, scale [M] float32)`` of ``x [M, d]`` (fp16, bf16 or fp32, rows
-    of unit stride), one scale per row (see the module's text)."""
+    of unit stride), one scale per row (see the module's text). ``dependent_launch`` (Hopper,
+    :func:`._launch.pdl_ok`): the kernel lets the next one, launched as a programmatic dependent
+    launch, start before it ends."""
     from ..fp8 import E4M3, E4M3_MAX, EPS
 
     check_tensor(x, "x", dim=2, dtypes=KERNEL_DTYPES)
@@ -70,5 +72,5 @@ def quantize_rows_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     BM = max(1, min(64, 8192 // D))
     with on_device_of(x):
         _quantize_rows_kernel[(triton.cdiv(M, BM),)](x, x.stride(0), q, q.stride(0), scale, M, d, EPS, E4M3_MAX,
-                                                      BM=BM, D=D, num_warps=QUANT_WARPS)
+                                                      BM=BM, D=D, GDC=dependent_launch, num_warps=QUANT_WARPS)
     return q, scale
