@@ -262,3 +262,23 @@ def test_bench_training_no_grid_times_the_steps_only_and_keeps_the_files_grid(tm
     doc = json.loads(path.read_text())
     assert doc["records"] == grid and doc["tuning"] == {"kept": 1}
     assert doc["train_step"] == new_steps
+
+
+def test_training_grid_runs_every_variant_and_records_the_modules_forced_paths():
+    """The training grid end to end on the CPU (Triton interpreter, a tiny shape): every variant
+    runs, the gradients of the sparse op and the module match fp32 autograd, and each record
+    holds the module's two forced paths and how far "auto" is from the faster of them."""
+    from twell.bench.training import run_training_grid
+
+    (rec,) = run_training_grid(Ms=(40,), ks=(3,), distributions=("even",), d=32, f=48, calls=2, log=lambda s: None,
+                               plain_module=(), compiled=False, device="cpu", dtype=torch.float32, module_warmup=1)
+    assert (rec["M"], rec["k"], rec["distribution"]) == (40, 3, "even")
+    for name in ("dense", "sparse", "dense_path", "twell", "dense_l1", "module_sparse", "module_dense"):
+        assert rec[f"{name}_ms"] > 0, name
+    for name in ("module_sparse", "module_dense"):
+        assert rec[f"{name}_speedup"] == pytest.approx(rec["dense_ms"] / rec[f"{name}_ms"])
+    faster = max(rec["module_sparse_speedup"], rec["module_dense_speedup"])
+    assert rec["module_auto_gap"] == pytest.approx(1 - rec["speedup"] / faster)
+    assert rec["auto_gap"] == pytest.approx(1 - rec["speedup"] / max(rec["sparse_speedup"], rec["dense_path_speedup"]))
+    assert max(rec["grad_rel_err"].values()) < 1e-4
+    assert max(rec["twell_grad_rel_err"].values()) < 1e-4

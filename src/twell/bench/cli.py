@@ -409,11 +409,11 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
     _write_csv(records, os.path.splitext(path)[0] + ".csv")
     plot_training(records, steps, os.path.splitext(path)[0] + ".png")
     log(f"\n{'M':>6} {'k':>5} {'dist':7} {'dense':>7} {'sparse':>7} {'x':>5} {'dpath':>7} {'x':>5} {'twell':>7} {'x':>5} "
-        f"{'path':>6} {'grad err':>8} {'row':>8} {'drow':>8} {'saved MiB':>12}")
+        f"{'path':>6} {'gap':>6} {'grad err':>8} {'row':>8} {'drow':>8} {'saved MiB':>12}")
     for r in records:
         log(f"{r['M']:>6} {r['k']:>5} {r['distribution']:7} {r['dense_ms']:7.2f} {r['sparse_ms']:7.2f} "
             f"{r['sparse_speedup']:5.2f} {r['dense_path_ms']:7.2f} {r['dense_path_speedup']:5.2f} {r['twell_ms']:7.2f} "
-            f"{r['speedup']:5.2f} {str(r['twell_path']):>6} {max(r['grad_rel_err'].values()):8.1e} "
+            f"{r['speedup']:5.2f} {str(r['twell_path']):>6} {_gap(r):>6} {max(r['grad_rel_err'].values()):8.1e} "
             f"{r['max_row_err']:8.1e} {r['dense_max_row_err']:8.1e} {r['saved_bytes'] / 2**20:5.0f}/{r['dense_saved_bytes'] / 2**20:<6.0f}")
     for st in steps:
         dn = next(s for s in steps if s["kernels"] == "dense" and s.get("lr") == st.get("lr"))
@@ -421,6 +421,14 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
             f"({st['tokens_per_s'] / dn['tokens_per_s']:.3f}x dense), peak {st['peak_bytes'] / 2**30:.1f} GiB, "
             f"final loss {st['losses'][-1]:.4f}, paths {st['paths']}")
     log(f"done in {time.time() - t0:.0f}s; wrote {path}")
+
+
+def _gap(record: dict) -> str:
+    """How far "auto" is from the faster of the module's two forced paths (records made before
+    those were timed: the bare ops' gap, in parentheses)."""
+    if "module_auto_gap" in record:
+        return f"{record['module_auto_gap']:+.3f}"
+    return f"({record['auto_gap']:+.2f})" if "auto_gap" in record else "-"
 
 
 def plot_training(records: list[dict], steps: list[dict], path_png: str) -> None:

@@ -17,6 +17,12 @@ warm-up):
 - dense path (``dense_path_ms``, ``dense_path_speedup``): twell's dense training op forced
   (:func:`twell.training.ops.dense_gated_ffn`: cuBLAS and one fused element-wise pass each way),
   with the L1 term: what ``"auto"`` runs on a layer the sparse kernels would not pay on;
+- module sparse and module dense (``module_sparse_ms``, ``module_dense_ms`` and their speedups):
+  the same module with ``train_kernels`` forced to "sparse" and to "dense", timed in turn with the
+  rest: the two paths "auto" chooses between as a user runs them (the module's own work, its
+  statistics and L1 term included), where the bare ops above leave that work out;
+  ``module_auto_gap`` = 1 - speedup / the faster of the two (0: "auto" took the faster path;
+  ``auto_gap`` compares with the bare ops instead);
 - ``plain_module_ms`` (only where ``plain_module`` asks, M 16384 by default): the module on
   its dense path with ``twell.training.path.FUSED_DENSE`` off, i.e. PyTorch ops for the relu, the
   product, the L1 term and the statistics: what the dense path costs without the fused op;
@@ -45,6 +51,14 @@ from .timing import interleaved_ms, reset_peak
 __all__ = ["run_training_grid", "train_step_records", "constructed_state", "sparse_model", "train_step"]
 
 LAM = 2e-5  # the L1 coefficient in the sparse variant's loss (its gradient path is timed too)
+# Calls a module makes before it is timed: enough for its sparsity probe to land and (near the
+# token floor, twell.training.path_timing) for its path trials to settle.
+MODULE_WARMUP = 20
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
@@ -105,12 +119,12 @@ def _load_module(m: torch.nn.Module, wg, wu, wd, kernels: str = "auto") -> None:
 
 
 def _module_fn(x, wg, wu, wd, dy, kernels: str = "auto", module: Optional[torch.nn.Module] = None,
-               call: Optional[Callable] = None) -> tuple[Callable[[], tuple], torch.nn.Module]:
+               call: Optional[Callable] = None, warmup: int = MODULE_WARMUP) -> tuple[Callable[[], tuple], torch.nn.Module]:
     """``(run, module)``: forward + backward of a :class:`twell.SparseGatedMLP` in training mode
     holding ``wg, wu, wd`` (copies), ``train_kernels = kernels``, loss ``y . dy + LAM l1``.
     ``module``: the module to load them into (else a new one); ``call``: what runs it (a
-    compiled module, say; else the module). Twenty calls are made first, so that the layer has
-    measured its sparsity and chosen its path."""
+    compiled module, say; else the module). ``warmup`` calls are made first, so that the layer
+    has measured its sparsity and chosen its path."""
     from ..nn import SparseGatedMLP
 
     f, d = wg.shape
@@ -126,9 +140,9 @@ def _module_fn(x, wg, wu, wd, dy, kernels: str = "auto", module: Optional[torch.
 
     # the layer's first calls measure its sparsity, then (near the token floor) time its two
     # paths (twell.training.path_timing): timed from here, it runs what it settled on
-    for _ in range(20):
+    for _ in range(warmup):
         run()
-        torch.cuda.synchronize()
+        _sync(x.device)
     return run, m
 
 
@@ -154,13 +168,17 @@ class _DenseMLP(torch.nn.Module):
 def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                       distributions=("even", "skewed", "heavy"), d: int = 2048, f: int = 5632, calls: int = 40,
                       log: Callable[[str], None] = print, partial_path: Optional[str] = None,
-                      plain_module: tuple = (16384,), compiled: bool = True) -> list[dict]:
+                      plain_module: tuple = (16384,), compiled: bool = True, device: str = "cuda",
+                      dtype: torch.dtype = torch.bfloat16, module_warmup: int = MODULE_WARMUP) -> list[dict]:
     """One record per ``(M, k, distribution)`` (see the module's text), each variant timed over
     ``calls`` calls in turn with the others; ``partial_path``: a JSONL file each record is
     appended to as it is measured, so a cut run keeps what it did; ``plain_module``: the M at
     which the module's plain PyTorch dense path is timed too; ``compiled``: also time the dense
     MLP and the twell module each compiled (``torch.compile(fullgraph=True)``, one compile of
-    each serving every record: the weights are copied in)."""
+    each serving every record: the weights are copied in). ``device``, ``dtype``: where and in
+    what the inputs are made (a CPU run, under the Triton interpreter at tiny shapes, checks the
+    benchmark itself: its times mean nothing); ``module_warmup``: calls each module makes before
+    it is timed."""
     import json
 
     from ..nn import SparseGatedMLP
@@ -177,8 +195,8 @@ def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
         from .compiled import _raise_recompile_limits
 
         _raise_recompile_limits()
-        ctwell = SparseGatedMLP(d, f, device="cuda", dtype=torch.bfloat16)
-        cdense = _DenseMLP(d, f, device="cuda", dtype=torch.bfloat16)
+        ctwell = SparseGatedMLP(d, f, device=device, dtype=dtype)
+        cdense = _DenseMLP(d, f, device=device, dtype=dtype)
         ctwell_call, cdense_call = torch.compile(ctwell, fullgraph=True), torch.compile(cdense, fullgraph=True)
     for M in Ms:
         for dist in distributions:
@@ -186,10 +204,10 @@ def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                 if dist == "skewed" and k > 0.35 * f:
                     log(f"M {M} k {k} skewed: skipped (this distribution reaches at most 0.35 f active units)")
                     continue
-                ffn = make_ffn(M, d, f, k, dist, torch.bfloat16, "cuda", seed=k)
+                ffn = make_ffn(M, d, f, k, dist, dtype, device, seed=k)
                 x = ffn.x.requires_grad_(True)
                 wg, wu, wd = (w.requires_grad_(True) for w in (ffn.w_gate, ffn.w_up, ffn.w_down))
-                dy = torch.randn(M, d, device="cuda", dtype=torch.bfloat16) / math.sqrt(d)
+                dy = torch.randn(M, d, device=device, dtype=dtype) / math.sqrt(d)
                 with torch.no_grad():
                     counts = (torch.mm(x, wg.t()) > 0).sum(1)
                 k_mean, k_max = float(counts.float().mean()), int(counts.max())
@@ -205,7 +223,7 @@ def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                 g_plain = torch.autograd.grad(out.y, (x, wg, wu, wd), dy)
                 n_heavy = int(out.n_heavy)
                 del out
-                module, m = _module_fn(x, wg, wu, wd, dy)  # after its warm-up calls: the path it keeps
+                module, m = _module_fn(x, wg, wu, wd, dy, warmup=module_warmup)  # after its warm-up calls: the path it keeps
                 g_module = torch.autograd.grad(m(x), (x, *m.parameters()), dy)
                 rec = dict(M=M, d=d, f=f, k=k, distribution=dist, k_measured=k_mean, k_max=k_max, width=width,
                            heavy_rows=n_heavy,
@@ -226,8 +244,11 @@ def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                     return torch.autograd.grad((F.linear(h, wd), l1_penalty(h)), (x, wg, wu, wd), (dy, lam_t))
 
                 fns = {"dense": dense, "sparse": sparse, "dense_path": dense_path, "twell": module, "dense_l1": dense_l1}
+                # the module's two paths forced: what "auto" chooses between, module work included
+                for forced in ("sparse", "dense"):
+                    fns[f"module_{forced}"], _ = _module_fn(x, wg, wu, wd, dy, kernels=forced, warmup=module_warmup)
                 if M in plain_module:
-                    plain_run, _ = _module_fn(x, wg, wu, wd, dy, kernels="dense")
+                    plain_run, _ = _module_fn(x, wg, wu, wd, dy, kernels="dense", warmup=module_warmup)
 
                     def plain(run=plain_run):
                         was = train_path.FUSED_DENSE
@@ -250,7 +271,8 @@ def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                     for _ in range(3):
                         compiled_dense()
                     fns["compiled_dense"] = compiled_dense
-                    fns["compiled_twell"], _ = _module_fn(x, wg, wu, wd, dy, module=ctwell, call=ctwell_call)
+                    fns["compiled_twell"], _ = _module_fn(x, wg, wu, wd, dy, module=ctwell, call=ctwell_call,
+                                                          warmup=module_warmup)
                 # call by call in turn, so that every variant sees the same host and clocks
                 times = dict(zip(fns, interleaved_ms(list(fns.values()), calls=calls, warmup=2)))
                 rec["timed_calls"] = calls
@@ -262,6 +284,10 @@ def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                 rec["speedup_with_l1"] = rec["dense_l1_ms"] / rec["twell_ms"]
                 # how far "auto" is from the faster of the module's two paths (0: it took the faster)
                 rec["auto_gap"] = 1 - rec["speedup"] / max(rec["sparse_speedup"], rec["dense_path_speedup"])
+                for forced in ("sparse", "dense"):
+                    rec[f"module_{forced}_speedup"] = rec["dense_ms"] / rec[f"module_{forced}_ms"]
+                # the same against the module's own two paths (its statistics and L1 term on both)
+                rec["module_auto_gap"] = 1 - rec["speedup"] / max(rec["module_sparse_speedup"], rec["module_dense_speedup"])
                 if compiled:
                     rec["compiled_speedup"] = rec["compiled_dense_ms"] / rec["compiled_twell_ms"]
                     rec["compiled_path"] = ctwell.last_train_path
@@ -281,7 +307,9 @@ def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                 log(f"M {M:>6} k {k:>5} {dist:6} (mean {k_mean:7.1f}, W {width:3}, heavy {n_heavy:6}): dense "
                     f"{rec['dense_ms']:7.3f} ms, sparse {rec['sparse_ms']:7.3f} ({rec['sparse_speedup']:.2f}x), dense path "
                     f"{rec['dense_path_ms']:7.3f} ({rec['dense_path_speedup']:.2f}x){plain}, module {rec['twell_ms']:7.3f} "
-                    f"({rec['speedup']:.2f}x, {rec['twell_path']}; with L1 {rec['speedup_with_l1']:.2f}x, auto gap {rec['auto_gap']:+.3f})"
+                    f"({rec['speedup']:.2f}x, {rec['twell_path']}; with L1 {rec['speedup_with_l1']:.2f}x, auto gap {rec['auto_gap']:+.3f}; "
+                    f"module forced sparse {rec['module_sparse_speedup']:.2f}x, dense {rec['module_dense_speedup']:.2f}x, "
+                    f"gap {rec['module_auto_gap']:+.3f})"
                     + (f" compiled {rec['compiled_speedup']:.2f}x ({rec['compiled_path']})" if compiled else "")
                     + f" | err x {e['x']:.1e} g {e['gate']:.1e} u {e['up']:.1e} "
                     f"d {e['down']:.1e} | saved {rec['saved_bytes'] / 2**20:.0f} / {rec['dense_saved_bytes'] / 2**20:.0f} MiB")
@@ -289,7 +317,8 @@ def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                     with open(partial_path, "a") as fh:
                         fh.write(json.dumps(rec) + "\n")
                 del x, wg, wu, wd, dy, ffn, dense, sparse
-                torch.cuda.empty_cache()
+                if device == "cuda":
+                    torch.cuda.empty_cache()
     return records
 
 
