@@ -23,6 +23,10 @@ warm-up):
   statistics and L1 term included), where the bare ops above leave that work out;
   ``module_auto_gap`` = 1 - speedup / the faster of the two (0: "auto" took the faster path;
   ``auto_gap`` compares with the bare ops instead);
+- ``dense_host_us``, ``twell_host_us``, ``module_sparse_host_us``, ``module_dense_host_us``:
+  microseconds of CPU time to issue one call (:func:`twell.bench.timing.host_us`; GPU only). The
+  sparse path's backward waits on the host for counts its forward copies there, so its figure
+  includes that wait: an upper bound on its host work;
 - ``plain_module_ms`` (only where ``plain_module`` asks, M 16384 by default): the module on
   its dense path with ``twell.training.path.FUSED_DENSE`` off, i.e. PyTorch ops for the relu, the
   product, the L1 term and the statistics: what the dense path costs without the fused op;
@@ -46,7 +50,7 @@ import torch
 
 from .inference import bench_ms, errors, machine_info
 from .synthetic import make_ffn
-from .timing import interleaved_ms, reset_peak
+from .timing import host_us, interleaved_ms, reset_peak
 
 __all__ = ["run_training_grid", "train_step_records", "constructed_state", "sparse_model", "train_step"]
 
@@ -278,6 +282,9 @@ def run_training_grid(Ms=(1024, 4096, 16384, 65536), ks=(8, 29, 56, 280),
                 rec["timed_calls"] = calls
                 for name, ms in times.items():
                     rec[f"{name}_ms"] = ms
+                if device == "cuda":  # CPU time to issue one call: where it exceeds the GPU's, the host sets the pace
+                    for name in ("dense", "twell", "module_sparse", "module_dense"):
+                        rec[f"{name}_host_us"] = host_us(fns[name], calls=5, rounds=5)
                 rec["sparse_speedup"] = rec["dense_ms"] / rec["sparse_ms"]
                 rec["dense_path_speedup"] = rec["dense_ms"] / rec["dense_path_ms"]
                 rec["speedup"] = rec["dense_ms"] / rec["twell_ms"]
