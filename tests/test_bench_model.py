@@ -282,3 +282,35 @@ def test_training_grid_runs_every_variant_and_records_the_modules_forced_paths()
     assert rec["auto_gap"] == pytest.approx(1 - rec["speedup"] / max(rec["sparse_speedup"], rec["dense_path_speedup"]))
     assert max(rec["grad_rel_err"].values()) < 1e-4
     assert max(rec["twell_grad_rel_err"].values()) < 1e-4
+
+
+def test_bench_training_timed_choice_turns_the_timing_on_and_writes_its_own_file(tmp_path, monkeypatch):
+    """``twell bench training --timed-choice``: the grid runs with the layers' path timing on,
+    no train steps are timed, and the results go to training_timed_choice_<gpu>.json (the
+    defaults' training_mlp_<gpu>.json is not touched)."""
+    import argparse
+    import json
+
+    from twell.bench import cli, training
+    from twell.training import path_timing
+
+    monkeypatch.setattr(path_timing, "TIMED_CHOICE", False)  # restored after the test
+    seen = []
+    rec = dict(M=4096, k=29, distribution="even", dense_ms=2.0, sparse_ms=1.0, sparse_speedup=2.0, dense_path_ms=2.0,
+               dense_path_speedup=1.0, twell_ms=1.0, speedup=2.0, twell_path="sparse", module_auto_gap=0.0,
+               grad_rel_err={"x": 1e-3}, max_row_err=1e-3, dense_max_row_err=1e-3, saved_bytes=1, dense_saved_bytes=2)
+
+    def grid(*a, **kw):
+        seen.append(path_timing.TIMED_CHOICE)
+        return [rec]
+
+    monkeypatch.setattr(training, "run_training_grid", grid)
+    monkeypatch.setattr(training, "train_step_records", lambda *a, **kw: pytest.fail("train steps ran"))
+    monkeypatch.setattr(cli, "plot_training", lambda *a, **kw: None)
+    args = argparse.Namespace(out=str(tmp_path), variants=False, no_grid=False, no_steps=False, quick=False, M=[4096],
+                              preset=None, k=29, timed_choice=True)
+    cli._training_bench(args, "cpu", lambda s: None, 0.0)
+    assert seen == [True]
+    doc = json.loads((tmp_path / "training_timed_choice_cpu.json").read_text())
+    assert doc["timed_choice"] is True and doc["records"] == [rec] and doc["train_step"] == []
+    assert not (tmp_path / "training_mlp_cpu.json").exists()

@@ -163,6 +163,9 @@ def bench_main(argv=None) -> None:
     parser.add_argument("--no-model", action="store_true", help="compiled, fp8: skip the whole model")
     parser.add_argument("--no-steps", action="store_true", help="training: skip the whole-model train steps "
                         "(the results file keeps those it holds)")
+    parser.add_argument("--timed-choice", action="store_true", help="training: the grid with each layer timing its "
+                        "two paths near the token floor (twell.training.path_timing.TIMED_CHOICE, off by default), "
+                        "written as training_timed_choice_<gpu>.json (no train steps)")
     parser.add_argument("--layers", type=int, default=16, help="compiled: decoder layers of the model (default 16)")
     parser.add_argument("--fused", action="store_true", help="decode: with the split decode kernels off, the "
                         "fused kernel up to 64 tokens (twell.inference.dispatch.DECODE_SPLIT; results written as "
@@ -371,10 +374,17 @@ def merge_model_results(path: str, res: dict, preset: str) -> dict:
 
 
 def _training_bench(args, tag: str, log, t0: float) -> None:
-    """``twell bench training``: training_mlp_<gpu>.{json,csv,png}."""
+    """``twell bench training``: training_mlp_<gpu>.{json,csv,png} (with ``--timed-choice``:
+    training_timed_choice_<gpu>.{json,csv,png}, the grid alone)."""
     from .training import run_training_grid, train_step_records, tune_configs
 
-    path = os.path.join(args.out, f"training_mlp_{tag}.json")
+    timed = getattr(args, "timed_choice", False)
+    if timed:
+        from ..training import path_timing
+
+        path_timing.TIMED_CHOICE = True
+        args.no_steps = True  # the train steps are timed with the defaults only
+    path = os.path.join(args.out, f"training_{'timed_choice' if timed else 'mlp'}_{tag}.json")
     partial = os.path.splitext(path)[0] + ".partial.jsonl"
     if os.path.exists(partial):
         os.remove(partial)
@@ -403,7 +413,10 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
                          key=lambda r: (r["M"], r["distribution"], r["k"]))
     steps = old.get("train_step", []) if args.no_steps else train_step_records(args.preset or "0.5b", k=args.k, log=log)
     with open(path, "w") as fh:
-        json.dump({"records": records, "train_step": steps, "tuning": tuning or old.get("tuning")}, fh, indent=1)
+        doc = {"records": records, "train_step": steps, "tuning": tuning or old.get("tuning")}
+        if timed:
+            doc["timed_choice"] = True
+        json.dump(doc, fh, indent=1)
     if os.path.exists(partial):
         os.remove(partial)
     _write_csv(records, os.path.splitext(path)[0] + ".csv")
