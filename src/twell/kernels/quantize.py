@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from ..checks import KERNEL_DTYPES, check_tensor
-from ._launch import on_device_of
+from ._launch import on_device_of, pdl_ok
 
 __all__ = ["quantize_rows_fp8"]
 
@@ -69,8 +69,10 @@ def quantize_rows_fp8(x: torch.Tensor, dependent_launch: bool = False) -> tuple[
     if M == 0:
         return q, scale
     D = triton.next_power_of_2(max(d, 1))
-    BM = max(1, min(64, 8192 // D))
+    # rows per program: up to 64, no more than the call has (a decode call of 2 tokens is one
+    # program of 2 rows, not of 4 masked ones), about 8192 elements at most
+    BM = max(1, min(64, triton.next_power_of_2(M), 8192 // D))
     with on_device_of(x):
-        _quantize_rows_kernel[(triton.cdiv(M, BM),)](x, x.stride(0), q, q.stride(0), scale, M, d, EPS, E4M3_MAX,
-                                                      BM=BM, D=D, GDC=dependent_launch, num_warps=QUANT_WARPS)
+        _quantize_rows_kernel[(triton.cdiv(M, BM),)](x, x.stride(0), q, q.stride(0), scale, M, d, EPS, E4M3_MAX, BM=BM,
+                                                      D=D, GDC=dependent_launch and pdl_ok(x), num_warps=QUANT_WARPS)
     return q, scale
