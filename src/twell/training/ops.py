@@ -519,11 +519,14 @@ def _backward(dy, dl1, x, w_first, w_down, w_up, counts, values, u, cols, heavy,
     _refuse_capture(x)
     M = x.shape[0]
     f = w_first.shape[0]
-    n_heavy, n_hot, n_hot_slots = _host_counts(host, own, x.device, (M, f, cols.numel()))
     dy = dy.contiguous()
     c = _l1_scale(dl1, M, x.device)
     up, gate = (w_up, w_first) if gated else (w_first, None)
+    # The light rows' backward needs nothing from the host: queued before the wait for the
+    # forward's counts, it keeps the GPU busy while the host waits and then issues the rest
+    # (where the host is slower than the GPU, the GPU would otherwise idle for that issue time).
     dx, du, da = ffn_rows_backward(dy, cols, values, u, counts, _rows_of(w_down), up, gate, c, **ROWS_CONFIG)
+    n_heavy, n_hot, n_hot_slots = _host_counts(host, own, x.device, (M, f, cols.numel()))
     base = None
     if n_heavy:
         dx[heavy[:n_heavy]], base = _heavy_backward(x, dy, heavy, n_heavy, c, w_first, w_up, w_down)
