@@ -223,3 +223,55 @@ def test_a_recomputation_takes_the_path_of_its_own_size(monkeypatch):
     assert tp.choose("auto", 5632, tokens=MIN_SPARSE_TOKENS * 2)[0] == "sparse"
     assert tp.choose("auto", 5632, tokens=1024)[0] == "dense"
     assert tp.choose("auto", 5632, tokens=4096)[0] == "sparse"  # (the static rule would say dense)
+
+
+class HostClock:
+    """A fake host clock (seconds) that advances by a set cost (ms) per path at each reading."""
+
+    def __init__(self, gpu_clock, cost):
+        self.gpu, self.cost, self.now = gpu_clock, cost, 0.0
+
+    def __call__(self):
+        t = self.now
+        self.now += self.cost[self.gpu.path] / 1e3
+        return t
+
+
+def test_the_hosts_time_counts_where_it_exceeds_the_gpus():
+    """A path whose kernels are quicker but whose host work is longer than the other's whole
+    call loses: the events alone (GPU behind the host) would have picked it."""
+    clock = Clock({"sparse": 1.0, "dense": 2.0})
+    host = HostClock(clock, {"sparse": 5.0, "dense": 0.5})
+    timer = TrainTimer(event=clock.event, clock=host)
+    seen = [_call(timer, clock) for _ in range(2 + 2 * SAMPLES)]
+    assert seen[2][1].path == "sparse" and seen[2][1].ms_per_token() == pytest.approx(2 * 5.0 / 4096)
+    assert seen[3][1].path == "dense" and seen[3][1].ms_per_token() == pytest.approx(2 * 2.0 / 4096)
+    assert _call(timer, clock) == ("dense", None) and timer.verdict(4096) == "dense"
+
+
+def test_only_the_first_backward_through_the_op_is_timed():
+    clock = Clock({"sparse": 1.0, "dense": 2.0})
+    timer = TrainTimer(event=clock.event, clock=lambda: 0.0)
+    for _ in range(2):  # the warm-ups
+        _call(timer, clock)
+    path, trial = timer.choose(4096, 29.0, "dense")
+    clock.path = path
+    x = torch.ones(3, requires_grad=True)
+    trial.forward_started()
+    y = x * 2
+    trial.forward_done(y)
+    y.sum().backward(retain_graph=True)
+    y.sum().backward()  # a second backward through the same node (retain_graph): not timed
+    assert len(trial.events) == 4 and trial.ms_per_token() == pytest.approx(2 * clock.cost[path] / 4096)
+
+
+def test_a_recomputation_follows_the_layers_path_when_it_changes_after_a_timed_call(monkeypatch):
+    """Once a layer has timed calls, every forward in the timed range (timed or not) records the
+    path its recomputation takes: a path changed by a later measurement is the one replayed."""
+    monkeypatch.setattr(path_timing, "TIMED_CHOICE", True)
+    tp = _measured()
+    assert tp.choose("auto", 5632, tokens=4096, timed=True)[0] == "sparse"  # a timed warm-up of sparse
+    tp.path = "dense"  # a later measurement trains the layer dense (no timing then)
+    assert tp.choose("auto", 5632, tokens=4096, timed=True)[0] == "dense"
+    monkeypatch.setattr(train_path, "_in_backward", lambda: True)
+    assert tp.choose("auto", 5632, tokens=4096)[0] == "dense"

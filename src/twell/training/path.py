@@ -315,6 +315,9 @@ class TrainPath:
             if self.timer is None:
                 self.timer = TrainTimer()
             path, self.trial = self.timer.choose(tokens, self.k_mean, path, trials=timed)
+        if self.timer is not None and not capturing:
+            # every forward of a layer that has timed its paths (timed or not: its measured path
+            # may have changed since): the path its recomputation takes
             if len(self._timed_paths) > 64:
                 self._timed_paths.clear()
             self._timed_paths[tokens] = path

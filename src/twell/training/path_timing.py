@@ -11,10 +11,14 @@ keep the faster (opt-in: ``TIMED_CHOICE``, see there):
 - **Size classes.** Calls are grouped by ``M.bit_length()`` (a power of two of tokens); times are
   compared per token, since one class spans calls of up to twice as many tokens.
 - **Trials.** Until a class has a verdict its calls alternate between the paths. A call is timed
-  by CUDA events around its forward and around its backward (hooks on the op's autograd node),
-  so what is compared is the time the GPU's stream took for both, including the time it waited
-  for the host: where the host is the bottleneck, that is what a training step sees. The first
-  call of each path in a class is not timed (Triton's compilation, cuBLAS's heuristics).
+  around its forward and around its backward (hooks on the op's autograd node, its first
+  backward only) twice: by CUDA events on the GPU's stream and by the host's clock, and counts
+  the larger. The events alone read only kernel time when the GPU is behind the host (its queue
+  hides the host's work inside the window); the host's clock alone would miss the kernels. The
+  first call of each path in a class is not timed (Triton's compilation, cuBLAS's heuristics).
+  A layer called twice at one size before either backward (one backward over several forwards)
+  gets the two paths in turn, and a checkpointed recomputation takes the later one's path: with
+  activation checkpointing, run one backward per forward while this timing is on.
 - **No sync.** The events are read once complete (``Event.query``), as the sparsity probe is.
   A trial whose backward never ran (a forward whose result was dropped) is forgotten after
   ``STALE_CALLS`` later calls; a class that has made ``MAX_TRIALS`` trial calls without enough
@@ -35,6 +39,7 @@ Both paths are exact: the choice changes only the time.
 from __future__ import annotations
 
 import statistics
+import time
 from typing import Callable, Optional
 
 import torch
@@ -49,8 +54,10 @@ PATHS = ("sparse", "dense")
 # layers settled on the sparse kernels at k 8 and k 29 with even rows and on the dense path for
 # every skewed, heavy-tailed and denser layer. At k 8 that read 1.24x dense where the static floor
 # reads 0.99x; at k 29 0.91x, although the forced sparse op read 1.25x and the dense path 0.93x in
-# the same timing: what the trials time (the op's forward and backward on the GPU's stream) missed
-# what made the module's sparse calls slower there, which is not known yet.
+# the same timing: what the trials timed then (the op's forward and backward on the GPU's stream
+# alone) missed what made the module's sparse calls slower there. The trials now also count the
+# host's time issuing the op where it is the longer, which that timing could not see; whether
+# that accounts for k 29 has not been measured.
 TIMED_CHOICE = False
 # Calls of TIMED_TOKENS[0] <= M < TIMED_TOKENS[1] tokens are timed: around the static floor of
 # 8192, from where the sparse op's GPU work may pay for its host work (4096 on the H100 machine
@@ -68,18 +75,33 @@ MAX_TRIALS = 4 * (SAMPLES + 1)
 
 class TrainTrial:
     """One timed training call: :meth:`forward_started` before the op, :meth:`forward_done`
-    with its output ``y`` after it (which hooks the backward's events on ``y``'s autograd node)."""
+    with its output ``y`` after it (which hooks the backward's events on ``y``'s autograd node,
+    for the node's first backward only). Each of the four points also reads the host's clock."""
 
-    def __init__(self, cls: "_SizeClass", path: str, tokens: int, event: Callable[[], object]) -> None:
+    def __init__(self, cls: "_SizeClass", path: str, tokens: int, event: Callable[[], object],
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.cls, self.path, self.tokens = cls, path, tokens
-        self._event = event
+        self._event, self._clock = event, clock
         self.events: list = []
+        self.host: list[float] = []  # the host's clock (seconds) at each event
         self.age = 0
+        self._handles: list = []
 
     def _record(self) -> None:
         e = self._event()
         e.record()
         self.events.append(e)
+        self.host.append(self._clock())
+
+    def _backward_started(self) -> None:
+        if len(self.events) == 2:
+            self._record()
+
+    def _backward_done(self) -> None:
+        if len(self.events) == 3:
+            self._record()
+            for h in self._handles:  # a second backward through the node (retain_graph) is not timed
+                h.remove()
 
     def forward_started(self) -> None:
         self._record()
@@ -91,16 +113,22 @@ class TrainTrial:
             if self in self.cls.pending:
                 self.cls.pending.remove(self)
             return
-        node.register_prehook(lambda grad_outputs: self._record())
-        node.register_hook(lambda grad_inputs, grad_outputs: self._record())
+        self._handles = [node.register_prehook(lambda grad_outputs: self._backward_started()),
+                         node.register_hook(lambda grad_inputs, grad_outputs: self._backward_done())]
 
     def ms_per_token(self) -> Optional[float]:
         """The call's forward + backward milliseconds per token once all four events have
-        completed, else None."""
+        completed, else None: the larger of the GPU stream's time (the events) and the host's
+        time issuing the op's forward and backward. The GPU's alone would miss the host's work
+        where the GPU is behind (its queue then hides that work inside the window, and the cost
+        shows later as idle time); the host's alone would miss the kernels."""
         if len(self.events) != 4 or not self.events[3].query():
             return None
         f0, f1, b0, b1 = self.events
-        return (f0.elapsed_time(f1) + b0.elapsed_time(b1)) / max(self.tokens, 1)
+        gpu = f0.elapsed_time(f1) + b0.elapsed_time(b1)
+        h0, h1, h2, h3 = self.host
+        host = 1e3 * ((h1 - h0) + (h3 - h2))
+        return max(gpu, host) / max(self.tokens, 1)
 
 
 class _SizeClass:
@@ -130,11 +158,13 @@ class _SizeClass:
 
 class TrainTimer:
     """Per-layer trials and verdicts of the training path (see the module's text). ``event``
-    makes a timing event (default ``torch.cuda.Event(enable_timing=True)``; tests pass a fake)."""
+    makes a timing event (default ``torch.cuda.Event(enable_timing=True)``), ``clock`` reads the
+    host's time in seconds (default ``time.perf_counter``); tests pass fakes."""
 
-    def __init__(self, event: Optional[Callable[[], object]] = None) -> None:
+    def __init__(self, event: Optional[Callable[[], object]] = None, clock: Optional[Callable[[], float]] = None) -> None:
         self._classes: dict[int, _SizeClass] = {}
         self._event = event or (lambda: torch.cuda.Event(enable_timing=True))
+        self._clock = clock or time.perf_counter
 
     def verdict(self, tokens: int) -> Optional[str]:
         """The path the size class of ``tokens`` settled on, or None."""
@@ -175,6 +205,6 @@ class TrainTimer:
         return static, None  # every timing still in flight
 
     def _trial(self, cls: _SizeClass, path: str, tokens: int) -> TrainTrial:
-        trial = TrainTrial(cls, path, tokens, self._event)
+        trial = TrainTrial(cls, path, tokens, self._event, self._clock)
         cls.pending.append(trial)
         return trial
