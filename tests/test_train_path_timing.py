@@ -275,3 +275,28 @@ def test_a_recomputation_follows_the_layers_path_when_it_changes_after_a_timed_c
     assert tp.choose("auto", 5632, tokens=4096, timed=True)[0] == "dense"
     monkeypatch.setattr(train_path, "_in_backward", lambda: True)
     assert tp.choose("auto", 5632, tokens=4096)[0] == "dense"
+
+
+def test_the_hosts_waits_for_the_gpu_inside_the_op_are_not_its_work():
+    """Time the host spent waiting for the GPU inside the op (the sparse backward waiting for
+    its forward's counts) is left out of the trial's host time: with the GPU behind, that wait
+    is the GPU's earlier work, not this op's."""
+    clock = Clock({"sparse": 1.0, "dense": 1.0})
+    host = HostClock(clock, {"sparse": 0.0, "dense": 0.0})
+    timer = TrainTimer(event=clock.event, clock=host)
+    for _ in range(2):  # the warm-ups
+        _call(timer, clock)
+    path, trial = timer.choose(4096, 29.0, "dense")
+    clock.path = path
+    x = torch.ones(3, requires_grad=True)
+    trial.forward_started()
+    y = x * 2
+    trial.forward_done(y)
+
+    def wait(grad_outputs):  # 50 ms waiting inside the op's backward, as the sparse op's wait counts it
+        host.now += 0.05
+        path_timing.add_host_wait(0.05)
+
+    y.grad_fn.register_prehook(wait)  # runs after the trial's own prehook
+    y.sum().backward()
+    assert trial.ms_per_token() == pytest.approx(2 * 1.0 / 4096)  # the GPU's time; the wait left out

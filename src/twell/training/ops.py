@@ -64,6 +64,7 @@ from ..kernels.heavy_rows import heavy_rows_forward, weights_addressable
 from ..kernels.train_ffn import col_dtype, ffn_rows_backward, ffn_rows_forward, ffn_weight_grads, pack_rows
 from ..kernels.train_index import heavy_and_hot, light_unit_counts, unit_index
 from . import path as train_path
+from . import path_timing
 from .path import LAYER_CHOICE, choose_width  # (choose_width: exported here too)
 
 __all__ = [
@@ -213,19 +214,24 @@ def _host_counts(saved: torch.Tensor, own: torch.Tensor, device: torch.device, l
         return all(0 <= v <= lim for v, lim in zip(values, limits))
 
     values, spins = host[:-1].tolist(), 0
-    if not landed(values) and int(host[-1]) != host.data_ptr():
+    if landed(values):
+        return values
+    if int(host[-1]) != host.data_ptr():
         # A copy taken before the counts landed (another buffer's tag): they never will in it. A
         # compiled graph under save_on_cpu hands the backward such a copy alone (it keeps no
         # forward buffer of its own to fall back on, as the eager ops do).
         raise RuntimeError("the sparse training op's backward got a copy of its forward's host counts taken before "
                            "they landed (saved-tensor hooks such as save_on_cpu around a compiled model?); "
                            "train such a model on the dense path (train_kernels='dense')")
+    start = time.perf_counter()
     while not landed(values):
         spins += 1
         if spins % 4096 == 0 and device.type == "cuda":
             torch.cuda.current_stream(device).query()  # raises a sticky CUDA error instead of spinning forever
         time.sleep(0 if spins < 1000 else 1e-5)
         values = host[:-1].tolist()
+    # (a layer timing its paths leaves the wait out of the op's host time: twell.training.path_timing)
+    path_timing.add_host_wait(time.perf_counter() - start)
     return values
 
 

@@ -12,8 +12,8 @@ keep the faster (opt-in: ``TIMED_CHOICE``, see there):
   compared per token, since one class spans calls of up to twice as many tokens.
 - **Trials.** Until a class has a verdict its calls alternate between the paths. A call is timed
   around its forward and around its backward (hooks on the op's autograd node, its first
-  backward only) twice: by CUDA events on the GPU's stream and by the host's clock, and counts
-  the larger. The events alone read only kernel time when the GPU is behind the host (its queue
+  backward only) twice: by CUDA events on the GPU's stream and by the host's clock (less the
+  time the host spent waiting for the GPU inside the op), and counts the larger. The events alone read only kernel time when the GPU is behind the host (its queue
   hides the host's work inside the window); the host's clock alone would miss the kernels. The
   first call of each path in a class is not timed (Triton's compilation, cuBLAS's heuristics).
   A layer called twice at one size before either backward (one backward over several forwards)
@@ -73,6 +73,23 @@ STALE_CALLS = 8
 MAX_TRIALS = 4 * (SAMPLES + 1)
 
 
+_host_wait_s = 0.0
+
+
+def add_host_wait(seconds: float) -> None:
+    """Count ``seconds`` the host spent waiting for the GPU inside a training op (the sparse
+    backward waiting for its forward's counts): a trial's host time leaves them out, since the
+    host was not working then, and a GPU that is behind would otherwise make them look like the
+    op's own cost."""
+    global _host_wait_s
+    _host_wait_s += seconds
+
+
+def host_waited() -> float:
+    """Seconds counted by :func:`add_host_wait` in this process so far."""
+    return _host_wait_s
+
+
 class TrainTrial:
     """One timed training call: :meth:`forward_started` before the op, :meth:`forward_done`
     with its output ``y`` after it (which hooks the backward's events on ``y``'s autograd node,
@@ -83,7 +100,7 @@ class TrainTrial:
         self.cls, self.path, self.tokens = cls, path, tokens
         self._event, self._clock = event, clock
         self.events: list = []
-        self.host: list[float] = []  # the host's clock (seconds) at each event
+        self.host: list[float] = []  # the host's clock (seconds) at each event, less its waits so far
         self.age = 0
         self._handles: list = []
 
@@ -91,7 +108,7 @@ class TrainTrial:
         e = self._event()
         e.record()
         self.events.append(e)
-        self.host.append(self._clock())
+        self.host.append(self._clock() - host_waited())
 
     def _backward_started(self) -> None:
         if len(self.events) == 2:
