@@ -257,7 +257,7 @@ def test_bench_training_no_grid_times_the_steps_only_and_keeps_the_files_grid(tm
     monkeypatch.setattr(training, "run_training_grid", lambda *a, **kw: pytest.fail("the grid ran"))
     monkeypatch.setattr(cli, "plot_training", lambda *a, **kw: None)
     args = argparse.Namespace(out=str(tmp_path), variants=False, no_grid=True, no_steps=False, quick=False, M=None,
-                              preset=None, k=29)
+                              preset=None, k=29, timed_choice=False)
     cli._training_bench(args, "cpu", lambda s: None, 0.0)
     doc = json.loads(path.read_text())
     assert doc["records"] == grid and doc["tuning"] == {"kept": 1}

@@ -237,6 +237,20 @@ class HostClock:
         return t
 
 
+def _timed_forward(timer, clock):
+    """``(path, trial, y)``: the first timed call's forward (after the two warm-ups), its
+    backward left to the caller."""
+    for _ in range(2):  # the warm-ups
+        _call(timer, clock)
+    path, trial = timer.choose(4096, 29.0, "dense")
+    clock.path = path
+    x = torch.ones(3, requires_grad=True)
+    trial.forward_started()
+    y = x * 2
+    trial.forward_done(y)
+    return path, trial, y
+
+
 def test_the_hosts_time_counts_where_it_exceeds_the_gpus():
     """A path whose kernels are quicker but whose host work is longer than the other's whole
     call loses: the events alone (GPU behind the host) would have picked it."""
@@ -252,14 +266,7 @@ def test_the_hosts_time_counts_where_it_exceeds_the_gpus():
 def test_only_the_first_backward_through_the_op_is_timed():
     clock = Clock({"sparse": 1.0, "dense": 2.0})
     timer = TrainTimer(event=clock.event, clock=lambda: 0.0)
-    for _ in range(2):  # the warm-ups
-        _call(timer, clock)
-    path, trial = timer.choose(4096, 29.0, "dense")
-    clock.path = path
-    x = torch.ones(3, requires_grad=True)
-    trial.forward_started()
-    y = x * 2
-    trial.forward_done(y)
+    path, trial, y = _timed_forward(timer, clock)
     y.sum().backward(retain_graph=True)
     y.sum().backward()  # a second backward through the same node (retain_graph): not timed
     assert len(trial.events) == 4 and trial.ms_per_token() == pytest.approx(2 * clock.cost[path] / 4096)
@@ -284,14 +291,7 @@ def test_the_hosts_waits_for_the_gpu_inside_the_op_are_not_its_work():
     clock = Clock({"sparse": 1.0, "dense": 1.0})
     host = HostClock(clock, {"sparse": 0.0, "dense": 0.0})
     timer = TrainTimer(event=clock.event, clock=host)
-    for _ in range(2):  # the warm-ups
-        _call(timer, clock)
-    path, trial = timer.choose(4096, 29.0, "dense")
-    clock.path = path
-    x = torch.ones(3, requires_grad=True)
-    trial.forward_started()
-    y = x * 2
-    trial.forward_done(y)
+    _, trial, y = _timed_forward(timer, clock)
 
     def wait(grad_outputs):  # 50 ms waiting inside the op's backward, as the sparse op's wait counts it
         host.now += 0.05

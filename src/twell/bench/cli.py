@@ -378,7 +378,7 @@ def _training_bench(args, tag: str, log, t0: float) -> None:
     training_timed_choice_<gpu>.{json,csv,png}, the grid alone)."""
     from .training import run_training_grid, train_step_records, tune_configs
 
-    timed = getattr(args, "timed_choice", False)
+    timed = args.timed_choice
     if timed:
         from ..training import path_timing
 

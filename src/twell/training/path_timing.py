@@ -13,9 +13,10 @@ keep the faster (opt-in: ``TIMED_CHOICE``, see there):
 - **Trials.** Until a class has a verdict its calls alternate between the paths. A call is timed
   around its forward and around its backward (hooks on the op's autograd node, its first
   backward only) twice: by CUDA events on the GPU's stream and by the host's clock (less the
-  time the host spent waiting for the GPU inside the op), and counts the larger. The events alone read only kernel time when the GPU is behind the host (its queue
-  hides the host's work inside the window); the host's clock alone would miss the kernels. The
-  first call of each path in a class is not timed (Triton's compilation, cuBLAS's heuristics).
+  time the host spent waiting for the GPU inside the op), and counts the larger. The events
+  alone read only kernel time when the GPU is behind the host (its queue hides the host's work
+  inside the window); the host's clock alone would miss the kernels. The first call of each
+  path in a class is not timed (Triton's compilation, cuBLAS's heuristics).
   A layer called twice at one size before either backward (one backward over several forwards)
   gets the two paths in turn, and a checkpointed recomputation takes the later one's path: with
   activation checkpointing, run one backward per forward while this timing is on.
